@@ -1,0 +1,200 @@
+"""labkit.model: configs, deterministic init, forward/loss, causality, generation, pipeline stages."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit.model import (ModelConfig, Transformer, build_model, get_config, make_stage, make_stages,
+                          split_layers)
+
+
+def _batch(cfg, B=2, T=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def test_seed_config_is_the_original_labs_model():
+    cfg = get_config("seed")
+    assert (cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.context, cfg.hidden_dim) == (288, 6, 6, 256, 768)
+
+
+def test_tiny_config_keeps_at_least_four_layers_for_pipelines():
+    cfg = get_config("tiny")
+    assert cfg.n_layers >= 4 and cfg.vocab_size == 4096
+
+
+def test_get_config_unknown_name_raises_listing_names():
+    with pytest.raises(ValueError, match=r"known configs: \['seed', 'tiny'\]"):
+        get_config("huge")
+
+
+def test_get_config_unknown_override_field_raises():
+    with pytest.raises(ValueError, match="unknown ModelConfig field"):
+        get_config("tiny", n_embd=32)
+
+
+def test_get_config_override_d_model_recomputes_hidden_dim():
+    assert get_config("tiny", d_model=288).hidden_dim == 768  # LLaMA/llama2.c rule
+    assert get_config("tiny", vocab_size=65).vocab_size == 65
+
+
+def test_config_heads_not_dividing_d_model_raises():
+    with pytest.raises(ValueError, match="n_heads"):
+        ModelConfig(d_model=64, n_heads=3)
+
+
+def test_build_model_same_seed_same_weights_other_seed_other_weights():
+    a, b, c = build_model("tiny", seed=1), build_model("tiny", seed=1), build_model("tiny", seed=2)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if not name.endswith("norm.weight"):
+            assert not torch.equal(pa, pc), name
+
+
+def test_build_model_does_not_disturb_global_rng():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_model("tiny", seed=0)
+    torch.testing.assert_close(torch.rand(3), expected, rtol=0, atol=0)
+
+
+def test_init_statistics_follow_llama2c():
+    model = build_model(get_config("tiny", d_model=128, hidden_dim=512), seed=0)
+    std = model.layers[0].attention.wq.weight.std().item()
+    std_res = model.layers[0].attention.wo.weight.std().item()
+    assert abs(std - 0.02) < 0.002
+    assert abs(std_res - 0.02 / math.sqrt(2 * model.config.n_layers)) < 0.001
+
+
+def test_forward_logits_shape_and_loss_is_mean_cross_entropy():
+    model = build_model("tiny")
+    x, y = _batch(model.config)
+    logits = model(x)
+    assert logits.shape == (2, 16, model.config.vocab_size)
+    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    torch.testing.assert_close(model(x, y), expected)
+
+
+def test_initial_loss_is_about_ln_vocab():
+    model = build_model("tiny")
+    x, y = _batch(model.config, B=4, T=64)
+    assert abs(model(x, y).item() - math.log(model.config.vocab_size)) < 0.1
+
+
+def test_forward_is_causal_future_tokens_do_not_change_past_logits():
+    model = build_model("tiny")
+    x, _ = _batch(model.config, T=12)
+    x2 = x.clone()
+    x2[:, 8:] = (x2[:, 8:] + 1) % model.config.vocab_size
+    la, lb = model(x), model(x2)
+    torch.testing.assert_close(la[:, :8], lb[:, :8])
+    assert not torch.allclose(la[:, 8:], lb[:, 8:])
+
+
+def test_rope_attention_score_depends_only_on_relative_position():
+    rope = build_model("tiny").rope
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16, generator=g), torch.randn(1, 1, 1, 16, generator=g)
+    def score(m, n):
+        Q = torch.zeros(1, 1, 40, 16); K = torch.zeros(1, 1, 40, 16)
+        Q[..., m, :], K[..., n, :] = q[0, 0, 0], k[0, 0, 0]
+        return (rope(Q)[..., m, :] * rope(K)[..., n, :]).sum()
+    torch.testing.assert_close(score(5, 2), score(35, 32), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(score(5, 2), score(5, 4))
+
+
+def test_forward_seq_longer_than_context_raises():
+    model = build_model("tiny")
+    x = torch.zeros(1, model.config.context + 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        model(x)
+
+
+def test_forward_token_id_at_vocab_size_raises_vocab_mismatch():
+    model = build_model("tiny", vocab_size=65)
+    x = torch.full((1, 4), 65)
+    with pytest.raises(ValueError, match="vocab_size do not match"):
+        model(x)
+
+
+def test_forward_float_input_raises():
+    with pytest.raises(ValueError, match="LongTensor"):
+        build_model("tiny")(torch.zeros(1, 4))
+
+
+def test_generate_greedy_is_argmax_and_seeded_sampling_is_reproducible():
+    model = build_model("tiny")
+    prompt = torch.tensor([[1, 2, 3]])
+    out = model.generate(prompt, 5, temperature=0)
+    assert out.shape == (1, 8) and torch.equal(out[:, :3], prompt)
+    assert out[0, 3] == model(prompt)[0, -1].argmax()
+    s1 = model.generate(prompt, 5, top_k=10, generator=torch.Generator().manual_seed(0))
+    s2 = model.generate(prompt, 5, top_k=10, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(s1, s2)
+
+
+def test_generate_longer_than_context_crops_the_input():
+    model = build_model("tiny", context=8)
+    out = model.generate(torch.zeros(1, 6, dtype=torch.long), 5, temperature=0)
+    assert out.shape == (1, 11)
+
+
+@pytest.mark.parametrize("n_layers,n_stages,sizes", [
+    (4, 1, [4]), (4, 2, [2, 2]), (4, 4, [1, 1, 1, 1]),
+    (4, 3, [2, 1, 1]), (6, 4, [2, 2, 1, 1]), (7, 3, [3, 2, 2]),  # uneven: the first stages get one more
+])
+def test_split_layers_contiguous_and_uneven_rule(n_layers, n_stages, sizes):
+    ranges = split_layers(n_layers, n_stages)
+    assert [len(r) for r in ranges] == sizes
+    assert [i for r in ranges for i in r] == list(range(n_layers))
+
+
+@pytest.mark.parametrize("n_stages", [0, 5, -1])
+def test_split_layers_more_stages_than_layers_or_zero_raises(n_stages):
+    with pytest.raises(ValueError, match="between 1 and n_layers=4"):
+        split_layers(4, n_stages)
+
+
+def test_make_stage_index_out_of_range_raises():
+    with pytest.raises(ValueError, match="stage must be in"):
+        make_stage(build_model("tiny"), 2, 2)
+
+
+def test_stages_share_parameters_with_the_model():
+    model = build_model("tiny")
+    stages = make_stages(model, 3)
+    ids = [id(p) for s in stages for p in s.parameters()]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())  # each parameter in exactly one stage
+    assert stages[0].tok_embeddings is model.tok_embeddings and stages[-1].output is model.output
+
+
+@pytest.mark.parametrize("n_layers,n_stages", [(4, 1), (4, 2), (4, 3), (4, 4), (6, 4)])
+def test_stages_in_sequence_give_exactly_the_full_models_logits_and_gradients(n_layers, n_stages):
+    model = build_model("tiny", n_layers=n_layers, seed=3)
+    x, y = _batch(model.config, T=16)
+    full_logits = model(x)
+    model(x, y).backward()
+    full_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    # as a pipeline would: each stage's input is a detached leaf, gradients passed back by hand
+    stages = make_stages(model, n_stages)
+    h, inputs, outputs = x, [], []
+    for s in stages[:-1]:
+        out = s(h)
+        assert out.shape == (*x.shape, model.config.d_model)
+        outputs.append(out)
+        h = out.detach().requires_grad_()
+        inputs.append(h)
+    with torch.no_grad():
+        logits = stages[-1](h)
+    assert torch.equal(logits, full_logits)
+    loss = stages[-1](h, y)
+    loss.backward()
+    for out, inp in zip(reversed(outputs), reversed(inputs)):
+        out.backward(inp.grad)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, full_grads[n], rtol=1e-6, atol=1e-7, msg=n)
