@@ -1,0 +1,118 @@
+"""labkit.schedules: parsing, checks and the unit-time simulation, on hand-written schedules.
+
+No processes; the whole file runs in well under a second.
+"""
+import pytest
+
+from labkit.schedules import (Action, DeadlockError, ScheduleError, check_schedule, format_schedule,
+                              ideal_bubble, parse_action, parse_schedule, peak_inflight, simulate,
+                              theoretical_bubble, validate)
+
+# p = 2 stages, m = 2 micro-batches, written out by hand
+GPIPE_2x2 = [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1F1", "1B0", "1B1"]]
+ONE_F_ONE_B_2x2 = [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]
+
+
+def test_parse_action_roundtrip():
+    assert parse_action("12B34") == Action(12, "B", 34)
+    assert str(parse_action("0F7")) == "0F7"
+
+
+@pytest.mark.parametrize("bad", ["F0", "0X1", "0F", "0f1", " 0F1", "0F1 ", "-1F0", "", 3, None])
+def test_parse_action_bad_string_names_the_action(bad):
+    with pytest.raises(ScheduleError, match=r"bad action .*'\{stage\}F\{microbatch\}'"):
+        parse_action(bad)
+
+
+def test_parse_schedule_reports_rank_and_position():
+    with pytest.raises(ScheduleError, match=r"rank 1, action #2: bad action '1W0'"):
+        parse_schedule([["0F0", "0B0"], ["1F0", "1B0", "1W0"]])
+
+
+def test_parse_schedule_rejects_a_flat_list():
+    with pytest.raises(ScheduleError, match="rank 0: expected a list of actions"):
+        parse_schedule(["0F0", "0B0"])
+
+
+def test_check_backward_before_forward_rejected():
+    with pytest.raises(ScheduleError, match=r"rank 1, action 1B0: backward before forward"):
+        check_schedule([["0F0", "0B0"], ["1B0", "1F0"]])
+
+
+def test_check_missing_microbatch_rejected():
+    with pytest.raises(ScheduleError, match=r"rank 1: stage 1 is missing 1F1, 1B1"):
+        check_schedule([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0"]])
+
+
+def test_check_duplicate_action_rejected():
+    with pytest.raises(ScheduleError, match=r"rank 0, action 0F0: 0F0 appears twice"):
+        check_schedule([["0F0", "0F0", "0B0"], ["1F0", "1B0"]])
+
+
+def test_check_stage_on_two_ranks_rejected():
+    with pytest.raises(ScheduleError, match=r"stage 0 appears on rank 0 and on rank 1"):
+        check_schedule([["0F0", "0B0"], ["0F1", "1F0", "1B0"]])
+
+
+def test_check_missing_stage_rejected():
+    with pytest.raises(ScheduleError, match=r"stage 1 has no actions"):
+        check_schedule([["0F0", "0B0"], [], ["2F0", "2B0"]])
+
+
+def test_check_returns_stages_and_microbatches():
+    assert check_schedule(GPIPE_2x2) == (2, 2)
+    with pytest.raises(ScheduleError, match="rank 0: stage 0 is missing 0F2, 0B2"):
+        check_schedule(GPIPE_2x2, n_microbatches=3)
+
+
+def test_simulate_gpipe_2x2_exact_spans():
+    sim = simulate(GPIPE_2x2, t_f=1, t_b=2)
+    spans = [[(s, e, str(a)) for s, e, a in rank] for rank in sim.spans]
+    assert spans[0] == [(0, 1, "0F0"), (1, 2, "0F1"), (5, 7, "0B0"), (7, 9, "0B1")]
+    assert spans[1] == [(1, 2, "1F0"), (2, 3, "1F1"), (3, 5, "1B0"), (5, 7, "1B1")]
+    assert sim.makespan == 9 and sim.busy == [6, 6]
+    assert sim.bubble == pytest.approx(1 - 12 / 18)
+    assert sim.bubble == pytest.approx(theoretical_bubble(2, 2))
+    assert sim.peak_inflight == [2, 2]
+
+
+def test_simulate_one_f_one_b_2x2_peak_memory():
+    assert peak_inflight(ONE_F_ONE_B_2x2) == [2, 1]
+    assert ideal_bubble(ONE_F_ONE_B_2x2) == pytest.approx(theoretical_bubble(2, 2))
+
+
+def test_theoretical_bubble_values():
+    assert theoretical_bubble(4, 4) == pytest.approx(3 / 7)
+    assert theoretical_bubble(1, 8) == 0
+    with pytest.raises(ValueError, match="n_microbatches >= 1"):
+        theoretical_bubble(4, 0)
+
+
+def test_deadlock_cross_stage_order_names_both_ranks():
+    # stage 0 waits for 1B0's gradient before sending 0F1; stage 1 wants 1F1 first
+    bad = [["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B0", "1B1"]]
+    with pytest.raises(DeadlockError) as err:
+        simulate(bad)
+    msg = str(err.value)
+    assert "rank 0 waits in the receive of the input gradient of stage 1 micro-batch 0 from rank 1" in msg
+    assert "rank 1 waits in the receive of the activation of stage 0 micro-batch 1 from rank 0" in msg
+
+
+def test_deadlock_blocking_send_one_f_one_b():
+    # 1F1B with rendezvous sends: rank 0 sends 0F1's output while rank 1 sends 1B0's gradient
+    assert simulate(ONE_F_ONE_B_2x2, blocking_send=False).makespan == 9
+    with pytest.raises(DeadlockError, match=r"(?s)rank 0 waits in the blocking send.*rank 1 waits in the blocking send"):
+        simulate(ONE_F_ONE_B_2x2, blocking_send=True)
+
+
+def test_blocking_send_gpipe_is_fine():
+    assert simulate(GPIPE_2x2, blocking_send=True).makespan == 9
+
+
+def test_validate_is_a_value_error():
+    with pytest.raises(ValueError):
+        validate([["0F0"], ["1F0", "1B0"]])
+
+
+def test_format_schedule():
+    assert format_schedule(GPIPE_2x2).splitlines()[1] == "rank 1: 1F0 1F1 1B0 1B1"
