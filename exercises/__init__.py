@@ -1,0 +1,1 @@
+"""Your code: fill in the stubs (generated from solutions/ by `python -m labkit.stubgen`)."""

@@ -1,0 +1,13 @@
+"""labkit: the helper package of the distributed-training lab.
+
+- `launch`: run a function on N ranks (fork, or torchrun/Slurm/mpiexec), never hang silently.
+- `%load_ext labkit` then `%%ranks N`: run a notebook cell on N ranks.
+- `labkit.grading.impl(topic)`: your exercise module or the reference one.
+- `labkit.model`, `labkit.data`, `labkit.timeline`, `labkit.viz`: the model, the data, timelines and plots.
+"""
+from .launch import LaunchError, StubNotImplemented, launch, rank_device
+from .magic import load_ipython_extension
+from .settings import quick
+
+__all__ = ["launch", "LaunchError", "StubNotImplemented", "rank_device", "quick",
+           "load_ipython_extension"]

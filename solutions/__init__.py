@@ -1,0 +1,1 @@
+"""Reference implementations: the single source of the exercises (see CONTRIBUTING.md)."""
