@@ -1,0 +1,100 @@
+# GENERATED from solutions/pipeline_naive.py by `python -m labkit.stubgen`: this file is yours to edit.
+# Fill in every `raise NotImplementedError(...)`; see notebooks/05_pipeline_parallel.ipynb.
+# untouched-stub fingerprint: 13978f434f958aea
+"""Naive pipeline parallelism: one batch, one stage per rank (notebook 05_pipeline_parallel).
+
+The model is cut into consecutive stages (`labkit.model.make_stage`); rank s holds stage s.
+A training step sends the activations forward, stage after stage, then the gradients
+backward:
+
+    rank 0:  F ──act──▶                                   ◀──grad── B
+    rank 1:            F ──act──▶             ◀──grad── B
+    rank 2:                       F (loss) B
+
+Autograd never crosses a process boundary. Each stage runs its own small graph: it
+starts from a *leaf* copy of the activation it received (``requires_grad=True``), so
+that after its backward that leaf's ``.grad`` is exactly what the previous stage needs
+as the gradient of its output. The last stage reads its targets from the data itself
+(every rank can load the batch) instead of receiving them through the pipe.
+
+`forward_step` and `backward_step` are the exercise; the micro-batch executor of
+notebook 06 (`solutions/pipeline.py`) reuses them for every F and B it runs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+NOTEBOOK = "05_pipeline_parallel"
+
+
+def forward_step(stage_module, x, targets=None, loss_scale: float = 1.0):
+    """One stage's forward of one (micro-)batch; returns ``(inp, out)``.
+
+    x: token ids [b, T] on the first stage; on later stages the activation [b, T, D]
+        received from the previous stage (a plain tensor with no autograd history).
+    targets: token ids [b, T] on the last stage (it returns the loss), else None.
+    loss_scale: multiplies the last stage's loss (1/m with m micro-batches, so that the
+        summed gradients are those of the whole batch's mean loss).
+
+    inp: the tensor the stage's graph starts from: for a floating-point x (later stages)
+        a leaf that requires grad (x detached), so that `backward_step` can return its
+        gradient; None when x holds token ids (an integer tensor, the first stage: token
+        ids have no gradient).
+    out: the activation to send to the next stage [b, T, D], or on the last stage the
+        scaled scalar loss.
+    """
+    raise NotImplementedError("exercise forward_step is not implemented yet: edit exercises/pipeline_naive.py, see notebooks/05_pipeline_parallel.ipynb")
+
+
+def backward_step(inp, out, grad_out=None):
+    """Backpropagate one (micro-)batch through this stage; returns the gradient of ``inp``.
+
+    inp, out: what `forward_step` returned for this (micro-)batch.
+    grad_out: the gradient of the loss with respect to ``out``, received from the next
+        stage; None on the last stage, where ``out`` is the (scaled) loss itself.
+
+    The parameters' ``.grad`` accumulate (several micro-batches add up). Returns
+    ``inp.grad``, to send to the previous stage, or None on the first stage.
+    """
+    raise NotImplementedError("exercise backward_step is not implemented yet: edit exercises/pipeline_naive.py, see notebooks/05_pipeline_parallel.ipynb")
+
+
+def naive_step(stage_module, x, targets, *, stage: int, n_stages: int, act_shape,
+               prev_rank=None, next_rank=None, group=None, timeline=None, dtype=torch.float32):
+    """One pipelined forward and backward of a whole batch; returns the loss on the last stage.
+
+    x: the batch's token ids [B, T] on stage 0 (ignored elsewhere); targets [B, T] on the
+    last stage (ignored elsewhere). act_shape: (B, T, d_model), the shape of what flows
+    between stages, known to every rank from the config so receivers can allocate it.
+    prev_rank / next_rank: GLOBAL ranks of the neighbouring stages (default stage -/+ 1).
+    Parameter gradients are accumulated into ``.grad``; the caller zeroes them.
+    """
+    from labkit.timeline import NullTimeline
+
+    tl = timeline or NullTimeline()
+    first, last = stage == 0, stage == n_stages - 1
+    prev_rank = stage - 1 if prev_rank is None else prev_rank
+    next_rank = stage + 1 if next_rank is None else next_rank
+    # forward: receive the activation, run the stage, pass the output on
+    if not first:
+        x = torch.empty(act_shape, dtype=dtype)
+        with tl.span("recv", stage, 0):
+            dist.recv(x, prev_rank, group=group)
+    with tl.span("F", stage, 0):
+        inp, out = forward_step(stage_module, x, targets if last else None)
+    if not last:
+        with tl.span("send", stage, 0):
+            dist.send(out.detach(), next_rank, group=group)
+    # backward: receive d loss / d output, backpropagate, pass d loss / d input back
+    grad_out = None
+    if not last:
+        grad_out = torch.empty(act_shape, dtype=dtype)
+        with tl.span("recv", stage, 0):
+            dist.recv(grad_out, next_rank, group=group)
+    with tl.span("B", stage, 0):
+        grad_in = backward_step(inp, out, grad_out)
+    if not first:
+        with tl.span("send", stage, 0):
+            dist.send(grad_in, prev_rank, group=group)
+    return out.detach() if last else None

@@ -1,0 +1,192 @@
+"""Pictures for the lab: measured timelines, ideal schedules, simple curves, an explorer.
+
+Every plotting function returns the matplotlib Figure (and draws into ``ax`` when given):
+
+    plot_timeline(spans)                      # per-rank Gantt of a measured run
+    plot_schedule(schedule)                   # the ideal grid of a schedule (unit-time simulation)
+    plot_schedule_vs_timeline(schedule, spans)  # both, theory vs measured bubble in the title
+    plot_lines(x, {"ring": ys, "torch": zs})  # line helper (bandwidth vs size, ...)
+    plot_bars({"GPipe": 3.1, "1F1B": 1.2})    # bar helper
+    plot_loss({"single": losses, "pipeline": losses2})
+    schedule_explorer({"GPipe": gpipe_schedule, "1F1B": one_f_one_b_schedule})  # ipywidgets
+
+Colours: forward in blues, backward in oranges (darker = later micro-batch), weight
+gradient in greens, communication as thin grey bars under the compute row.
+"""
+from __future__ import annotations
+
+import matplotlib
+
+import matplotlib.pyplot as plt
+
+from labkit import schedules
+from labkit import timeline as tlmod
+
+_CMAPS = {"F": "Blues", "B": "Oranges", "W": "Greens"}
+_COMM = {"send": "#888888", "recv": "#bbbbbb", "wait": "#dddddd", "allreduce": "#9467bd"}
+
+
+def _color(kind: str, mb, n_mb: int):
+    if kind in _CMAPS:
+        shade = 0.45 + 0.4 * ((mb or 0) / max(1, n_mb - 1)) if n_mb > 1 else 0.6
+        return matplotlib.colormaps[_CMAPS[kind]](shade)
+    return _COMM.get(kind, "#cccccc")
+
+
+def _axes(ax, figsize):
+    if ax is None:
+        fig, ax = plt.subplots(figsize=figsize)
+        return fig, ax
+    return ax.figure, ax
+
+
+def _boxes(ax, rows, n_mb, width_for_text):
+    """rows: rank -> list of (start, end, kind, mb). Draws compute boxes with labels."""
+    for rank, items in rows.items():
+        for start, end, kind, mb in items:
+            compute = kind in tlmod.COMPUTE_KINDS
+            y, h = (rank - 0.4, 0.8) if compute else (rank + 0.28, 0.12)
+            ax.broken_barh([(start, end - start)], (y, h), facecolors=_color(kind, mb, n_mb),
+                           edgecolor="black" if compute else "none", linewidth=0.4)
+            if compute and mb is not None and end - start >= width_for_text:
+                ax.text((start + end) / 2, rank, f"{kind}{mb}" if n_mb <= 12 else str(mb),
+                        ha="center", va="center", fontsize=7)
+
+
+def _finish(ax, n_ranks, xlabel, title):
+    ax.set_yticks(range(n_ranks), [f"rank {r}" for r in range(n_ranks)])
+    ax.set_ylim(n_ranks - 0.5, -0.5)  # rank 0 on top
+    ax.set_xlabel(xlabel)
+    if title:
+        ax.set_title(title, fontsize=10)
+
+
+def plot_timeline(spans, ax=None, title: str | None = None, unit: str = "ms", comm: bool = True):
+    """Per-rank Gantt chart of measured spans (`labkit.timeline.Span`); the bubble in the title.
+
+    Times are shifted so the first compute span starts at 0 and shown in ``unit``
+    ("s" or "ms"). ``comm=False`` hides send/recv/wait spans.
+    """
+    fig, ax = _axes(ax, (9, 0.6 + 0.55 * max(1, len(tlmod.ranks_of(spans)))))
+    scale = {"s": 1.0, "ms": 1e3}[unit]
+    t0, t1 = tlmod.window(spans)
+    shown = [s for s in spans if comm or s.kind in tlmod.COMPUTE_KINDS]
+    n_mb = 1 + max((s.mb for s in spans if s.mb is not None), default=0)
+    rows = {}
+    for s in shown:
+        rows.setdefault(s.rank, []).append(((s.start - t0) * scale, (s.end - t0) * scale, s.kind, s.mb))
+    _boxes(ax, rows, n_mb, width_for_text=(t1 - t0) * scale / 40)
+    bubble = tlmod.bubble_fraction(spans)
+    _finish(ax, 1 + max(tlmod.ranks_of(spans)), f"time ({unit})",
+            title if title is not None else f"measured: bubble {bubble:.1%}")
+    return fig
+
+
+def plot_schedule(schedule, t_f: float = 1.0, t_b: float = 2.0, ax=None, title: str | None = None):
+    """The ideal picture of a schedule: unit-time simulation, F takes t_f and B t_b.
+
+    Raises `labkit.schedules.ScheduleError` / `DeadlockError` like the executor would.
+    """
+    sim = schedules.simulate(schedule, t_f, t_b)
+    fig, ax = _axes(ax, (9, 0.6 + 0.55 * len(schedule)))
+    rows = {r: [(s, e, a.kind, a.mb) for s, e, a in rank] for r, rank in enumerate(sim.spans)}
+    _boxes(ax, rows, sim.n_microbatches, width_for_text=0)
+    _finish(ax, len(schedule), "time (units of one forward)",
+            title if title is not None else
+            f"ideal: bubble {sim.bubble:.1%}, peak in-flight activations {sim.peak_inflight}")
+    return fig
+
+
+def plot_schedule_vs_timeline(schedule, spans, t_b_over_t_f: float = 2.0, name: str = "", unit: str = "ms"):
+    """The schedule's ideal grid (left) and the measured run (right), bubbles compared in the title."""
+    sim = schedules.simulate(schedule, 1.0, t_b_over_t_f)
+    p, m = sim.n_stages, sim.n_microbatches
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 0.9 + 0.55 * p))
+    plot_schedule(schedule, 1.0, t_b_over_t_f, ax=left, title=f"ideal {name} (bubble {sim.bubble:.1%})")
+    plot_timeline(spans, ax=right, unit=unit, comm=True,
+                  title=f"measured (bubble {tlmod.bubble_fraction(spans):.1%})")
+    fig.suptitle(f"{name} p={p} m={m}: theory (p-1)/(m+p-1) = {schedules.theoretical_bubble(p, m):.1%}, "
+                 f"measured {tlmod.bubble_fraction(spans):.1%}", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def plot_lines(x, ys: dict, ax=None, xlabel: str = "", ylabel: str = "", title: str = "",
+               logx: bool = False, logy: bool = False, marker: str = "o"):
+    """One line per entry of ``ys`` (name -> values over ``x``)."""
+    fig, ax = _axes(ax, (6, 3.5))
+    for name, values in ys.items():
+        ax.plot(x, values, marker=marker, label=name)
+    ax.set_xscale("log" if logx else "linear")
+    ax.set_yscale("log" if logy else "linear")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if len(ys) > 1:
+        ax.legend()
+    return fig
+
+
+def plot_bars(values: dict, ax=None, ylabel: str = "", title: str = "", fmt: str = "{:.3g}"):
+    """One bar per entry of ``values`` (name -> number), the number written on top."""
+    fig, ax = _axes(ax, (6, 3.5))
+    bars = ax.bar(list(values), list(values.values()), color=[f"C{i}" for i in range(len(values))])
+    for bar, v in zip(bars, values.values()):
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), fmt.format(v), ha="center", va="bottom")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    return fig
+
+
+def plot_loss(curves: dict, ax=None, title: str = "training loss", xlabel: str = "step"):
+    """Loss curves: name -> list of losses (one per step) or (steps, losses)."""
+    fig, ax = _axes(ax, (6, 3.5))
+    for name, c in curves.items():
+        steps, losses = c if isinstance(c, tuple) else (range(len(c)), c)
+        ax.plot(list(steps), [float(v) for v in losses], label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("loss")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
+
+
+def schedule_explorer(schedule_fns: dict, max_stages: int = 8, max_microbatches: int = 16):
+    """ipywidgets explorer: stages x micro-batches x schedule -> picture, bubble, peak memory.
+
+    ``schedule_fns``: name -> f(n_stages, n_microbatches) returning action lists, e.g. the
+    `gpipe_schedule` and `one_f_one_b_schedule` of the pipeline exercise. Returns the widget.
+    """
+    import ipywidgets as w
+    from IPython.display import display
+
+    stages = w.IntSlider(4, min=1, max=max_stages, description="stages p")
+    mbs = w.IntSlider(4, min=1, max=max_microbatches, description="micro-batches m")
+    which = w.Dropdown(options=list(schedule_fns), description="schedule")
+    ratio = w.FloatSlider(2.0, min=0.5, max=3.0, step=0.5, description="t_B / t_F")
+    out = w.Output()
+
+    def draw(*_):
+        out.clear_output(wait=True)
+        with out:
+            p, m = stages.value, mbs.value
+            try:
+                sched = schedule_fns[which.value](p, m)
+                sim = schedules.simulate(sched, 1.0, ratio.value)
+            except (NotImplementedError, ValueError) as err:
+                print(f"{which.value}({p}, {m}): {err}")
+                return
+            fig = plot_schedule(sched, 1.0, ratio.value)
+            display(fig)
+            plt.close(fig)
+            print(f"bubble: simulated {sim.bubble:.1%}, (p-1)/(m+p-1) = {schedules.theoretical_bubble(p, m):.1%}")
+            print(f"peak in-flight activations per rank: {sim.peak_inflight}")
+
+    for widget in (stages, mbs, which, ratio):
+        widget.observe(draw, names="value")
+    draw()
+    box = w.VBox([w.HBox([stages, mbs]), w.HBox([which, ratio]), out])
+    display(box)
+    return box
