@@ -182,6 +182,7 @@ def _child_main(rank, world_size, fn, args, kwargs, backend, port, pg_timeout,
     os.dup2(err_w, 2)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, errors="replace")
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, errors="replace")
+    faulthandler.enable(file=sys.stderr)  # a crash's Python stack goes through the pipe too
     stack_file = open(stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -205,7 +206,13 @@ def _child_main(rank, world_size, fn, args, kwargs, backend, port, pg_timeout,
                             f"({error}); return plain data or CPU tensors") from None
         result_w.send_bytes(payload)
         ok = True
-        dist.barrier()  # rank 0 hosts the rendezvous store: nobody leaves while others still use it
+        # Rank 0 hosts the rendezvous store, so it must outlive everyone's use of it. A barrier
+        # would do, but it could complete a collective that a learner's rank skipped; the store
+        # keys below cannot be mistaken for the learner's communication.
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"labkit/done/{rank}", "1")
+        if rank == 0:
+            store.wait([f"labkit/done/{r}" for r in range(world_size)])
         dist.destroy_process_group()
     except BaseException as error:  # noqa: BLE001 - everything goes back to the parent
         if not ok:

@@ -1,0 +1,292 @@
+"""labkit.launch: results, environment, and every way a launch can go wrong.
+
+Each fault test checks two things: the error says what happened (which rank, root
+cause, stacks), and no process the launch started is left behind.
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit.launch import LaunchError, OversubscriptionWarning, StubNotImplemented
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _children():
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    before = {p.pid for p in _children()}
+    yield
+    left = [p for p in _children() if p.pid not in before]
+    assert not left, f"processes left behind: {[(p.pid, p.name()) for p in left]}"
+
+
+# --------------------------------------------------------------------------- what a launch gives
+
+def _env_and_sum(rank, world_size):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return {k: os.environ[k] for k in keys} | {"sum": t.item(), "backend": dist.get_backend()}
+
+
+def test_results_come_back_in_rank_order_with_env_set():
+    results = labkit.launch(_env_and_sum, 3, timeout=30)
+    assert [r["RANK"] for r in results] == ["0", "1", "2"]
+    assert {r["WORLD_SIZE"] for r in results} == {"3"}
+    assert [r["LOCAL_RANK"] for r in results] == ["0", "1", "2"]
+    assert {r["sum"] for r in results} == {6.0}  # 1 + 2 + 3, through the real process group
+    assert {r["backend"] for r in results} == {"gloo"}  # no GPU here: auto picks gloo
+    assert len({r["MASTER_PORT"] for r in results}) == 1
+
+
+def _with_args(rank, world_size, a, b=0):
+    return (rank, world_size, a, b)
+
+
+def test_args_and_kwargs_are_passed():
+    assert labkit.launch(_with_args, 2, "x", b=5, timeout=30) == [(0, 2, "x", 5), (1, 2, "x", 5)]
+
+
+def test_world_size_one_works():
+    assert labkit.launch(_with_args, 1, 7, timeout=30) == [(0, 1, 7, 0)]
+
+
+def _port(rank, world_size):
+    return int(os.environ["MASTER_PORT"])
+
+
+def test_one_hundred_launches_in_a_row_never_collide_on_a_port():
+    ports = [labkit.launch(_port, 2, timeout=30)[0] for _ in range(100)]
+    assert len(ports) == 100
+
+
+def _hello(rank, world_size):
+    print(f"hello from {rank}")
+    print(f"warning from {rank}", file=sys.stderr)
+
+
+def test_rank_output_is_prefixed(capsys):
+    labkit.launch(_hello, 2, timeout=30)
+    out, err = capsys.readouterr()
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+    assert "[rank 1] warning from 1" in err
+
+
+def test_group_is_destroyed_and_parent_untouched():
+    labkit.launch(_port, 2, timeout=30)
+    assert not dist.is_initialized()  # the parent never joins the group
+
+
+# --------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("world_size", [0, -1, 2.0, "2", True])
+def test_bad_world_size_is_a_value_error(world_size):
+    with pytest.raises(ValueError, match="world_size"):
+        labkit.launch(_port, world_size)
+
+
+def test_fn_not_callable_is_a_value_error():
+    with pytest.raises(ValueError, match="fn must be a function"):
+        labkit.launch("not a function", 2)
+
+
+@pytest.mark.parametrize("timeout", [0, -3, "10"])
+def test_bad_timeout_is_a_value_error(timeout):
+    with pytest.raises(ValueError, match="timeout"):
+        labkit.launch(_port, 2, timeout=timeout)
+
+
+def test_unknown_backend_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown backend 'mpi'"):
+        labkit.launch(_port, 2, backend="mpi")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without GPUs")
+def test_nccl_without_gpus_fails_before_spawning():
+    before = time.monotonic()
+    with pytest.raises(LaunchError, match="nccl.*one GPU per rank"):
+        labkit.launch(_port, 2, backend="nccl")
+    assert time.monotonic() - before < 2
+
+
+def test_more_ranks_than_cores_warns_but_runs():
+    n = (os.cpu_count() or 1) + 1
+    with pytest.warns(OversubscriptionWarning, match="oversubscription"):
+        assert len(labkit.launch(_port, n, timeout=60)) == n
+
+
+# --------------------------------------------------------------------------- a rank fails
+
+def _raise_on_rank_1(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one is unhappy")
+    dist.barrier()  # the others wait for rank 1, which never comes
+
+
+def test_exception_on_one_rank_stops_all_and_names_the_root_cause():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        labkit.launch(_raise_on_rank_1, 3, timeout=60)
+    assert time.monotonic() - start < 10, "the other ranks must be stopped within a few seconds"
+    message = str(info.value)
+    assert message.startswith("rank 1 of 3 failed: ValueError: rank one is unhappy")
+    assert "=== rank 1: ROOT CAUSE ===" in message
+    assert "_raise_on_rank_1" in message  # the learner's frame is in the traceback
+    assert info.value.failures[0].rank == 1
+
+
+def _stub(rank, world_size):
+    raise NotImplementedError("exercise foo is not implemented yet: edit exercises/x.py, see notebooks/00_setup.ipynb")
+
+
+def test_unimplemented_stub_is_one_line_not_a_wall_of_tracebacks():
+    with pytest.raises(StubNotImplemented) as info:
+        labkit.launch(_stub, 2, timeout=30)
+    assert isinstance(info.value, NotImplementedError)  # pytest.raises(NotImplementedError) works too
+    message = str(info.value)
+    assert message.startswith("exercise foo is not implemented yet")
+    assert "\n" not in message and "Traceback" not in message
+
+
+def _exit_on_rank_0(rank, world_size):
+    if rank == 0:
+        os._exit(7)
+    dist.barrier()
+
+
+def test_os_exit_on_one_rank_is_reported_as_a_crash():
+    with pytest.raises(LaunchError) as info:
+        labkit.launch(_exit_on_rank_0, 2, timeout=30)
+    assert "rank 0 of 2 failed: exited with exit code 7 without returning" in str(info.value)
+
+
+def _segfault_on_rank_1(rank, world_size):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+
+
+def test_signal_death_names_the_signal():
+    with pytest.raises(LaunchError, match="rank 1 of 2 failed: exited with signal SIGSEGV"):
+        labkit.launch(_segfault_on_rank_1, 2, timeout=30)
+
+
+def _unpicklable(rank, world_size):
+    return lambda: None
+
+
+def test_unpicklable_result_is_a_clear_error():
+    with pytest.raises(LaunchError, match="cannot be sent back to the launcher"):
+        labkit.launch(_unpicklable, 2, timeout=30)
+
+
+# --------------------------------------------------------------------------- ranks hang
+
+def _skip_collective(rank, world_size):
+    if rank != 0:
+        dist.barrier()  # rank 0 never joins
+
+
+def _deadlock(rank, world_size):
+    buf = torch.zeros(4)
+    dist.recv(buf, src=1 - rank)  # both receive first: nobody sends
+    dist.send(buf, dst=1 - rank)
+
+
+def _spin(rank, world_size):
+    while True:
+        pass
+
+
+@pytest.mark.parametrize("fn, stuck, where", [
+    (_skip_collective, "1, 2", "barrier"),
+    (_deadlock, "0, 1", "recv"),
+    (_spin, "0, 1", "_spin"),
+], ids=["skipped_collective", "send_recv_deadlock", "infinite_loop"])
+def test_hang_is_reported_with_stacks_and_killed(fn, stuck, where):
+    world_size = 3 if fn is _skip_collective else 2
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        labkit.launch(fn, world_size, timeout=3)
+    elapsed = time.monotonic() - start
+    assert 3 <= elapsed < 10
+    message = str(info.value)
+    assert message.startswith(f"timed out after 3 s: rank(s) {stuck} of {world_size} were still running")
+    assert f"in {where}" in message  # the stack shows where each rank is blocked
+    assert all(f.kind == "timeout" for f in info.value.failures)
+
+
+# --------------------------------------------------------------------------- interrupt
+
+def test_keyboard_interrupt_kills_every_rank(tmp_path):
+    script = tmp_path / "interrupt.py"
+    pids = tmp_path / "pids"
+    script.write_text(textwrap.dedent(f"""
+        import os, time, labkit
+        def sleeper(rank, world_size):
+            with open({str(pids)!r} + str(rank), "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(600)
+        try:
+            labkit.launch(sleeper, 2, timeout=600)
+        except KeyboardInterrupt:
+            print("interrupted cleanly")
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"pids{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        rank_pids = [int((tmp_path / f"pids{r}").read_text()) for r in range(2)]
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "interrupted cleanly" in out
+    time.sleep(0.2)
+    assert not [pid for pid in rank_pids if psutil.pid_exists(pid)
+                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+# --------------------------------------------------------------------------- under torchrun
+
+def test_under_torchrun_the_process_is_its_rank(tmp_path):
+    script = tmp_path / "under_torchrun.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, torch.distributed as dist, labkit
+        def work(rank, world_size):
+            t = torch.tensor([rank + 1.0]); dist.all_reduce(t)
+            return (rank, world_size, os.getpid(), t.item())
+        results = labkit.launch(work, 2, timeout=60)
+        if int(os.environ["RANK"]) == 0:
+            print("RESULTS", results, os.getpid())
+        try:
+            labkit.launch(work, 3)
+        except labkit.LaunchError as e:
+            print("MISMATCH", str(e)[:60])
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    out = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(line for line in out.stdout.splitlines() if line.startswith("RESULTS"))
+    results, parent_pid = eval(line[len("RESULTS "):].rsplit(" ", 1)[0]), int(line.rsplit(" ", 1)[1])
+    assert [r[:2] for r in results] == [(0, 2), (1, 2)]
+    assert [r[3] for r in results] == [3.0, 3.0]
+    assert results[0][2] == parent_pid  # rank 0 ran in torchrun's process, nothing was forked
+    assert "MISMATCH launch(fn, 3) asks for 3 ranks, but torchrun st" in out.stdout
