@@ -1,0 +1,140 @@
+"""Grading tests for notebook 05_pipeline_parallel: one stage's forward_step and backward_step.
+
+Run: pytest tests/grading/test_pipeline_naive.py   (add --impl=solutions for the reference)
+The chain tests pass tensors between stages inside one process (what send/recv would
+carry); the last test runs `naive_step` on 3 real ranks. About 10 s on 2 cores.
+"""
+import pytest
+import torch
+
+from labkit.grading import impl
+from labkit.launch import launch
+
+BATCH, SEQ = 4, 16
+
+
+def _data():
+    g = torch.Generator().manual_seed(2)
+    return (torch.randint(0, 4096, (BATCH, SEQ), generator=g), torch.randint(0, 4096, (BATCH, SEQ), generator=g))
+
+
+def _reference(x, y):
+    from labkit.model import build_model
+
+    model = build_model("tiny", seed=0)
+    loss = model(x, y)
+    loss.backward()
+    return model, loss.detach()
+
+
+def _chain(n_stages, x, y, loss_scale=1.0):
+    """Forward through every stage, then backward, passing detached tensors like messages."""
+    from labkit.model import build_model, make_stages
+
+    naive = impl("pipeline_naive")
+    model = build_model("tiny", seed=0)
+    stages = make_stages(model, n_stages)
+    saved, msg = [], x
+    for s, stage in enumerate(stages):
+        inp, out = naive.forward_step(stage, msg, y if s == n_stages - 1 else None, loss_scale)
+        saved.append((inp, out))
+        msg = out.detach()  # what send/recv carries: data, no autograd history
+    grad = None
+    for s in reversed(range(n_stages)):
+        inp, out = saved[s]
+        grad = naive.backward_step(inp, out, grad)
+        if s == 0:
+            assert grad is None, "the first stage's input is token ids: backward_step returns None"
+        else:
+            assert grad is not None and grad.shape == (BATCH, SEQ, model.config.d_model)
+            grad = grad.detach()
+    return model, saved
+
+
+@pytest.mark.exercise("forward_step")
+@pytest.mark.parametrize("n_stages", [2, 4])
+def test_forward_step_chain_equals_model_loss(n_stages):
+    x, y = _data()
+    _, ref_loss = _reference(x, y)
+    naive = impl("pipeline_naive")
+    from labkit.model import build_model, make_stages
+
+    stages, msg = make_stages(build_model("tiny", seed=0), n_stages), x
+    for s, stage in enumerate(stages):
+        inp, out = naive.forward_step(stage, msg, y if s == n_stages - 1 else None)
+        if s == 0:
+            assert inp is None
+        else:
+            assert inp.is_leaf and inp.requires_grad, "a later stage's graph starts at a leaf that requires grad"
+            torch.testing.assert_close(inp, msg)
+        msg = out.detach()
+    torch.testing.assert_close(out, ref_loss)
+
+
+@pytest.mark.exercise("forward_step")
+def test_forward_step_loss_scale_multiplies_the_last_loss():
+    from labkit.model import build_model, make_stage
+
+    x, y = _data()
+    _, ref_loss = _reference(x, y)
+    _, out = impl("pipeline_naive").forward_step(make_stage(build_model("tiny", seed=0), 0, 1), x, y, 0.25)
+    torch.testing.assert_close(out, ref_loss * 0.25)
+
+
+@pytest.mark.exercise("forward_step", "backward_step")
+@pytest.mark.parametrize("n_stages", [2, 3, 4])
+def test_backward_step_chain_gradients_equal_single_model(n_stages):
+    x, y = _data()
+    ref, _ = _reference(x, y)
+    model, _ = _chain(n_stages, x, y)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.exercise("forward_step", "backward_step")
+def test_backward_step_accumulates_over_two_half_batches():
+    # two halves with loss_scale 1/2 each must give the full batch's gradient
+    from labkit.model import build_model, make_stages
+
+    x, y = _data()
+    ref, _ = _reference(x, y)
+    naive = impl("pipeline_naive")
+    model = build_model("tiny", seed=0)
+    s0, s1 = make_stages(model, 2)
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        inp0, out0 = naive.forward_step(s0, xs)
+        inp1, out1 = naive.forward_step(s1, out0.detach(), ys, 0.5)
+        grad = naive.backward_step(inp1, out1)
+        naive.backward_step(inp0, out0, grad)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _naive_rank(rank, world_size):
+    from labkit.model import build_model, make_stage
+
+    naive = impl("pipeline_naive")
+    x, y = _data()
+    model = build_model("tiny", seed=0)
+    stage = make_stage(model, rank, world_size)
+    loss = naive.naive_step(stage, x, y, stage=rank, n_stages=world_size,
+                            act_shape=(BATCH, SEQ, model.config.d_model))
+    return {n: p.grad for n, p in stage.named_parameters()}, loss
+
+
+@pytest.mark.exercise("forward_step", "backward_step")
+@pytest.mark.filterwarnings("ignore::labkit.launch.OversubscriptionWarning")
+def test_naive_step_three_ranks_equals_single_model():
+    from labkit.model import make_stages
+
+    results = launch(_naive_rank, 3, timeout=60)
+    x, y = _data()
+    ref, ref_loss = _reference(x, y)
+    for s, stage in enumerate(make_stages(ref, 3)):
+        grads, loss = results[s]
+        for n, p in stage.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"stage {s}, {n}: {m}")
+        if s == 2:
+            torch.testing.assert_close(loss, ref_loss)
+        else:
+            assert loss is None
