@@ -1,0 +1,148 @@
+"""The pipeline executor (solutions/pipeline.py run_schedule) beyond grading: bad input,
+the blocking-send deadlock, synthetic stages, timelines, global ranks of a sub-group.
+
+Uses the reference module (the executor's own code is the same in exercises/, but it
+calls the learner's forward/backward steps). About 25 s on 2 cores: the deadlock test
+waits for its 6 s launcher timeout on purpose.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit.grading import impl
+from labkit.launch import LaunchError, launch
+from labkit.schedules import DeadlockError, ScheduleError, simulate
+from labkit.timeline import Timeline
+
+pl = impl("pipeline", "solutions")
+ACT = (2, 4, 8)  # micro-batch, seq, d_model of the synthetic stages
+
+
+def _synthetic_call(schedule, stage=0, rows=4, **kw):
+    st = pl.SyntheticStage(stage, len(schedule), ACT, t_f=0.0)
+    x = torch.zeros(rows, 4, dtype=torch.long)
+    return pl.run_schedule(st, schedule, x, x, stage=stage, act_shape=ACT, **kw)
+
+
+# ------------------------------------------------- bad input: raised before any message
+def test_invalid_schedule_backward_before_forward_rejected_without_communicating():
+    # no process group exists here: the error must come before the first send/recv
+    with pytest.raises(ScheduleError, match=r"rank 1, action 1B0: backward before forward"):
+        _synthetic_call([["0F0", "0B0"], ["1B0", "1F0"]])
+
+
+def test_invalid_schedule_missing_microbatch_rejected_without_communicating():
+    with pytest.raises(ScheduleError, match=r"stage 1 is missing 1F1, 1B1"):
+        _synthetic_call([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0"]])
+
+
+def test_deadlocking_schedule_rejected_without_communicating():
+    with pytest.raises(DeadlockError, match="rank 0 waits in the receive of the input gradient"):
+        _synthetic_call([["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B0", "1B1"]])
+
+
+def test_one_f_one_b_with_blocking_sends_rejected_without_communicating():
+    with pytest.raises(DeadlockError, match="blocking send"):
+        _synthetic_call(pl.one_f_one_b_schedule(2, 2), blocking_send=True)
+
+
+def test_batch_not_splitting_into_microbatches_rejected():
+    with pytest.raises(ValueError, match="batch size 6 does not split into 4 equal micro-batches"):
+        pl.activation_shape(torch.nn.Module(), 6, 16, 4)
+
+
+def test_inputs_with_wrong_batch_rejected():
+    with pytest.raises(ValueError, match=r"stage 0: inputs must be a batch of 4 rows"):
+        _synthetic_call(pl.gpipe_schedule(2, 2), rows=6)
+
+
+def test_more_stages_than_layers_rejected():
+    from labkit.model import build_model, make_stage
+
+    with pytest.raises(ValueError, match="every stage needs at least one layer"):
+        make_stage(build_model("tiny"), 0, 5)  # tiny has 4 layers
+
+
+def test_actions_of_another_stage_rejected():
+    with pytest.raises(ValueError, match="stage=2 but the schedule has 2 ranks"):
+        _synthetic_call(pl.gpipe_schedule(2, 1), stage=2)
+
+
+# ------------------------------------------------------------------------ real ranks
+def _blocking_rank(rank, world_size):
+    st = pl.SyntheticStage(rank, world_size, ACT, t_f=0.001)
+    x = torch.zeros(ACT[0] * 4, 4, dtype=torch.long)
+    pl.run_schedule(st, pl.one_f_one_b_schedule(world_size, 4), x, x, stage=rank, act_shape=ACT,
+                    blocking_send=True, check=False)
+
+
+def test_blocking_send_one_f_one_b_really_deadlocks():
+    # what simulate() predicts: both ranks stuck in send; the launcher reports and kills them
+    with pytest.raises(DeadlockError):
+        simulate(pl.one_f_one_b_schedule(2, 4), blocking_send=True)
+    with pytest.raises(LaunchError, match="send"):
+        launch(_blocking_rank, 2, timeout=6)
+
+
+def _synthetic_rank(rank, world_size, m):
+    tl = Timeline()
+    out = {}
+    for name in ("gpipe_schedule", "one_f_one_b_schedule"):
+        st = pl.SyntheticStage(rank, world_size, ACT, t_f=0.002)
+        x = torch.zeros(ACT[0] * m, 4, dtype=torch.long)
+        stats = {}
+        tl.sync()
+        pl.run_schedule(st, getattr(pl, name)(world_size, m), x, x, stage=rank, act_shape=ACT,
+                        timeline=tl, stats=stats)
+        out[name] = (tl.gather(), stats)
+    return out
+
+
+def test_synthetic_stages_timeline_follows_schedule_and_peak_memory():
+    p, m = 2, 4
+    res = launch(_synthetic_rank, p, m, timeout=60)
+    bytes_per_mb = 2 * 4 * torch.Size(ACT).numel()  # x (for the weight's grad) and x * w (the delay's)
+    for name in ("gpipe_schedule", "one_f_one_b_schedule"):
+        schedule = getattr(pl, name)(p, m)
+        spans, _ = res[0][name]
+        for rank in range(p):
+            compute = [f"{s.stage}{s.kind}{s.mb}" for s in spans if s.rank == rank and s.kind in "FB"]
+            assert compute == schedule[rank], f"{name}: rank {rank} ran its actions in schedule order"
+            assert any(s.kind == ("recv" if rank else "send") for s in spans if s.rank == rank)
+        peaks = simulate(schedule).peak_inflight
+        for rank in range(p):
+            stats = res[rank][name][1]
+            assert stats == {"peak_inflight": peaks[rank], "peak_activation_bytes": peaks[rank] * bytes_per_mb}
+
+
+def _subgroup_rank(rank, world_size, x, y, m):
+    # two pipelines [0, 1] and [2, 3], as the DP x PP hybrid builds them: global neighbour ranks
+    from labkit.model import build_model, make_stage
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    row, stage = divmod(rank, 2)
+    model = build_model("tiny", seed=0)
+    st = make_stage(model, stage, 2)
+    loss = pl.run_schedule(st, pl.one_f_one_b_schedule(2, m), x if stage == 0 else None, y if stage == 1 else None,
+                           stage=stage, act_shape=pl.activation_shape(model.config, x.shape[0], x.shape[1], m),
+                           prev_rank=rank - 1 if stage else None, next_rank=rank + 1 if stage == 0 else None,
+                           group=groups[row])
+    return {n: p.grad for n, p in st.named_parameters()}, loss
+
+
+@pytest.mark.filterwarnings("ignore::labkit.launch.OversubscriptionWarning")
+def test_subgroup_with_global_neighbour_ranks_equals_single_model():
+    from labkit.model import build_model, make_stages
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 4096, (4, 8), generator=g), torch.randint(0, 4096, (4, 8), generator=g)
+    results = launch(_subgroup_rank, 4, x, y, 2, timeout=60)
+    ref = build_model("tiny", seed=0)
+    loss = ref(x, y)
+    loss.backward()
+    stages = make_stages(ref, 2)
+    for rank, (grads, got_loss) in enumerate(results):
+        for n, p in stages[rank % 2].named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} {n}: {m}")
+        if rank % 2:
+            torch.testing.assert_close(got_loss, loss.detach())
