@@ -1,6 +1,6 @@
 # GENERATED from solutions/pipeline.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/06_microbatches.ipynb.
-# untouched-stub fingerprint: 557852f351975bb3
+# untouched-stub fingerprint: 9b15d0f2f41f12c9
 """Micro-batch pipeline schedules and the executor that runs them (notebook 06_microbatches).
 
 A schedule is data: one list of actions per rank, ``"{stage}F{mb}"`` / ``"{stage}B{mb}"``
@@ -101,6 +101,7 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
 
     Returns the batch's mean loss (a 0-d tensor, the sum of the scaled micro-batch
     losses) on the last stage, None elsewhere. Gradients accumulate into ``.grad``.
+    Receive buffers are allocated on the device of the stage's parameters.
     """
     n_stages = len(schedule)
     if check:
@@ -124,6 +125,7 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
     scale = 1.0 / m if loss_scale is None else loss_scale
     tl = timeline if timeline is not None else NullTimeline()
     params = {p.data_ptr() for p in stage_module.parameters()}
+    device = next(stage_module.parameters()).device  # buffers live where the stage does (GPU under nccl)
 
     saved, saved_bytes, sends, loss = {}, {}, [], None
     peak_count = peak_bytes = 0
@@ -136,7 +138,7 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
                 sends.append((dist.isend(tensor, dst, group=group, tag=_tag(key, stage, mb)), tensor))
 
     def recv(src, key, src_stage, mb):
-        buf = torch.empty(act_shape, dtype=dtype)
+        buf = torch.empty(act_shape, dtype=dtype, device=device)
         with tl.span("recv", stage, mb):
             dist.recv(buf, src, group=group, tag=_tag(key, src_stage, mb))
         return buf
@@ -213,6 +215,6 @@ class SyntheticStage(nn.Module):
 
     def forward(self, x, targets=None):
         if self.is_first:
-            x = torch.ones(self.act_shape)
+            x = torch.ones(self.act_shape, device=self.weight.device)
         y = _Delay.apply(x * self.weight, self.t_f, self.t_b)
         return y.mean() if self.is_last and targets is not None else y

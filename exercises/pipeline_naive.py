@@ -1,6 +1,6 @@
 # GENERATED from solutions/pipeline_naive.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/05_pipeline_parallel.ipynb.
-# untouched-stub fingerprint: 13978f434f958aea
+# untouched-stub fingerprint: 99040e15cf88cf23
 """Naive pipeline parallelism: one batch, one stage per rank (notebook 05_pipeline_parallel).
 
 The model is cut into consecutive stages (`labkit.model.make_stage`); rank s holds stage s.
@@ -73,12 +73,13 @@ def naive_step(stage_module, x, targets, *, stage: int, n_stages: int, act_shape
     from labkit.timeline import NullTimeline
 
     tl = timeline or NullTimeline()
+    device = next(stage_module.parameters()).device  # receive buffers live where the stage does
     first, last = stage == 0, stage == n_stages - 1
     prev_rank = stage - 1 if prev_rank is None else prev_rank
     next_rank = stage + 1 if next_rank is None else next_rank
     # forward: receive the activation, run the stage, pass the output on
     if not first:
-        x = torch.empty(act_shape, dtype=dtype)
+        x = torch.empty(act_shape, dtype=dtype, device=device)
         with tl.span("recv", stage, 0):
             dist.recv(x, prev_rank, group=group)
     with tl.span("F", stage, 0):
@@ -89,7 +90,7 @@ def naive_step(stage_module, x, targets, *, stage: int, n_stages: int, act_shape
     # backward: receive d loss / d output, backpropagate, pass d loss / d input back
     grad_out = None
     if not last:
-        grad_out = torch.empty(act_shape, dtype=dtype)
+        grad_out = torch.empty(act_shape, dtype=dtype, device=device)
         with tl.span("recv", stage, 0):
             dist.recv(grad_out, next_rank, group=group)
     with tl.span("B", stage, 0):

@@ -51,6 +51,12 @@ class Span:
         return f"{self.kind}{self.mb}" if self.mb is not None else self.kind
 
 
+def _cuda_synchronize():
+    import torch
+
+    torch.cuda.synchronize()
+
+
 class _SpanContext:
     __slots__ = ("tl", "kind", "stage", "mb", "t0")
 
@@ -58,18 +64,27 @@ class _SpanContext:
         self.tl, self.kind, self.stage, self.mb = tl, kind, stage, mb
 
     def __enter__(self):
+        if self.tl.cuda_sync:
+            _cuda_synchronize()
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
+        if self.tl.cuda_sync:
+            _cuda_synchronize()
         self.tl.record(self.kind, self.t0, time.perf_counter(), stage=self.stage, mb=self.mb)
         return False
 
 
 class Timeline:
-    """Spans recorded by one rank. Construct after `init_process_group` (or pass rank)."""
+    """Spans recorded by one rank. Construct after `init_process_group` (or pass rank).
 
-    def __init__(self, rank: int | None = None):
+    ``cuda_sync=True`` calls ``torch.cuda.synchronize()`` at both ends of every span, so
+    that a span measures the GPU work it launched, not only the launch (slower; GPU only).
+    """
+
+    def __init__(self, rank: int | None = None, cuda_sync: bool = False):
+        self.cuda_sync = cuda_sync
         if rank is None:
             import torch.distributed as dist
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
