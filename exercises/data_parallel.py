@@ -1,0 +1,165 @@
+# GENERATED from solutions/data_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
+# Fill in every `raise NotImplementedError(...)`; see notebooks/04_data_parallel.ipynb.
+# untouched-stub fingerprint: 79a1ebb21193210e
+"""Data parallelism by hand (notebook 04_data_parallel).
+
+Every rank holds an identical copy of the model, reads a different slice of the
+global batch, and averages its gradients with the other ranks before the
+optimizer step. If the copies start equal and see the same averaged gradient,
+they stay equal, and N ranks with micro-batch b train exactly like one process
+with batch N x b (up to float rounding).
+
+All functions are collective: every rank of `group` must call them, in the same
+order, with models of the same structure.
+"""
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+NOTEBOOK = "04_data_parallel"
+
+
+def _trainable(model: nn.Module) -> list:
+    # model.parameters() lists a tied (shared) Parameter once, so it is reduced once.
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _sum_in_place(flat: torch.Tensor, group, allreduce_fn) -> torch.Tensor:
+    """Sum `flat` over the ranks with torch's all-reduce or a plug-in one."""
+    if allreduce_fn is None:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        return flat
+    out = allreduce_fn(flat, group=group)  # in place, or returning the sum: accept both
+    return flat if out is None else out
+
+
+def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
+    """Overwrite every rank's parameters AND buffers with those of rank `src`, in place.
+
+    Call it once after building the model (and after loading a checkpoint on
+    `src`): replicas that start different never become equal again.
+    `src` is a global rank.
+    """
+    raise NotImplementedError("exercise broadcast_parameters is not implemented yet: edit exercises/data_parallel.py, see notebooks/04_data_parallel.ipynb")
+
+
+def allreduce_gradients(model: nn.Module, group=None, allreduce_fn=None) -> None:
+    """Replace each trainable parameter's .grad by its average over the ranks, in place.
+
+    Call it between loss.backward() and optimizer.step(). Gradients are
+    flattened into one buffer, summed with ONE all-reduce and divided by the
+    world size.
+    - frozen parameters (requires_grad=False) are skipped;
+    - a rank whose gradient is None contributes zeros (the parameter was not
+      used by its data); if NO rank has a gradient, .grad stays None so the
+      optimizer skips the parameter, exactly as in single-process training;
+    - `allreduce_fn(tensor, group=group)` replaces torch's all-reduce (e.g. your
+      ring): it must SUM over the ranks, in place or returning the result.
+    """
+    raise NotImplementedError("exercise allreduce_gradients is not implemented yet: edit exercises/data_parallel.py, see notebooks/04_data_parallel.ipynb")
+
+
+def average_weights(model: nn.Module, group=None) -> None:
+    """Replace every parameter by its average over the ranks, in place ("weight aggregation").
+
+    After one local plain-SGD step this equals gradient averaging; with
+    momentum or Adam it does not (their update is not linear in the gradient).
+    """
+    raise NotImplementedError("exercise average_weights is not implemented yet: edit exercises/data_parallel.py, see notebooks/04_data_parallel.ipynb")
+
+
+def shard_for_rank(batch, rank: int, world_size: int):
+    """This rank's rows of a global batch: rows [rank*b, (rank+1)*b) with b = B // world_size.
+
+    `batch` is a tensor or a tuple/list of tensors sharing their first dimension
+    B (e.g. (x, y)); the result has the same structure. Every rank gets unique
+    rows and together they cover the batch exactly once.
+    Raises ValueError when B does not split evenly across the ranks (uneven
+    shards would weigh the ranks' mean losses unequally) or the rank is out of range.
+    """
+    raise NotImplementedError("exercise shard_for_rank is not implemented yet: edit exercises/data_parallel.py, see notebooks/04_data_parallel.ipynb")
+
+
+class BucketedDataParallel(nn.Module):
+    """Gradient averaging overlapped with backward, as torch's DDP does it.
+
+    Trainable parameters are grouped, in REVERSE order (the last layers' grads
+    are ready first in backward), into buckets of about `bucket_size_mb` MB
+    (a parameter larger than that gets a bucket of its own). A
+    post-accumulate-grad hook counts the ready gradients; when a bucket is
+    complete its async all-reduce (dist.all_reduce(async_op=True)) starts while
+    backward goes on. Buckets are launched in bucket order on every rank (a
+    bucket waits for the earlier ones), so the collectives always match.
+
+    Usage, once per step:  loss = ddp(x, y); loss.backward(); ddp.finish(); opt.step()
+    finish() launches the buckets still waiting (those holding parameters that
+    got no gradient), waits for all of them and writes back averaged
+    gradients, with the same None rule as `allreduce_gradients`. Tied weights
+    are reduced once, frozen parameters never. One backward per finish():
+    a second backward before finish() raises RuntimeError.
+    """
+
+    def __init__(self, model: nn.Module, bucket_size_mb: float = 25.0, group=None):
+        super().__init__()
+        raise NotImplementedError("exercise BucketedDataParallel is not implemented yet: edit exercises/data_parallel.py, see notebooks/04_data_parallel.ipynb")
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _reset(self):
+        self._ready = [set() for _ in self.buckets]  # ids of the params whose grad is ready
+        self._pending = [None] * len(self.buckets)  # (work, flat buffer) once launched
+        self._next = 0  # the next bucket to launch: launches happen in bucket order
+
+    def _grad_ready(self, param):
+        """Hook: param's .grad is final for this backward; launch every complete bucket in order."""
+        raise NotImplementedError("exercise BucketedDataParallel is not implemented yet: edit exercises/data_parallel.py, see notebooks/04_data_parallel.ipynb")
+
+    def _launch(self, i):
+        """Start the async SUM all-reduce of bucket i: its grads (zeros where None) + a has-grad mask."""
+        raise NotImplementedError("exercise BucketedDataParallel is not implemented yet: edit exercises/data_parallel.py, see notebooks/04_data_parallel.ipynb")
+
+    def finish(self) -> None:
+        """Launch the waiting buckets, wait for every all-reduce, write averaged grads back."""
+        raise NotImplementedError("exercise BucketedDataParallel is not implemented yet: edit exercises/data_parallel.py, see notebooks/04_data_parallel.ipynb")
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the wrapped model trains alone again)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def _checksums(model: nn.Module):
+    names, sums = [], []
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        names.append(name)
+        sums.append(zlib.crc32(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()))
+    return names, torch.tensor(sums, dtype=torch.int64)
+
+
+class ReplicaMismatchError(RuntimeError):
+    """The ranks' copies of the model differ."""
+
+
+def check_replicas(model: nn.Module, group=None) -> None:
+    """Raise ReplicaMismatchError on EVERY rank if the replicas' weights differ bit for bit.
+
+    Compares one CRC32 checksum per parameter and buffer (one small all-gather);
+    the message names the first differing tensor and the ranks that differ from
+    the lowest rank of the group. Cheap enough to call at start-up and now and then.
+    """
+    names, sums = _checksums(model)
+    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, sums, group=group)
+    table = torch.stack(gathered)  # [ranks, tensors]
+    differs = (table != table[0]).any(dim=0)
+    if differs.any():
+        first = int(differs.nonzero()[0])
+        ranks = (table[:, first] != table[0, first]).nonzero().flatten().tolist()
+        raise ReplicaMismatchError(
+            f"replicas differ: parameter {names[first]!r} on group ranks {ranks} differs from group rank 0 "
+            f"({int(differs.sum())} of {len(names)} tensors differ). Call broadcast_parameters(model) "
+            "after building the model, and average the gradients on every step.")

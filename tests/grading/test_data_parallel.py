@@ -1,0 +1,359 @@
+"""Grading tests for notebook 04_data_parallel (solutions/data_parallel.py), on 2 and 4 ranks.
+
+The reference is single-process training on the whole global batch: N ranks with
+b rows each must end with the same weights as one process with N x b rows.
+OddNet carries the awkward cases: a frozen layer, a layer never used (grad None
+everywhere), a layer used only when the batch holds token RARE (grad None on the
+ranks whose rows lack it) and an output head tied to the embedding.
+The whole file takes about 10-20 s on 2 cores.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.checkpoint import load_checkpoint, save_checkpoint
+from labkit.grading import impl
+from labkit.launch import launch
+
+V, D, T, RARE = 32, 16, 5, 0
+GLOBAL_BATCH = 8
+TIMEOUT = 60
+
+
+def dp():
+    return impl("data_parallel")
+
+
+class OddNet(nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.hidden = nn.Linear(D, D)
+        self.frozen = nn.Linear(D, D).requires_grad_(False)
+        self.unused = nn.Linear(D, D)  # never called: grad None on every rank
+        self.rare = nn.Linear(D, D)  # called only when the rows hold token RARE
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight  # tied: one Parameter, two uses
+        self.register_buffer("scale", torch.ones(D))
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.hidden(self.emb(x) * self.scale))
+        h = h + self.frozen(h)
+        is_rare = x == RARE
+        if is_rare.any():
+            h = h + self.rare(h) * is_rare.unsqueeze(-1)
+        return F.cross_entropy(self.head(h).reshape(-1, V), y.reshape(-1))
+
+
+def global_batch(step):
+    """Deterministic (x, y) of GLOBAL_BATCH rows; RARE appears in row 0 only (rank 0's shard)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(1, V, (GLOBAL_BATCH, T), generator=g)
+    x[0, 1] = RARE
+    return x, torch.randint(0, V, (GLOBAL_BATCH, T), generator=g)
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+}
+
+
+def rows(batch, rank, world_size):
+    """This rank's rows; the tests of other exercises use it so they do not need shard_for_rank."""
+    b = GLOBAL_BATCH // world_size
+    return tuple(t[rank * b:(rank + 1) * b] for t in batch)
+
+
+def train(model, opt, steps, first_step=0, rank=0, world_size=1, reduce=None, shard=rows):
+    """Plain training loop; with `reduce` each rank takes its shard and reduces the grads."""
+    for step in range(first_step, first_step + steps):
+        x, y = global_batch(step)
+        if reduce is not None:
+            x, y = shard((x, y), rank, world_size)
+        opt.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        if reduce is not None:
+            reduce()
+        opt.step()
+    return snapshot(model)
+
+
+def snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference(optimizer, steps=3):
+    model = OddNet()
+    opt = OPTIMIZERS[optimizer]([p for p in model.parameters() if p.requires_grad])
+    return train(model, opt, steps)
+
+
+def assert_same_weights(got, want, **tol):
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=lambda m: f"{name}: {m}", **tol)
+
+
+# --- gradient averaging ---------------------------------------------------------------
+
+
+def _grads_after_one_backward(rank, world_size, custom):
+    calls = []
+
+    def naive_allreduce(tensor, group=None):  # a plug-in all-reduce: gather everything, sum
+        calls.append(tensor.numel())
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor, group=group)
+        return torch.stack(parts).sum(0)
+
+    model = OddNet()
+    x, y = rows(global_batch(0), rank, world_size)
+    model(x, y).backward()
+    dp().allreduce_gradients(model, allreduce_fn=naive_allreduce if custom else None)
+    return {n: p.grad for n, p in model.named_parameters()}, calls
+
+
+@pytest.mark.exercise("allreduce_gradients")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_allreduce_gradients_frozen_unused_tied_and_param_used_on_some_ranks_only(world_size):
+    model = OddNet()
+    model(*global_batch(0)).backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    for grads, _ in launch(_grads_after_one_backward, world_size, False, timeout=TIMEOUT):
+        assert grads["frozen.weight"] is None and grads["unused.weight"] is None  # no rank had one
+        assert grads["rare.weight"] is not None  # rank 0 had one: the others count as zeros
+        for name in ("emb.weight", "hidden.weight", "hidden.bias", "rare.weight", "rare.bias"):
+            torch.testing.assert_close(grads[name], want[name], msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.exercise("allreduce_gradients")
+def test_allreduce_gradients_with_plugged_in_allreduce_fn():
+    model = OddNet()
+    model(*global_batch(0)).backward()
+    for grads, calls in launch(_grads_after_one_backward, 2, True, timeout=TIMEOUT):
+        assert len(calls) == 1, "all the gradients must go through ONE call of allreduce_fn (one flat buffer)"
+        torch.testing.assert_close(grads["emb.weight"], model.emb.weight.grad)
+        torch.testing.assert_close(grads["rare.bias"], model.rare.bias.grad)
+
+
+def _train_flat(rank, world_size, optimizer, steps=3):
+    model = OddNet()
+    opt = OPTIMIZERS[optimizer]([p for p in model.parameters() if p.requires_grad])
+    return train(model, opt, steps, rank=rank, world_size=world_size,
+                 reduce=lambda: dp().allreduce_gradients(model), shard=dp().shard_for_rank)
+
+
+@pytest.mark.exercise("allreduce_gradients", "shard_for_rank")
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_data_parallel_equals_big_batch_after_k_steps(optimizer, world_size):
+    results = launch(_train_flat, world_size, optimizer, timeout=TIMEOUT)
+    for got in results:
+        assert_same_weights(got, results[0], rtol=0, atol=0)  # the replicas stay identical
+    assert_same_weights(results[0], reference(optimizer), rtol=1e-4, atol=1e-5)
+
+
+def _train_llama(rank, world_size, mode):
+    """Two SGD steps of the tiny LLaMA: mode "single" (whole batch), "flat" or "bucketed".
+
+    SGD, not Adam: Adam's update hardly depends on the gradient's scale, so it would
+    not notice a forgotten division by the world size (the OddNet tests run both)."""
+    from labkit.model import build_model
+    model = build_model("tiny", seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    wrapper = dp().BucketedDataParallel(model, bucket_size_mb=0.5) if mode == "bucketed" else None
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        tokens = torch.randint(0, model.config.vocab_size, (4, 17), generator=g)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        if mode != "single":
+            b = len(x) // world_size
+            x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+        opt.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        if mode == "flat":
+            dp().allreduce_gradients(model)
+        elif mode == "bucketed":
+            wrapper.finish()
+        opt.step()
+    return snapshot(model), (len(wrapper.buckets) if wrapper else None)
+
+
+@pytest.mark.exercise("allreduce_gradients", "BucketedDataParallel")
+@pytest.mark.parametrize("mode", ["flat", "bucketed"])
+def test_tiny_llama_data_parallel_equals_big_batch(mode):
+    want, _ = _train_llama(0, 1, "single")
+    for got, n_buckets in launch(_train_llama, 2, mode, timeout=TIMEOUT):
+        assert_same_weights(got, want, rtol=1e-4, atol=1e-5)
+        if mode == "bucketed":
+            assert n_buckets >= 3  # 0.72M float32 parameters in 0.5 MB buckets
+
+
+# --- bucketed, overlapped all-reduce --------------------------------------------------
+# OddNet's trainable parameters in reverse order, in bytes: rare.bias 64, rare.weight 1024,
+# unused.bias 64, unused.weight 1024, hidden.bias 64, hidden.weight 1024, emb.weight 2048.
+BUCKETS = {  # name: (bucket_size_mb, expected number of buckets, ranks)
+    "one_bucket": (1.0, 1, 2),
+    "two_buckets": (3264 / 2**20, 2, 2),  # everything but the embedding, then the embedding
+    "four_buckets": (1088 / 2**20, 4, 4),  # rare.*, unused.*, hidden.*, emb: order matters
+}
+
+
+def _train_bucketed(rank, world_size, bucket_size_mb, steps=3):
+    model = OddNet()
+    opt = OPTIMIZERS["adamw"]([p for p in model.parameters() if p.requires_grad])
+    ddp = dp().BucketedDataParallel(model, bucket_size_mb=bucket_size_mb)
+    names = {id(p): n for n, p in model.named_parameters()}
+    buckets = [[names[id(p)] for p in bucket] for bucket in ddp.buckets]
+    return train(ddp, opt, steps, rank=rank, world_size=world_size, reduce=ddp.finish), buckets
+
+
+@pytest.mark.exercise("BucketedDataParallel")
+@pytest.mark.parametrize("case", list(BUCKETS))
+def test_bucketed_equals_big_batch(case):
+    bucket_size_mb, n_buckets, world_size = BUCKETS[case]
+    results = launch(_train_bucketed, world_size, bucket_size_mb, timeout=TIMEOUT)
+    want = reference("adamw")
+    for got, buckets in results:
+        assert len(buckets) == n_buckets
+        # reverse parameter order, the tied weight once, the frozen layer never
+        assert sum(buckets, []) == ["rare.bias", "rare.weight", "unused.bias", "unused.weight",
+                                    "hidden.bias", "hidden.weight", "emb.weight"]
+        assert_same_weights({k.removeprefix("module."): v for k, v in got.items()}, want, rtol=1e-4, atol=1e-5)
+
+
+def _backward_twice(rank, world_size):
+    model = OddNet()
+    ddp = dp().BucketedDataParallel(model, bucket_size_mb=1.0)
+    x, y = rows(global_batch(0), rank, world_size)
+    ddp(x, y).backward()
+    try:
+        ddp(x, y).backward()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.exercise("BucketedDataParallel")
+def test_bucketed_second_backward_before_finish_raises():
+    for message in launch(_backward_twice, 2, timeout=TIMEOUT):
+        assert message is not None and "finish()" in message
+
+
+# --- broadcast, weight averaging, sharding --------------------------------------------
+
+
+def _broadcast(rank, world_size):
+    model = OddNet(seed=0)
+    if rank == 1:
+        with torch.no_grad():
+            model.hidden.bias[3] += 1e-3  # one replica drifted by one number
+    try:
+        dp().check_replicas(model)
+        error = None
+    except dp().ReplicaMismatchError as e:
+        error = str(e)
+    model = OddNet(seed=rank)  # every replica different, buffers too
+    model.scale.fill_(1.0 + rank)
+    dp().broadcast_parameters(model)
+    dp().check_replicas(model)  # raises if the broadcast missed anything
+    return error, snapshot(model), model.head.weight is model.emb.weight
+
+
+@pytest.mark.exercise("broadcast_parameters")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_broadcast_parameters_when_replicas_start_different(world_size):
+    want = snapshot(OddNet(seed=0))
+    for error, got, still_tied in launch(_broadcast, world_size, timeout=TIMEOUT):
+        assert error is not None and "'hidden.bias'" in error and "[1]" in error, error
+        assert still_tied
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+
+
+PLAIN = {"sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+         "adam": lambda params: torch.optim.Adam(params, lr=1e-2)}
+
+
+def _weights_vs_grads(rank, world_size, optimizer):
+    x, y = rows(global_batch(0), rank, world_size)
+    by_grads, by_weights = OddNet(), OddNet()
+    for model in (by_grads, by_weights):
+        opt = PLAIN[optimizer]([p for p in model.parameters() if p.requires_grad])
+        model(x, y).backward()
+        if model is by_grads:
+            dp().allreduce_gradients(model)  # average the gradients, then step
+            opt.step()
+        else:
+            opt.step()  # step on the local gradient, then average the weights
+            dp().average_weights(model)
+    return snapshot(by_grads), snapshot(by_weights)
+
+
+@pytest.mark.exercise("average_weights", "allreduce_gradients")
+def test_average_weights_equals_gradient_averaging_for_one_sgd_step():
+    for by_grads, by_weights in launch(_weights_vs_grads, 2, "sgd", timeout=TIMEOUT):
+        assert_same_weights(by_weights, by_grads)
+
+
+@pytest.mark.exercise("average_weights", "allreduce_gradients")
+def test_average_weights_differs_from_gradient_averaging_for_adam():
+    for by_grads, by_weights in launch(_weights_vs_grads, 2, "adam", timeout=TIMEOUT):
+        # Adam's first step is about lr * sign(grad): mean of signs != sign of the mean
+        assert (by_weights["emb.weight"] - by_grads["emb.weight"]).abs().max() > 1e-3
+        torch.testing.assert_close(by_weights["frozen.weight"], by_grads["frozen.weight"])
+
+
+@pytest.mark.exercise("shard_for_rank")
+def test_shard_for_rank_rows_cover_global_batch_once():
+    x, y = global_batch(0)
+    for world_size in (1, 2, 4):
+        shards = [dp().shard_for_rank((x, y), rank, world_size) for rank in range(world_size)]
+        assert all(isinstance(s, tuple) and s[0].shape[0] == GLOBAL_BATCH // world_size for s in shards)
+        assert torch.equal(torch.cat([s[0] for s in shards]), x)
+        assert torch.equal(torch.cat([s[1] for s in shards]), y)
+    assert torch.equal(dp().shard_for_rank(x, 1, 2), x[4:])  # a lone tensor works too
+
+
+@pytest.mark.exercise("shard_for_rank")
+def test_shard_for_rank_global_batch_not_splitting_raises_value_error():
+    x, y = torch.zeros(6, T), torch.zeros(6, T)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        dp().shard_for_rank((x, y), 0, 4)
+    with pytest.raises(ValueError, match="first dimension"):
+        dp().shard_for_rank((x, y[:4]), 0, 2)
+
+
+# --- checkpointing ----------------------------------------------------------------------
+
+
+def _checkpointed(rank, world_size, path, phase):
+    model = OddNet(seed=0 if phase != "resume" else 100 + rank)  # a restart starts from garbage
+    opt = OPTIMIZERS["adamw"]([p for p in model.parameters() if p.requires_grad])
+    run = dict(rank=rank, world_size=world_size, reduce=lambda: dp().allreduce_gradients(model))
+    if phase == "uninterrupted":
+        return train(model, opt, 4, **run)
+    if phase == "first_half":
+        train(model, opt, 2, **run)
+        save_checkpoint(path, model, opt, step=2)
+        return None
+    step = load_checkpoint(path, model, opt)["step"]
+    return step, train(model, opt, 2, first_step=step, **run)
+
+
+@pytest.mark.exercise("allreduce_gradients")
+def test_checkpoint_resumed_run_matches_uninterrupted_run_exactly(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    want = launch(_checkpointed, 2, path, "uninterrupted", timeout=TIMEOUT)[0]
+    launch(_checkpointed, 2, path, "first_half", timeout=TIMEOUT)
+    for step, got in launch(_checkpointed, 2, path, "resume", timeout=TIMEOUT):
+        assert step == 2
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
