@@ -1,0 +1,165 @@
+# GENERATED from solutions/hybrid.py by `python -m labkit.stubgen`: this file is yours to edit.
+# Fill in every `raise NotImplementedError(...)`; see notebooks/07_hybrid.ipynb.
+# untouched-stub fingerprint: 974f97421520b3c7
+"""DP x PP hybrid: several pipelines trained as data-parallel replicas (notebook 07_hybrid).
+
+The ranks form one grid ``torch.arange(world_size).view(dp, pp)``:
+
+    pp_rank:  0  1  2
+    dp 0:   [ 0, 1, 2 ]   <- one pipeline (a row): stage s lives on column s
+    dp 1:   [ 3, 4, 5 ]   <- another pipeline, same stages, other data
+
+Every process group is a slice of that grid: a row is a pipeline (neighbours send
+activations forward and gradients backward), a column holds the replicas of one stage
+(they all-reduce that stage's gradients). One training step runs the micro-batches of
+each replica's share of the batch through its pipeline with 1F1B, then all-reduces the
+gradients of every stage among its replicas ONCE, after the flush, and steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from labkit.grading import impl
+from labkit.timeline import NullTimeline
+
+NOTEBOOK = "07_hybrid"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """One rank's place in the (dp, pp) grid and the process groups it belongs to.
+
+    rank, world_size, dp, pp: the global rank, the number of ranks, the grid's shape.
+    dp_rank: which pipeline replica (the grid row); pp_rank: which stage (the column).
+    pipeline_ranks: the global ranks of this rank's pipeline, stage 0 first (its row).
+    dp_ranks: the global ranks holding the same stage, replica 0 first (its column).
+    prev_rank / next_rank: the global rank of the previous / next stage of this
+        pipeline, None on the first / last stage.
+    pp_group / dp_group: the process groups of pipeline_ranks / dp_ranks; None when
+        the mesh was computed without an initialised process group (layout only).
+    """
+
+    rank: int
+    world_size: int
+    dp: int
+    pp: int
+    dp_rank: int
+    pp_rank: int
+    pipeline_ranks: tuple
+    dp_ranks: tuple
+    prev_rank: int | None
+    next_rank: int | None
+    pp_group: object = None
+    dp_group: object = None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def make_mesh(world_size: int, dp: int, pp: int, rank: int | None = None) -> Mesh:
+    """Place ``rank`` in the grid ``torch.arange(world_size).view(dp, pp)`` and build its groups.
+
+    Returns a `Mesh` (see its docstring) for ``rank`` (default: ``dist.get_rank()``).
+    Pipelines are the grid's rows, data-parallel groups its columns.
+
+    If torch.distributed is initialised, this creates the process groups: every rank must
+    call ``make_mesh`` with the same arguments, since ``dist.new_group`` is collective:
+    ALL ranks create ALL groups (every row, then every column) in the same order, and each
+    keeps the two it belongs to. Without a process group (``rank`` must then be given), it
+    only computes the layout, and ``pp_group`` / ``dp_group`` are None.
+
+    Raises ValueError, before any group is created, when dp or pp is not positive, when
+    ``world_size != dp * pp``, when ``rank`` is not in ``range(world_size)``, or when they
+    disagree with the initialised process group.
+    """
+    raise NotImplementedError("exercise make_mesh is not implemented yet: edit exercises/hybrid.py, see notebooks/07_hybrid.ipynb")
+
+
+def replica_rows(x, mesh: Mesh):
+    """This replica's rows of a global batch tensor: rows dp_rank*b:(dp_rank+1)*b, b = B // dp."""
+    if x.shape[0] % mesh.dp:
+        raise ValueError(f"global batch of {x.shape[0]} rows does not split over dp={mesh.dp} "
+                         f"replicas: use a multiple of {mesh.dp}")
+    b = x.shape[0] // mesh.dp
+    return x[mesh.dp_rank * b:(mesh.dp_rank + 1) * b]
+
+
+def hybrid_step(stage_module, mesh: Mesh, x, y, n_microbatches: int, optimizer=None, *,
+                timeline=None, sync_grads: bool = True):
+    """One DP x PP training step on this rank; returns the global batch's mean loss on
+    the last stage (every replica's last stage returns the same value), None elsewhere.
+
+    stage_module: this rank's stage, ``labkit.model.make_stage(model, mesh.pp_rank, mesh.pp)``
+        (or a ``SyntheticStage`` of notebook 06, whose ``act_shape`` is the micro-batch's).
+    x, y: the GLOBAL batch [B, T] (the same on every rank). Replica ``mesh.dp_rank`` trains
+        on its rows (`replica_rows`), split into ``n_microbatches`` micro-batches.
+    The step:
+      1. zero this stage's gradients;
+      2. run the replica's rows through its pipeline with 1F1B: notebook 06's executor,
+         ``impl("pipeline").run_schedule``, on ``mesh.pp_group`` with the neighbours'
+         global ranks; the accumulated ``.grad`` is that of the replica's mean loss;
+      3. ONCE, after the pipeline's flush: average the stage's gradients over the
+         replicas of this stage, ``impl("data_parallel").allreduce_gradients`` on
+         ``mesh.dp_group`` (recorded as an "allreduce" span); skipped when
+         ``sync_grads=False`` (a caller that synchronised the gradients itself);
+      4. ``optimizer.step()`` when an optimizer is given.
+    Together: the gradient of the mean loss over the global batch, as one process computes it.
+    Raises ValueError when B does not split into dp x n_microbatches equal parts.
+    """
+    raise NotImplementedError("exercise hybrid_step is not implemented yet: edit exercises/hybrid.py, see notebooks/07_hybrid.ipynb")
+
+
+# ------------------------------------------------------------------ the slow way, for contrast
+class PerMicrobatchAllReduce(torch.nn.Module):
+    """Wraps a stage so that its gradients are averaged over ``group`` after EVERY micro-batch.
+
+    What not to do: it moves the same gradient volume once per micro-batch (m times per
+    step) and makes every backward wait for the slowest replica. Still correct: each
+    micro-batch's contribution (the change of ``.grad`` in its backward) is averaged on
+    its own, with the same `allreduce_gradients` as `hybrid_step`. Use it as
+    ``hybrid_step(PerMicrobatchAllReduce(stage, mesh.dp_group), ..., sync_grads=False)``.
+    The all-reduce runs at the end of each micro-batch's backward pass, queued from a
+    hook on the stage's output, as torch's DDP does it.
+    """
+
+    def __init__(self, stage_module, group, timeline=None):
+        super().__init__()
+        self.inner, self.group, self.timeline = stage_module, group, timeline
+        self.act_shape = getattr(stage_module, "act_shape", None)
+        if hasattr(stage_module, "config"):
+            self.config = stage_module.config
+        self._before = None  # .grad as it was before the current backward
+
+    def forward(self, x, targets=None):
+        out = self.inner(x, targets) if targets is not None else self.inner(x)
+        if out.requires_grad:
+            out.register_hook(self._on_backward_start)
+        return out
+
+    def _on_backward_start(self, grad):
+        self._before = [None if p.grad is None else p.grad.clone() for p in self.inner.parameters()]
+        torch.autograd.Variable._execution_engine.queue_callback(self._sync)
+        return grad
+
+    def _sync(self):
+        params = list(self.inner.parameters())
+        for p, before in zip(params, self._before):  # this micro-batch's contribution only
+            if p.grad is not None and before is not None:
+                p.grad.sub_(before)
+        tl = self.timeline if self.timeline is not None else NullTimeline()
+        with tl.span("allreduce", getattr(self.inner, "stage", None)):
+            impl("data_parallel").allreduce_gradients(self.inner, group=self.group)
+        for p, before in zip(params, self._before):
+            if before is not None:
+                if p.grad is None:
+                    p.grad = before
+                else:
+                    p.grad.add_(before)
