@@ -1,0 +1,96 @@
+# GENERATED from solutions/allreduce.py by `python -m labkit.stubgen`: this file is yours to edit.
+# Fill in every `raise NotImplementedError(...)`; see notebooks/03_allreduce.ipynb.
+# untouched-stub fingerprint: 2e53e05eea5b5b0e
+"""All-reduce by hand: through a master, and around a ring (notebook 03_allreduce).
+
+All-reduce: every rank starts with a tensor of the same size; afterwards every
+rank holds the elementwise SUM over the ranks. Both functions here sum in place
+and return the tensor, like `dist.all_reduce(tensor)` followed by `return tensor`.
+
+- `naive_allreduce`: everyone sends to group rank 0, which adds and sends the
+  result back. Rank 0 receives (N-1) x S bytes and sends (N-1) x S: its link is
+  the bottleneck and the time grows with N.
+- `ring_allreduce`: the ranks form a ring (r sends to r+1, receives from r-1)
+  and the tensor is cut into N chunks. N-1 steps of reduce-scatter, then N-1
+  steps of all-gather; at every step each rank sends one chunk (S/N bytes) and
+  receives one. Every rank sends 2(N-1)/N x S in total, which hardly grows with
+  N: time ~ 2(N-1)/N x S / B for link bandwidth B.
+
+Inputs the ranks disagree on (sizes, dtypes, a device the backend cannot use)
+raise ValueError on every rank (`check_tensors`), instead of hanging.
+"""
+import torch
+import torch.distributed as dist
+
+from labkit.collective_checks import check_tensors, group_info
+
+NOTEBOOK = "03_allreduce"
+
+
+def chunk_bounds(numel: int, world_size: int) -> list:
+    """Where the ring cuts a flat tensor: chunk i is [bounds[i], bounds[i+1]).
+
+    Chunk sizes differ by at most one element, the first chunks being the
+    larger ones (as torch.tensor_split); when numel < world_size the last
+    chunks are empty. Every rank computes the same bounds.
+    """
+    base, extra = divmod(numel, world_size)
+    bounds = [0]
+    for i in range(world_size):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def send_recv(send, dst, recv, src, group=None):
+    """Send `send` to group rank `dst` while receiving `recv` from group rank `src`.
+
+    Both messages are posted at once (isend + irecv) and both awaited, so the
+    outgoing and incoming transfers overlap: a ring step costs one transfer
+    time, not two, and nobody waits for its neighbour to finish sending first.
+    Empty tensors are skipped (every rank knows the same chunk sizes).
+    """
+    works = []
+    if send.numel():
+        works.append(dist.isend(send, group_dst=dst, group=group))
+    if recv.numel():
+        works.append(dist.irecv(recv, group_src=src, group=group))
+    for work in works:
+        work.wait()
+
+
+def naive_allreduce(tensor, group=None):
+    """Sum `tensor` over the ranks of `group`, in place, through group rank 0; return it.
+
+    Rank 0 receives every other rank's tensor, adds them, and sends the sum
+    back to each. Works for any shape (non-contiguous included), dtype and
+    world size.
+    """
+    info = group_info(group)
+    if info is None:
+        return tensor
+    check_tensors("naive_allreduce", tensor, group)
+    raise NotImplementedError("exercise naive_allreduce is not implemented yet: edit exercises/allreduce.py, see notebooks/03_allreduce.ipynb")
+    return tensor
+
+
+def ring_allreduce(tensor, group=None):
+    """Sum `tensor` over the ranks of `group`, in place, around a ring; return it.
+
+    Rank r sends to r+1 and receives from r-1 (mod N). The flattened tensor is
+    cut into N chunks with `chunk_bounds`, then:
+    1. reduce-scatter, N-1 steps: at step s rank r sends chunk r-s and adds
+       the incoming chunk r-s-1 into its own. Afterwards rank r holds the
+       complete sum of chunk r+1.
+    2. all-gather, N-1 steps: at step s rank r sends chunk r+1-s (complete)
+       and overwrites its chunk r-s with the incoming complete one.
+    Each step uses `send_recv` (send and receive overlapped). Works for any
+    numel (not a multiple of N, smaller than N, zero), any world size, any
+    dtype with +; a non-contiguous tensor is summed in a contiguous copy that
+    is then copied back.
+    """
+    info = group_info(group)
+    if info is None:
+        return tensor
+    check_tensors("ring_allreduce", tensor, group)
+    raise NotImplementedError("exercise ring_allreduce is not implemented yet: edit exercises/allreduce.py, see notebooks/03_allreduce.ipynb")
+    return tensor
