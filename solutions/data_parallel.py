@@ -211,11 +211,13 @@ class BucketedDataParallel(nn.Module):
             self._launch(self._next)
         for bucket, (work, flat) in zip(self.buckets, self._pending):
             work.wait()
+            counts = flat[-len(bucket):].tolist()
+            flat.div_(self.world_size)
             offset = 0
-            for p, count in zip(bucket, flat[-len(bucket):].tolist()):
+            for p, count in zip(bucket, counts):
                 n = p.numel()
                 if count > 0:  # same None rule as allreduce_gradients
-                    grad = flat[offset:offset + n].view_as(p) / self.world_size
+                    grad = flat[offset:offset + n].view_as(p)
                     if p.grad is None:
                         p.grad = grad.to(p.dtype)
                     else:
