@@ -1,6 +1,6 @@
 # GENERATED from solutions/hybrid.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/07_hybrid.ipynb.
-# untouched-stub fingerprint: 974f97421520b3c7
+# untouched-stub fingerprint: acaed84dd85b7203
 """DP x PP hybrid: several pipelines trained as data-parallel replicas (notebook 07_hybrid).
 
 The ranks form one grid ``torch.arange(world_size).view(dp, pp)``:
@@ -163,3 +163,40 @@ class PerMicrobatchAllReduce(torch.nn.Module):
                     p.grad = before
                 else:
                     p.grad.add_(before)
+
+
+# ------------------------------------------------------------------ communication, from formulas
+def stage_param_counts(config, pp: int) -> list[int]:
+    """Parameters of each of the pp stages of a model with this config (embedding on stage 0, head last)."""
+    from labkit.model import build_model, make_stages
+
+    model = build_model(config, seed=0)
+    return [sum(p.numel() for p in stage.parameters()) for stage in make_stages(model, pp)]
+
+
+def communication_per_step(config, dp: int, pp: int, batch_size: int, seq_len: int,
+                           n_microbatches: int = 1, bytes_per_element: int = 4,
+                           allreduce_per_microbatch: bool = False) -> dict:
+    """Bytes SENT in one training step of a (dp, pp) mesh, from the formulas (no process).
+
+    Gradient all-reduce (ring, among the dp replicas of each stage s with P_s parameters):
+        each rank sends 2 (dp - 1) / dp * P_s elements; all ranks together 2 (dp - 1) P.
+        Once per step, or m times with ``allreduce_per_microbatch`` (the mistake).
+    Pipeline (each of the pp - 1 boundaries of each replica, whatever m is):
+        the activations forward and their gradients backward, (B / dp) x T x d_model
+        elements each way; all ranks together 2 (pp - 1) B T d_model.
+    Returns {"allreduce_bytes", "p2p_bytes", "total_bytes": summed over all ranks;
+    "max_rank_bytes": the busiest rank's; "messages": point-to-point messages per step}.
+    """
+    counts = stage_param_counts(config, pp)
+    times = n_microbatches if allreduce_per_microbatch else 1
+    ar = [times * 2 * (dp - 1) / dp * c * bytes_per_element for c in counts]  # per rank of stage s
+    act = batch_size // dp * seq_len * config.d_model * bytes_per_element  # one way, one boundary
+    p2p = [act * ((s < pp - 1) + (s > 0)) for s in range(pp)]  # sends forward and/or backward
+    return {
+        "allreduce_bytes": dp * sum(ar),
+        "p2p_bytes": dp * sum(p2p),
+        "total_bytes": dp * (sum(ar) + sum(p2p)),
+        "max_rank_bytes": max(a + p for a, p in zip(ar, p2p)),
+        "messages": dp * (pp - 1) * 2 * n_microbatches,
+    }
