@@ -1,0 +1,289 @@
+"""Figures for notebooks 02 and 03: what each collective does, and the ring's actual moves.
+
+    python -m labkit.collective_figures        # rewrites the PNGs in imgs/
+
+- `draw_collective(name)`: every rank's data before and after one collective, from
+  the collective's definition (`COLLECTIVES`). Cell labels name the data's origin:
+  A1 is element 1 of rank 0 (ranks A, B, C, D...), A+C a partial sum (of the column's
+  element), S1 the sum of every rank's element 1.
+- `record_moves(topic_fn, world_size)`: runs an all-reduce (yours or the reference) on
+  real ranks and records every message it sends: (step, src, dst, chunk, contributors).
+  Each rank starts from the int64 value 1 << rank, so the value of any sum names
+  the ranks that contributed to it: what is drawn is read off the real messages.
+- `draw_ring(moves)`: the ring step by step from those records; `draw_traffic`:
+  bytes in and out per rank, naive against ring.
+"""
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+
+import matplotlib
+
+if __name__ == "__main__":
+    matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
+
+IMGS = Path(__file__).resolve().parent.parent / "imgs"
+LETTERS = "ABCDEFGH"
+COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+
+
+# --- what each collective does: cells are (frozenset of contributing ranks, element) or None
+def _own(r, k):
+    return [(frozenset([r]), i) for i in range(k)]
+
+
+def _sum(cells):
+    return (frozenset().union(*(c[0] for c in cells)), cells[0][1])
+
+
+COLLECTIVES = {  # name: (title, before(n), after(n)); root is rank 0
+    "all_reduce": ("all_reduce: every rank gets the sum",
+                   lambda n: [_own(r, n) for r in range(n)],
+                   lambda n: [[_sum([(frozenset([q]), i) for q in range(n)]) for i in range(n)] for _ in range(n)]),
+    "reduce": ("reduce(dst=0): the sum lands on one rank",
+               lambda n: [_own(r, n) for r in range(n)],
+               lambda n: [[_sum([(frozenset([q]), i) for q in range(n)]) for i in range(n)]]
+               + [_own(r, n) for r in range(1, n)]),
+    "broadcast": ("broadcast(src=0): one rank's tensor everywhere",
+                  lambda n: [_own(r, n) for r in range(n)],
+                  lambda n: [_own(0, n) for _ in range(n)]),
+    "all_gather": ("all_gather: every rank gets every rank's piece",
+                   lambda n: [[(frozenset([r]), 0)] + [None] * (n - 1) for r in range(n)],
+                   lambda n: [[(frozenset([q]), 0) for q in range(n)] for _ in range(n)]),
+    "gather": ("gather(dst=0): every rank's piece on one rank",
+               lambda n: [[(frozenset([r]), 0)] + [None] * (n - 1) for r in range(n)],
+               lambda n: [[(frozenset([q]), 0) for q in range(n)]] + [[(frozenset([r]), 0)] + [None] * (n - 1)
+                                                                      for r in range(1, n)]),
+    "scatter": ("scatter(src=0): piece i of one rank goes to rank i",
+                lambda n: [_own(0, n)] + [[None] * n for _ in range(1, n)],
+                lambda n: [[(frozenset([0]), r)] + [None] * (n - 1) for r in range(n)]),
+    "reduce_scatter": ("reduce_scatter: rank i gets the sum of everyone's piece i",
+                       lambda n: [_own(r, n) for r in range(n)],
+                       lambda n: [[_sum([(frozenset([q]), r) for q in range(n)])] + [None] * (n - 1)
+                                  for r in range(n)]),
+}
+
+
+def _label(cell, n):
+    ranks, i = cell
+    if len(ranks) == n and n > 1:
+        return f"S{i}"
+    if len(ranks) == 1:
+        return f"{LETTERS[min(ranks)]}{i}"
+    return "+".join(LETTERS[r] for r in sorted(ranks))  # a partial sum: its column says which element
+
+
+def _color(cell):
+    ranks = sorted(cell[0])
+    rgb = [sum(matplotlib.colors.to_rgb(COLORS[r])[k] for r in ranks) / len(ranks) for k in range(3)]
+    return rgb if len(ranks) == 1 else [0.35 + 0.5 * c for c in rgb]
+
+
+def _draw_grid(ax, rows, n, title, highlight=None, col_label="element"):
+    """Rows of cells, one row per rank; `highlight`: {(rank, column)} drawn with a thick edge."""
+    width = max(len(row) for row in rows)
+    for r, row in enumerate(rows):
+        y = len(rows) - 1 - r
+        ax.text(-0.15, y + 0.5, f"rank {r}", ha="right", va="center", fontsize=9)
+        for c, cell in enumerate(row):
+            thick = highlight and (r, c) in highlight
+            face = "white" if cell is None else _color(cell)
+            ax.add_patch(Rectangle((c + 0.05, y + 0.08), 0.9, 0.84, facecolor=face,
+                                   edgecolor="black", linewidth=2.5 if thick else 0.6,
+                                   linestyle="-" if cell is not None else ":"))
+            if cell is not None:
+                label = _label(cell, n)
+                ax.text(c + 0.5, y + 0.5, label, ha="center", va="center", color="white",
+                        fontsize=9 if len(label) < 6 else 7, fontweight="bold")
+    if col_label:
+        for c in range(width):
+            ax.text(c + 0.5, len(rows) + 0.05, f"{col_label} {c}", ha="center", va="bottom", fontsize=7)
+    ax.set_xlim(-1.1, width + 0.1)
+    ax.set_ylim(-0.1, len(rows) + 0.45)
+    ax.set_title(title, fontsize=10)
+    ax.set_aspect("equal")
+    ax.axis("off")
+
+
+def draw_collective(name: str, world_size: int = 4):
+    """Before/after figure of one collective (a key of COLLECTIVES)."""
+    title, before, after = COLLECTIVES[name]
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 2.2 + 0.45 * world_size))
+    _draw_grid(axes[0], before(world_size), world_size, "before", col_label=None)
+    _draw_grid(axes[1], after(world_size), world_size, "after", col_label=None)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def draw_point_to_point():
+    """send/recv between two ranks: the receiver's buffer is overwritten."""
+    fig, ax = plt.subplots(figsize=(6, 1.9))
+    for y, name in ((1.2, "rank 0: dist.send(x, dst=1)"), (0, "rank 1: dist.recv(y, src=0)")):
+        ax.text(-0.1, y + 0.35, name, ha="right", va="center", fontsize=9, family="monospace")
+    for i in range(3):
+        ax.add_patch(Rectangle((i, 1.2), 0.9, 0.7, facecolor=COLORS[0], edgecolor="black"))
+        ax.text(i + 0.45, 1.55, f"A{i}", ha="center", va="center", color="white", fontweight="bold")
+        ax.add_patch(Rectangle((i + 4.5, 0), 0.9, 0.7, facecolor=COLORS[0], edgecolor="black"))
+        ax.text(i + 4.95, 0.35, f"A{i}", ha="center", va="center", color="white", fontweight="bold")
+    ax.add_patch(FancyArrowPatch((2.95, 1.5), (4.45, 0.4), arrowstyle="-|>", mutation_scale=18, lw=1.5))
+    ax.text(3.9, 1.15, "the bytes of x", fontsize=8)
+    ax.set_xlim(-4.6, 7.6)
+    ax.set_ylim(-0.2, 2.1)
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+# --- the real moves of an all-reduce
+def _record_rank(rank, world_size, topic, function, numel):
+    """Run impl(topic).function on tensor 1 << rank, recording every message it sends."""
+    import torch
+    import torch.distributed as dist
+
+    from labkit.grading import impl
+
+    module = impl(topic)
+    fn, chunk_bounds = getattr(module, function), module.chunk_bounds  # the ring's own chunk arithmetic
+    tensor = torch.full((numel,), 1 << rank, dtype=torch.int64)
+    base, bounds = tensor.data_ptr(), chunk_bounds(numel, world_size)
+    sends = []
+
+    def recording(original):
+        def wrapper(t, dst=None, group=None, tag=0, group_dst=None):
+            peer = group_dst if group_dst is not None else dist.get_group_rank(group or dist.group.WORLD, dst)
+            offset = (t.data_ptr() - base) // t.element_size()
+            inside = 0 <= offset < numel and t.numel() > 0
+            chunk = bisect.bisect_right(bounds, offset) - 1 if inside and t.numel() < numel else None
+            sends.append(dict(src=rank, dst=peer, chunk=chunk, numel=t.numel(), bytes=t.numel() * t.element_size(),
+                              ranks=[q for q in range(world_size) if int(t.reshape(-1)[0]) >> q & 1]
+                              if t.numel() else []))
+            return original(t, dst=dst, group=group, tag=tag, group_dst=group_dst)
+        return wrapper
+
+    dist.isend, dist.send = recording(dist.isend), recording(dist.send)
+    fn(tensor)
+    assert torch.all(tensor == (1 << world_size) - 1), "the all-reduce did not sum every rank's value"
+    for step, send in enumerate(sends):
+        send["step"] = step
+    return sends
+
+
+def record_moves(world_size: int = 4, function: str = "ring_allreduce", numel: int | None = None,
+                 topic: str = "allreduce", timeout: float = 60):
+    """Every message sent by impl(topic).function on `world_size` real ranks, as dicts:
+    step (the k-th send of its rank), src, dst, chunk (None when not a chunk), bytes, ranks
+    (whose values the message carries). Uses the current LABKIT_IMPL."""
+    from labkit.launch import launch
+
+    per_rank = launch(_record_rank, world_size, topic, function, numel or 2 * world_size, timeout=timeout)
+    return [send for sends in per_rank for send in sends]
+
+
+def ring_states(moves, world_size):
+    """States before each step and after the last: states[k][rank][chunk] = contributors.
+
+    A received chunk is ADDED when its contributors are new to the receiver
+    (reduce-scatter), and REPLACES the receiver's when they overlap (all-gather).
+    Each message's recorded contents are checked against the sender's state.
+    """
+    n = world_size
+    state = [[frozenset([r]) for _ in range(n)] for r in range(n)]
+    states = [state]
+    for step in range(max(m["step"] for m in moves) + 1):
+        new = [row[:] for row in state]
+        for m in (m for m in moves if m["step"] == step):
+            carried = frozenset(m["ranks"])
+            assert carried == state[m["src"]][m["chunk"]], f"message {m} does not match the sender's state"
+            own = state[m["dst"]][m["chunk"]]
+            new[m["dst"]][m["chunk"]] = own | carried if not own & carried else carried
+        state = new
+        states.append(state)
+    return states
+
+
+def draw_ring(moves, world_size):
+    """The ring all-reduce step by step, from recorded moves (`record_moves`)."""
+    n = world_size
+    states = ring_states(moves, n)
+    steps = len(states) - 1
+    cols = min(steps + 1, n)
+    rows_of_panels = -(-(steps + 1) // cols)
+    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(3.3 * cols, (0.55 * n + 0.9) * rows_of_panels))
+    axes = list(getattr(axes, "flat", [axes]))
+    for k, ax in enumerate(axes):
+        if k > steps:
+            ax.axis("off")
+            continue
+        sent = [m for m in moves if m["step"] == k]
+        rows = [[(state, c) for c, state in enumerate(row)] for row in states[k]]
+        if k == steps:
+            title = "done: every rank has every sum"
+        else:
+            phase = "reduce-scatter" if k < n - 1 else "all-gather"
+            title = f"{phase} step {k % (n - 1) + 1}: send thick chunks right"
+        _draw_grid(ax, rows, n, title, highlight={(m["src"], m["chunk"]) for m in sent}, col_label="chunk")
+    fig.suptitle(f"ring all-reduce on {n} ranks, drawn from the messages it sent", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def traffic(moves, world_size):
+    """(bytes sent, bytes received) per rank."""
+    sent, received = [0] * world_size, [0] * world_size
+    for m in moves:
+        sent[m["src"]] += m["bytes"]
+        received[m["dst"]] += m["bytes"]
+    return sent, received
+
+
+def draw_traffic(naive_moves, ring_moves, world_size, tensor_bytes):
+    """Bytes in + out per rank, in units of the tensor size S, for both all-reduces."""
+    fig, ax = plt.subplots(figsize=(6.4, 3))
+    width = 0.38
+    for j, (name, moves) in enumerate((("naive (via rank 0)", naive_moves), ("ring", ring_moves))):
+        sent, received = traffic(moves, world_size)
+        xs = [r + (j - 0.5) * width for r in range(world_size)]
+        ax.bar(xs, [(s + q) / tensor_bytes for s, q in zip(sent, received)], width, label=name,
+               color=COLORS[j])
+    n = world_size
+    ax.axhline(2 * (n - 1), color=COLORS[0], ls=":", lw=1)
+    ax.axhline(2 * (n - 1) / n * 2, color=COLORS[1], ls=":", lw=1)
+    ax.set_xticks(range(n), [f"rank {r}" for r in range(n)])
+    ax.set_ylabel("bytes in + out  (x S)")
+    ax.set_title(f"traffic per rank, all-reduce of S bytes on {n} ranks (recorded)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def main():
+    import os
+
+    os.environ.setdefault("LABKIT_IMPL", "solutions")
+    IMGS.mkdir(exist_ok=True)
+    written = []
+
+    def save(fig, name):
+        path = IMGS / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    save(draw_point_to_point(), "point_to_point.png")
+    for name in COLLECTIVES:
+        save(draw_collective(name), f"collective_{name}.png")
+    n, numel = 4, 8
+    ring = record_moves(n, "ring_allreduce", numel)
+    naive = record_moves(n, "naive_allreduce", numel)
+    save(draw_ring(ring, n), "ring_allreduce_steps.png")
+    save(draw_traffic(naive, ring, n, numel * 8), "allreduce_traffic.png")
+    for path in written:
+        print(path.relative_to(IMGS.parent))
+
+
+if __name__ == "__main__":
+    main()
