@@ -1,0 +1,163 @@
+"""The grading harness: stub generation, the implementation switch, and proof that the tests can fail.
+
+`test_every_grading_test_fails_on_the_untouched_stubs` runs the whole grading suite on
+`exercises/` in a subprocess: every grading test must fail, and fail as "not implemented",
+so that no grading test passes without the learner's code. It needs pristine stubs, so it
+runs only in the maintainers' mode (`--impl=solutions`, as `make test` and CI do).
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from labkit import stubgen
+from labkit.grading import REPO_ROOT, current_impl, exercise_blocks, exercises, impl
+
+SOLUTION = textwrap.dedent('''\
+    """A topic."""
+    NOTEBOOK = "99_topic"
+
+    def helper(x):
+        return x + 1
+
+    def square(x):
+        """Return x squared."""
+        ### BEGIN SOLUTION
+        return x * x
+        ### END SOLUTION
+
+    class Counter:
+        def __init__(self):
+            ### BEGIN SOLUTION
+            self.n = 0
+            ### END SOLUTION
+
+        def bump(self):
+            ### BEGIN SOLUTION
+            self.n += 1
+            ### END SOLUTION
+''')
+
+maintainers_only = pytest.mark.skipif(
+    os.environ.get("LABKIT_IMPL") != "solutions",
+    reason="maintainers' check (needs untouched exercises/): run with --impl=solutions")
+
+
+@pytest.fixture
+def tree(tmp_path):
+    (tmp_path / "solutions").mkdir()
+    (tmp_path / "exercises").mkdir()
+    (tmp_path / "solutions" / "topic.py").write_text(SOLUTION)
+    return tmp_path
+
+
+def test_blocks_belong_to_their_top_level_def_or_class():
+    assert [name for name, _, _ in exercise_blocks(SOLUTION)] == ["square", "Counter", "Counter"]
+
+
+@pytest.mark.parametrize("broken", [
+    "def f():\n    ### BEGIN SOLUTION\n    pass\n",
+    "def f():\n    pass\n    ### END SOLUTION\n",
+    "### BEGIN SOLUTION\nx = 1\n### END SOLUTION\n",
+], ids=["unclosed_block", "end_without_begin", "block_outside_any_def"])
+def test_malformed_markers_are_refused(broken):
+    with pytest.raises(ValueError):
+        exercise_blocks(broken)
+
+
+def test_stub_keeps_signatures_and_docstrings_and_raises_with_a_hint(tree):
+    stubgen.sync(tree)
+    text = (tree / "exercises" / "topic.py").read_text()
+    assert 'def square(x):\n    """Return x squared."""\n    raise NotImplementedError(' in text
+    assert "return x * x" not in text and "### BEGIN" not in text
+    assert "def helper(x):\n    return x + 1" in text
+    namespace = {}
+    exec(compile(text, "topic.py", "exec"), namespace)
+    with pytest.raises(NotImplementedError, match=r"exercise square is not implemented yet: edit "
+                                                  r"exercises/topic.py, see notebooks/99_topic.ipynb"):
+        namespace["square"](3)
+    with pytest.raises(NotImplementedError, match="exercise Counter"):
+        namespace["Counter"]()
+
+
+def test_regenerating_never_loses_learner_work(tree):
+    stubgen.sync(tree)
+    target = tree / "exercises" / "topic.py"
+    edited = target.read_text().replace(
+        'raise NotImplementedError("exercise square is not implemented yet: edit exercises/topic.py, '
+        'see notebooks/99_topic.ipynb")', "return x * x  # mine")
+    target.write_text(edited)
+    (tree / "solutions" / "topic.py").write_text(SOLUTION.replace("Return x squared.", "Square it."))
+
+    stale, kept, written = stubgen.sync(tree)  # an edited file is kept as it is
+    assert kept == [target] and written == [] and target.read_text() == edited
+
+    stale, kept, written = stubgen.sync(tree, force=True)  # --force: backup first
+    backups = list((tree / "exercises").glob("topic.py.bak-*"))
+    assert written == [target] and len(backups) == 1 and backups[0].read_text() == edited
+    assert "Square it." in target.read_text()
+
+
+def test_untouched_stubs_are_regenerated_without_backup(tree):
+    stubgen.sync(tree)
+    (tree / "solutions" / "topic.py").write_text(SOLUTION.replace("Return x squared.", "Square it."))
+    stale, kept, written = stubgen.sync(tree)
+    assert written == [tree / "exercises" / "topic.py"] and kept == []
+    assert not list((tree / "exercises").glob("*.bak-*"))
+
+
+def test_check_mode_reports_without_writing(tree):
+    assert stubgen.main(["--check", "--root", str(tree)]) == 1
+    assert not (tree / "exercises" / "topic.py").exists()
+
+
+def test_switch_selects_the_module(monkeypatch):
+    monkeypatch.setenv("LABKIT_IMPL", "solutions")
+    assert current_impl() == "solutions"
+    monkeypatch.setenv("LABKIT_IMPL", "answers")
+    with pytest.raises(ValueError, match="LABKIT_IMPL='answers'"):
+        current_impl()
+    with pytest.raises(ValueError, match="no exercise module"):
+        impl("no_such_topic", "solutions")
+
+
+@maintainers_only
+def test_exercises_are_in_sync_with_solutions():
+    """If this fails: maintainers run `python -m labkit.stubgen` and commit exercises/."""
+    stale, _, _ = stubgen.sync(REPO_ROOT, check=True)
+    assert not stale, f"out of date: {[p.name for p in stale]}: run `python -m labkit.stubgen`"
+
+
+@pytest.fixture(scope="module")
+def stub_run(tmp_path_factory):
+    report = tmp_path_factory.mktemp("grade") / "grade.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/grading", "--impl=exercises", "--grade", "-q",
+         "-p", "no:cacheprovider", f"--grade-json={report}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+        env=dict(os.environ, LABKIT_IMPL="exercises"))
+    return out, json.loads(report.read_text())
+
+
+@maintainers_only
+@pytest.mark.timeout(900)
+def test_every_grading_test_fails_on_the_untouched_stubs(stub_run):
+    out, outcomes = stub_run
+    assert outcomes, f"no grading test ran:\n{out.stdout[-3000:]}"
+    wrong = {test: o["status"] for test, o in outcomes.items() if o["status"] != "not implemented yet"}
+    assert not wrong, f"grading tests that do not fail as 'not implemented' on the stubs: {wrong}"
+
+
+@maintainers_only
+@pytest.mark.timeout(900)
+def test_every_exercise_has_grading_tests_and_appears_in_the_table(stub_run):
+    out, outcomes = stub_run
+    graded = {name for o in outcomes.values() for name in o["exercises"]}
+    missing = [e.name for e in exercises() if e.name not in graded]
+    assert not missing, f"exercises without a grading test: {missing}"
+    for exercise in exercises():
+        assert any(line.split()[:1] == [exercise.name] and "not implemented yet" in line
+                   for line in out.stdout.splitlines()), f"{exercise.name} missing from the grade table"
