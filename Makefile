@@ -24,14 +24,14 @@ $(STAMP): pyproject.toml
 	@echo "Setting up $(VENV) with $(PYTHON) (first time: a few minutes)..."
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@set -o pipefail; $(BIN)/python -m pip install -q --upgrade pip $(PIP_QUIET)
-	@set -o pipefail; $(BIN)/python -m pip install -q -e . $(PIP_QUIET)
+	@set -o pipefail; $(BIN)/python -m pip install -q -e . $(PIP_EXTRA) $(PIP_QUIET)
 	@$(BIN)/python -c "import torch, labkit; print('torch', torch.__version__, '- labkit ready')"
 	@touch $(STAMP)
 
 setup: $(STAMP)
 
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 # The lab's own test suite: labkit, the grading tests on the reference solutions, the proof that
 # every grading test fails on the untouched stubs, and every notebook executed in its quick setting.
