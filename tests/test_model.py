@@ -198,3 +198,54 @@ def test_stages_in_sequence_give_exactly_the_full_models_logits_and_gradients(n_
         out.backward(inp.grad)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, full_grads[n], rtol=1e-6, atol=1e-7, msg=n)
+
+
+# --- labkit.metrics and labkit.train_loop: FLOP counts and the training loop on this model
+
+
+def test_matmul_params_counts_every_parameter_but_the_embedding():
+    from labkit.metrics import matmul_params
+
+    for name in ("tiny", "seed"):
+        model = build_model(name)
+        assert matmul_params(model.config) == model.num_params(exclude_embedding=True)
+
+
+def test_flops_per_token_is_6n_plus_attention_term():
+    from labkit.metrics import flops_per_token, matmul_params
+
+    cfg = get_config("seed")
+    assert flops_per_token(cfg, 256) == 6 * matmul_params(cfg) + 12 * 6 * 288 * 256
+
+
+def test_peak_flops_by_device_name_whole_words_and_none_when_unknown():
+    from labkit.metrics import lookup_peak
+
+    assert lookup_peak("NVIDIA H100 80GB HBM3") == 989e12
+    assert lookup_peak("NVIDIA H100 PCIe") == 756e12
+    assert lookup_peak("NVIDIA A100-SXM4-40GB", "tf32") == 156e12
+    assert lookup_peak("NVIDIA L40S") == 362e12 and lookup_peak("NVIDIA L4") == 121e12
+    assert lookup_peak("Tesla V100-SXM2-16GB") is None  # no bf16 on a V100
+    assert lookup_peak("NVIDIA A10G") is None and lookup_peak("Some Future GPU") is None
+
+
+def test_mfu_is_none_on_cpu_rather_than_a_made_up_number():
+    from labkit.metrics import mfu
+
+    assert mfu(1e4, get_config("tiny"), 128, device="cpu") is None
+
+
+def test_short_training_run_brings_the_loss_well_below_ln_vocab():
+    """30 AdamW steps of 8 x 32 tokens of TinyStories: from ln(4096) = 8.3 to below 6.5 (~2 s)."""
+    from labkit.data import load_tokens
+    from labkit.train_loop import TrainConfig, train
+
+    cfg = TrainConfig.quick(steps=30, batch_size=8, seq_len=32, warmup=5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # ops this small only lose from threads, badly so on a busy machine
+    try:
+        history = train(build_model("tiny"), load_tokens(), cfg, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert abs(history["loss"][0] - math.log(4096)) < 0.1
+    assert sum(history["loss"][-5:]) / 5 < 6.5

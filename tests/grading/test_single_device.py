@@ -1,0 +1,136 @@
+"""Grading tests for notebook 01_single_device (solutions/single_device.py).
+
+References: torch.optim.SGD for sgd_step, autograd on the whole batch for
+accumulate_gradients. The tiny model on a batch of 8 x 16 tokens: a few seconds in all.
+"""
+import pytest
+import torch
+from torch import nn
+
+from labkit.grading import impl
+from labkit.model import build_model
+
+B, T = 8, 16
+
+
+def sd():
+    return impl("single_device")
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 4096, (B, T + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def _full_batch_grads(model, x, y):
+    model.zero_grad(set_to_none=True)
+    loss = model(x, y)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.exercise("sgd_step")
+def test_sgd_step_matches_torch_optim_sgd():
+    ours, ref = build_model("tiny", seed=1), build_model("tiny", seed=1)
+    x, y = _batch()
+    for model in (ours, ref):
+        model(x, y).backward()
+    sd().sgd_step(ours.parameters(), lr=0.1)  # a generator, as model.parameters() is
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.exercise("sgd_step")
+def test_sgd_step_skips_params_whose_grad_is_none_and_keeps_grads():
+    used, unused = nn.Parameter(torch.tensor([1.0, 2.0])), nn.Parameter(torch.tensor([3.0]))
+    (used * torch.tensor([10.0, 20.0])).sum().backward()
+    sd().sgd_step([used, unused], lr=0.5)
+    torch.testing.assert_close(used.detach(), torch.tensor([1.0 - 5.0, 2.0 - 10.0]))
+    torch.testing.assert_close(unused.detach(), torch.tensor([3.0]))
+    assert unused.grad is None
+    torch.testing.assert_close(used.grad, torch.tensor([10.0, 20.0]))  # zeroing is the caller's job
+
+
+@pytest.mark.exercise("sgd_step")
+def test_sgd_step_is_not_recorded_by_autograd():
+    p = nn.Parameter(torch.ones(3))
+    (2 * p).sum().backward()
+    sd().sgd_step([p], lr=1.0)
+    assert p.is_leaf and p.grad_fn is None and p.requires_grad
+    torch.testing.assert_close(p.detach(), -torch.ones(3))
+
+
+@pytest.mark.exercise("sgd_step")
+def test_sgd_step_negative_lr_raises_and_zero_lr_changes_nothing():
+    p = nn.Parameter(torch.ones(2))
+    p.sum().backward()
+    with pytest.raises(ValueError, match="learning rate"):
+        sd().sgd_step([p], lr=-0.1)
+    sd().sgd_step([p], lr=0.0)
+    assert torch.equal(p.detach(), torch.ones(2))
+
+
+@pytest.mark.exercise("accumulate_gradients")
+@pytest.mark.parametrize("n_microbatches", [1, 2, 4, 8])
+def test_accumulate_gradients_equals_the_full_batch_gradient(n_microbatches):
+    model = build_model("tiny", seed=2)
+    x, y = _batch(seed=n_microbatches)
+    full_loss, full_grads = _full_batch_grads(model, x, y)
+    loss = sd().accumulate_gradients(model, x, y, n_microbatches)
+    torch.testing.assert_close(torch.as_tensor(loss).reshape(()), full_loss, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, full_grads[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.exercise("accumulate_gradients")
+def test_accumulate_gradients_clears_stale_gradients_first():
+    model = build_model("tiny", seed=3)
+    x, y = _batch()
+    _, full_grads = _full_batch_grads(model, x, y)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e3)  # left over from an earlier step
+    sd().accumulate_gradients(model, x, y, 2)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, full_grads[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.exercise("accumulate_gradients")
+def test_accumulate_gradients_returns_a_detached_scalar():
+    model = build_model("tiny", seed=4)
+    x, y = _batch()
+    loss = sd().accumulate_gradients(model, x, y, 4)
+    loss = torch.as_tensor(loss)
+    assert loss.numel() == 1 and not loss.requires_grad
+
+
+@pytest.mark.exercise("accumulate_gradients")
+def test_accumulate_gradients_batch_not_divisible_into_microbatches_raises():
+    model = build_model("tiny", seed=5)
+    x, y = _batch()  # 8 rows
+    with pytest.raises(ValueError, match="does not split into 3 equal"):
+        sd().accumulate_gradients(model, x, y, 3)
+    with pytest.raises(ValueError, match="n_microbatches"):
+        sd().accumulate_gradients(model, x, y, 0)
+    _, full_grads = _full_batch_grads(model, x[:6], y[:6])
+    sd().accumulate_gradients(model, x[:6], y[:6], 3)  # 6 rows do split into 3
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, full_grads[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.exercise("sgd_step", "accumulate_gradients")
+def test_three_accumulated_sgd_steps_train_like_full_batch_torch_sgd():
+    ours, ref = build_model("tiny", seed=6), build_model("tiny", seed=6)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(3):
+        x, y = _batch(seed=10 + step)
+        sd().accumulate_gradients(ours, x, y, 4)
+        sd().sgd_step(ours.parameters(), lr=0.5)
+        opt.zero_grad()
+        ref(x, y).backward()
+        opt.step()
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
