@@ -97,7 +97,7 @@ def notebook_of(source: str, topic: str) -> str:
 
 
 def exercises() -> list[Exercise]:
-    """Every exercise in ``solutions/``, in file then source order."""
+    """Every exercise in ``solutions/``, in teaching order: by notebook, then source order."""
     found = []
     for path in sorted((REPO_ROOT / "solutions").glob("*.py")):
         if path.stem == "__init__":
@@ -109,7 +109,7 @@ def exercises() -> list[Exercise]:
         notebook = notebook_of(source, path.stem)
         for name in dict.fromkeys(name for name, _, _ in blocks):
             found.append(Exercise(name, path.stem, notebook))
-    return found
+    return sorted(found, key=lambda e: e.notebook)  # stable: source order within a notebook
 
 
 def not_implemented_message(name: str, topic: str, notebook: str) -> str:

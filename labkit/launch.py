@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 BACKENDS = ("auto", "gloo", "nccl")
+_warned_sizes: set = set()
 GRACE_AFTER_FAILURE = 1.5  # seconds the other ranks get to report their own failure
 SCHEDULER_VARS = {  # rank variable, world-size variable, local-rank variable
     "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -102,7 +103,8 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, **kwargs) -> li
         return _run_as_scheduled_rank(scheduler, fn, world_size, args, kwargs, backend)
     backend = _choose_backend(backend, world_size)
     cores = os.cpu_count() or 1
-    if world_size > cores:
+    if world_size > cores and world_size not in _warned_sizes:
+        _warned_sizes.add(world_size)  # once per size: a notebook launches the same size many times
         warnings.warn(f"{world_size} ranks on {cores} CPU cores: the ranks take turns on the cores "
                       "(oversubscription), so they run, but slower than they would on their own cores.",
                       OversubscriptionWarning, stacklevel=2)
@@ -369,8 +371,7 @@ class _Launcher:
         stacks = self._stacks(stuck)
         finished = sorted(set(range(self.world_size)) - set(stuck))
         parts = [f"timed out after {self.timeout:g} s: rank(s) {_ranks(stuck)} of {self.world_size} "
-                 f"were still running" + (f" (rank(s) {_ranks(finished)} had returned and were waiting "
-                                          "for them)" if finished else "") + "."]
+                 f"were still running" + (f" (rank(s) {_ranks(finished)} had already returned)" if finished else "") + "."]
         for rank in stuck:
             parts.append(f"\n=== rank {rank}: still running; its Python stack ===\n{stacks[rank]}")
             if self.tail[rank]:
@@ -492,10 +493,15 @@ def _describe_exit(code) -> str:
     return f"exit code {code}"
 
 
+NOISE_FRAMES = ("labkit/launch.py", "multiprocessing/", "/IPython/", "/ipykernel/", "/tornado/",
+                "/asyncio/", "/traitlets/", "/zmq/", "runpy.py", "/_pytest/", "/pluggy/", "/pytest/",
+                "/jupyter_client/", "/jupyter_core/", "/nbclient/", "/labkit/magic.py")
+
+
 def _trim_stack(text: str) -> str:
-    # faulthandler lists every thread; the launcher's own frames are noise for a learner.
-    lines = [line for line in text.splitlines() if "labkit/launch.py" not in line
-             and "multiprocessing/" not in line]
+    # faulthandler lists every frame down to the process's start; the launcher's, the kernel's
+    # and pytest's frames are noise to a learner looking for where their rank waits.
+    lines = [line for line in text.splitlines() if not any(noise in line for noise in NOISE_FRAMES)]
     return "\n".join(lines).strip()
 
 
