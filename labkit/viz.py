@@ -43,12 +43,15 @@ def _axes(ax, figsize):
 def _boxes(ax, rows, n_mb, width_for_text):
     """rows: rank -> list of (start, end, kind, mb). Draws compute boxes with labels."""
     for rank, items in rows.items():
-        for start, end, kind, mb in items:
-            compute = kind in tlmod.COMPUTE_KINDS
-            y, h = (rank - 0.4, 0.8) if compute else (rank + 0.28, 0.12)
-            ax.broken_barh([(start, end - start)], (y, h), facecolors=_color(kind, mb, n_mb),
-                           edgecolor="black" if compute else "none", linewidth=0.4)
-            if compute and mb is not None and end - start >= width_for_text:
+        compute = [it for it in items if it[2] in tlmod.COMPUTE_KINDS]
+        comm = [it for it in items if it[2] not in tlmod.COMPUTE_KINDS]
+        # one collection per row and per kind of bar: fast even with thousands of spans
+        for group, (y, h), edge in ((compute, (rank - 0.4, 0.8), "black"), (comm, (rank + 0.28, 0.12), "none")):
+            if group:
+                ax.broken_barh([(s, e - s) for s, e, _, _ in group], (y, h), edgecolor=edge, linewidth=0.4,
+                               facecolors=[_color(k, mb, n_mb) for _, _, k, mb in group])
+        for start, end, kind, mb in compute:
+            if mb is not None and end - start >= width_for_text:
                 ax.text((start + end) / 2, rank, f"{kind}{mb}" if n_mb <= 12 else str(mb),
                         ha="center", va="center", fontsize=7)
 
