@@ -293,3 +293,31 @@ def test_under_torchrun_the_process_is_its_rank(tmp_path):
     assert [r[3] for r in results] == [3.0, 3.0]
     assert results[0][2] == parent_pid  # rank 0 ran in torchrun's process, nothing was forked
     assert "MISMATCH launch(fn, 3) asks for 3 ranks, but torchrun st" in out.stdout
+
+
+# --------------------------------------------------------------------------- from a notebook
+
+def test_function_defined_in_a_notebook_cell_and_the_ranks_magic(tmp_path):
+    """A real kernel: a cell-defined function runs on the ranks (no pickling), %%ranks works,
+    rank output lands in the cell's output, and no process outlives the kernel."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in (
+        "import labkit, torch, torch.distributed as dist\n"
+        "def cell_fn(rank, world_size, scale):\n"
+        "    t = torch.tensor([rank * scale]); dist.all_reduce(t)\n"
+        "    print('inside', rank)\n"
+        "    return t.item()\n"
+        "print(labkit.launch(cell_fn, 2, 3.0, timeout=60))",
+        "%load_ext labkit",
+        "%%ranks 2 --timeout 60\nprint('magic', rank, world_size, scale_from_notebook)",
+    )]
+    nb.cells.insert(1, nbformat.v4.new_code_cell("scale_from_notebook = 42"))
+    client = NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    text = lambda cell: "".join(o.get("text", "") for o in cell.outputs)  # noqa: E731
+    assert "[3.0, 3.0]" in text(nb.cells[0])
+    assert "[rank 0] inside 0" in text(nb.cells[0]) and "[rank 1] inside 1" in text(nb.cells[0])
+    assert "[rank 1] magic 1 2 42" in text(nb.cells[3])
