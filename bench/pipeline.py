@@ -1,0 +1,123 @@
+"""Pipeline schedules on synthetic stages: measured bubble vs (p-1)/(m+p-1), activation memory.
+
+    python bench/pipeline.py [--quick] [--impl solutions|exercises] [--t-f SECONDS]
+
+4 ranks (labkit.launch), one stage each. Every stage is a `SyntheticStage`: its forward
+sleeps t_F and its backward t_B = 2 t_F, so the ranks do not compete for CPU cores and
+what is measured is the schedule plus the messages. For GPipe and 1F1B and m in
+{4, 8, 16} micro-batches of one global batch (16 rows x 64 positions x d_model 288, the
+seed model's width, so a micro-batch is 16/m rows), each configuration runs one warm-up
+step (it also opens the gloo connections) and then a few measured steps; the reported
+step is the median by bubble (the lower median for an even count). Columns:
+
+    bubble      measured idle fraction of the step (labkit.timeline.bubble_fraction)
+    theory      (p-1)/(m+p-1); abs.err = measured - theory (percentage points),
+                rel.err = measured / theory - 1
+    step        measured step time; ideal = (m+p-1)(t_F+t_B)
+    in-flight   peak micro-batches whose activations a rank holds (rank 0, the most)
+    act MiB     peak bytes autograd saved for backward on rank 0
+
+The last line is one JSON object: per configuration figures, the largest absolute and
+relative bubble errors, and rank 0's peak activation memory of GPipe over 1F1B for each m.
+The excess over theory is the messages on the critical path (each F waits for a receive,
+and a sleeping rank takes a moment to wake up, more so on a busy machine); a longer t_F
+makes it relatively smaller.
+--quick: t_F = 30 ms, 2 measured steps per configuration (full: t_F = 50 ms, 4 steps).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+P, MS, BATCH, SEQ, D_MODEL = 4, (4, 8, 16), 16, 64, 288
+SCHEDULES = {"GPipe": "gpipe_schedule", "1F1B": "one_f_one_b_schedule"}
+
+
+def run_rank(rank, world_size, t_f, steps):
+    import torch
+
+    from labkit.grading import impl
+    from labkit.timeline import Timeline
+
+    pl = impl("pipeline")
+    tl, out = Timeline(), {}
+    for label, fn in SCHEDULES.items():
+        for m in MS:
+            act = pl.activation_shape(type("Cfg", (), {"d_model": D_MODEL}), BATCH, SEQ, m)
+            schedule = getattr(pl, fn)(world_size, m)
+            tokens = torch.zeros(BATCH, SEQ, dtype=torch.long)
+            runs = []
+            for _ in range(1 + steps):  # the first is a warm-up, dropped below
+                stage = pl.SyntheticStage(rank, world_size, act, t_f=t_f)
+                stats = {}
+                tl.sync()
+                pl.run_schedule(stage, schedule, tokens, tokens, stage=rank, act_shape=act, timeline=tl, stats=stats)
+                runs.append((tl.gather(), stats))
+            out[label, m] = runs[1:]
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="t_F = 30 ms, 2 measured steps per configuration")
+    parser.add_argument("--impl", default=os.environ.get("LABKIT_IMPL", "solutions"),
+                        choices=["solutions", "exercises"], help="whose schedules and steps (default: solutions)")
+    parser.add_argument("--t-f", type=float, default=None, help="synthetic forward time in seconds")
+    args = parser.parse_args()
+    os.environ["LABKIT_IMPL"] = args.impl
+
+    import warnings
+
+    from labkit.launch import OversubscriptionWarning, launch
+    from labkit.schedules import theoretical_bubble
+    from labkit.timeline import bubble_fraction, window
+
+    warnings.simplefilter("ignore", OversubscriptionWarning)  # the stages sleep: cores are not the limit
+    t_f = args.t_f or (0.03 if args.quick else 0.05)
+    steps = 2 if args.quick else 4
+    start = time.time()
+    results = launch(run_rank, P, t_f, steps, timeout=600)
+
+    rows = []
+    for label in SCHEDULES:
+        for m in MS:
+            measured = []
+            for i, (spans, _) in enumerate(results[0][label, m]):
+                t0, t1 = window(spans)
+                measured.append((bubble_fraction(spans), t1 - t0, i))
+            bubble, step_s, i = sorted(measured)[(len(measured) - 1) // 2]  # the (lower) median step
+            stats0 = results[0][label, m][i][1]
+            theory = theoretical_bubble(P, m)
+            rows.append({"schedule": label, "m": m, "bubble": round(bubble, 4), "theory": round(theory, 4),
+                         "abs_error_pp": round(100 * (bubble - theory), 2), "rel_error": round(bubble / theory - 1, 4), "step_ms": round(step_s * 1e3, 1),
+                         "ideal_step_ms": round((m + P - 1) * 3 * t_f * 1e3, 1),
+                         "peak_inflight_rank0": stats0["peak_inflight"],
+                         "peak_act_mib_rank0": round(stats0["peak_activation_bytes"] / 2**20, 3),
+                         "peak_inflight_per_rank": [results[r][label, m][i][1]["peak_inflight"] for r in range(P)]})
+
+    print(f"pipeline schedules, p={P}, synthetic stages t_F={t_f * 1e3:.0f} ms, t_B=2 t_F, "
+          f"batch {BATCH}x{SEQ}x{D_MODEL}, impl={args.impl}, {time.time() - start:.0f} s")
+    head = f"{'schedule':8s} {'m':>3s} {'bubble':>8s} {'theory':>8s} {'abs.err':>8s} {'rel.err':>8s} {'step ms':>9s} " \
+           f"{'ideal ms':>9s} {'in-flight':>10s} {'act MiB':>8s}  in-flight per rank"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['schedule']:8s} {r['m']:3d} {r['bubble']:8.1%} {r['theory']:8.1%} {r['abs_error_pp']:+7.1f}pp {r['rel_error']:+8.1%} "
+              f"{r['step_ms']:9.1f} {r['ideal_step_ms']:9.1f} {r['peak_inflight_rank0']:10d} "
+              f"{r['peak_act_mib_rank0']:8.3f}  {r['peak_inflight_per_rank']}")
+    mem = {str(m): round(next(r["peak_act_mib_rank0"] for r in rows if r["schedule"] == "GPipe" and r["m"] == m)
+                         / next(r["peak_act_mib_rank0"] for r in rows if r["schedule"] == "1F1B" and r["m"] == m), 3)
+           for m in MS}
+    print(json.dumps({"bench": "pipeline", "p": P, "t_f_ms": t_f * 1e3, "impl": args.impl, "results": rows,
+                      "max_abs_bubble_error_pp": max(abs(r["abs_error_pp"]) for r in rows),
+                      "max_rel_bubble_error": max(abs(r["rel_error"]) for r in rows),
+                      "act_mem_ratio_gpipe_over_1f1b_rank0": mem}))
+
+
+if __name__ == "__main__":
+    main()
