@@ -1,0 +1,277 @@
+"""One training entry point for every strategy, in a notebook, under torchrun, Slurm or mpiexec.
+
+    python -m labkit.train --strategy single --steps 20
+    python -m labkit.train --strategy dp --dp 2                   # forks 2 ranks (labkit.launch)
+    torchrun --standalone --nproc-per-node 4 -m labkit.train --strategy hybrid --dp 2 --pp 2
+    srun python -m labkit.train --strategy pp        # Slurm: one task per rank (labkit/jobs/)
+    mpiexec -n 8 python -m labkit.train --strategy hybrid --dp 2 --pp 4   # PBS / MPI
+
+    from labkit.train import main                   # in a notebook: the same, forked
+    report = main(["--strategy", "hybrid", "--dp", "2", "--pp", "2", "--steps", "5"])
+
+Strategies, as (dp, pp) meshes of notebook 07 (world size = dp x pp):
+    single  one process: labkit.train_loop's step (the reference)
+    dp      dp replicas: impl("data_parallel") shard, all-reduce the gradients (notebook 04)
+    pp      pp stages, 1F1B micro-batches: impl("pipeline").run_schedule (notebook 06)
+    hybrid  dp pipelines of pp stages: impl("hybrid").hybrid_step (notebook 07)
+Every strategy trains the same model on the same global batches with the same AdamW,
+learning-rate schedule and gradient clipping as `labkit.train_loop`, so its losses and
+final weights equal the single-process run's (up to float rounding; tests/test_train_scripts.py).
+
+`labkit.launch` does the process work: run plainly, it forks the ranks; under torchrun
+(RANK, WORLD_SIZE), Slurm (SLURM_PROCID, SLURM_NTASKS) or MPI (OMPI_COMM_WORLD_RANK,
+PMI_RANK) it runs this process as its rank. The world size then comes from the launcher.
+
+Reported, the same way for every strategy and machine: tokens/s = global batch tokens x
+timed steps / wall time of those steps (the first step, which warms up, is not timed),
+per device, and MFU = tokens/s x FLOPs per token / (peak FLOP/s x devices) from
+`labkit.metrics` (None on a CPU: no honest peak). The last line of stdout is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+# torch is imported inside the functions: a wrong command line fails in a fraction of a second.
+STRATEGIES = ("single", "dp", "pp", "hybrid")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m labkit.train", description=__doc__.split("\n")[0])
+    p.add_argument("--strategy", choices=STRATEGIES, default="single")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (dp, hybrid)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages (pp, hybrid)")
+    p.add_argument("--microbatches", type=int, default=None, help="per pipeline; default 2 x pp")
+    p.add_argument("--model", default="tiny", help="model config: tiny or seed")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=16, help="the GLOBAL batch, in sequences")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--seed", type=int, default=0, help="model init and data order")
+    p.add_argument("--impl", choices=("exercises", "solutions"), default=None,
+                   help="whose code runs (sets LABKIT_IMPL; default: the environment's, else exercises)")
+    p.add_argument("--save", default=None, help="write the final full state dict here (torch.save)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds, when forking the ranks")
+    p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    return p.parse_args(argv)
+
+
+def scheduled_world_size() -> int | None:
+    """The world size a launcher (torchrun, srun, mpiexec) set for this process, else None."""
+    from labkit.launch import _scheduler, SCHEDULER_VARS
+
+    name = _scheduler()
+    return None if name is None else int(os.environ[SCHEDULER_VARS[name][1]])
+
+
+def resolve_mesh(strategy: str, dp: int | None, pp: int | None, world_size: int | None):
+    """(dp, pp) for the strategy; missing sizes come from the launcher's world size (or 2)."""
+    if strategy == "single":
+        dp, pp = 1, 1
+    elif strategy == "dp":
+        dp, pp = dp or world_size or 2, 1
+    elif strategy == "pp":
+        dp, pp = 1, pp or world_size or 2
+    else:
+        if dp is None and pp is None:
+            dp, pp = 2, (world_size // 2 if world_size else 2)
+        elif dp is None:
+            dp = (world_size or 2 * pp) // pp
+        elif pp is None:
+            pp = (world_size or 2 * dp) // dp
+    if world_size is not None and dp * pp != world_size:
+        raise SystemExit(f"--strategy {strategy} with dp={dp}, pp={pp} needs {dp * pp} processes, but the "
+                         f"launcher started {world_size}: change --dp/--pp or the number of processes")
+    return dp, pp
+
+
+# ---------------------------------------------------------------------------- the ranks
+def _global_grad_clip(params, max_norm: float, group, reduce: bool = True) -> None:
+    """clip_grad_norm_ over the WHOLE model: each stage holds some of the gradients, so the
+    squared norms are summed over the pipeline group before scaling (replicas agree already)."""
+    import torch
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
+    for g in grads:
+        sq += g.detach().double().pow(2).sum()
+    if reduce:
+        dist.all_reduce(sq, group=group)
+    coef = max_norm / (sq.sqrt().item() + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+
+
+def train_config(args):
+    """The `labkit.train_loop.TrainConfig` of a run: AdamW, warm-up + cosine, clipping at 1.0."""
+    from labkit.train_loop import TrainConfig
+
+    return TrainConfig.quick(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                             lr=args.lr, min_lr=args.lr / 10, warmup=max(1, args.steps // 10), seed=args.seed)
+
+
+def _one_axis_mesh(rank: int, dp: int, pp: int):
+    """The mesh of pure DP (pp = 1) or pure PP (dp = 1) without groups: the world is the group."""
+    from types import SimpleNamespace
+
+    dp_rank, pp_rank = (rank, 0) if pp == 1 else (0, rank)
+    return SimpleNamespace(dp=dp, pp=pp, dp_rank=dp_rank, pp_rank=pp_rank, dp_group=None, pp_group=None,
+                           prev_rank=rank - 1 if pp_rank > 0 else None,
+                           next_rank=rank + 1 if pp_rank < pp - 1 else None,
+                           is_first_stage=pp_rank == 0, is_last_stage=pp_rank == pp - 1)
+
+
+def train_rank(rank: int, world_size: int, args) -> dict:
+    """One rank's training run; returns its losses (where known), timing and stage weights."""
+    import torch.distributed as dist
+
+    from labkit.data import get_batch, load_tokens
+    from labkit.grading import impl
+    from labkit.launch import rank_device
+    from labkit.model import build_model, make_stage
+    from labkit.train_loop import lr_at, make_optimizer
+
+    device = rank_device()
+    cfg = train_config(args)
+    tokens = load_tokens("tinystories")
+    model = build_model(args.model, seed=args.seed, device=device)
+    if args.strategy == "hybrid":
+        hybrid = impl("hybrid")
+        mesh = hybrid.make_mesh(world_size, args.dp, args.pp)
+    else:  # one axis only: the whole world is the data-parallel group or the pipeline
+        mesh = _one_axis_mesh(rank, args.dp, args.pp)
+    m = args.microbatches
+    if args.strategy in ("single", "dp"):
+        module = model
+    else:
+        module = make_stage(model, mesh.pp_rank, mesh.pp)
+    opt = make_optimizer(module, cfg)
+    if args.strategy == "dp":
+        impl("data_parallel").broadcast_parameters(model, src=0, group=mesh.dp_group)
+    if args.strategy == "pp":
+        pipeline = impl("pipeline")
+        schedule = pipeline.one_f_one_b_schedule(mesh.pp, m)
+        act_shape = pipeline.activation_shape(model.config, cfg.batch_size, cfg.seq_len, m)
+
+    losses, t_start = [], None
+    for step in range(cfg.steps):
+        if step == 1:  # the first step warms up (allocations, lazy init): time the others
+            dist.barrier()
+            t_start = time.perf_counter()
+        x, y = get_batch(tokens, cfg.batch_size, cfg.seq_len, step, seed=cfg.seed, device=device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        if args.strategy == "single":
+            loss = module(x, y)
+            loss.backward()
+        elif args.strategy == "dp":
+            xs, ys = impl("data_parallel").shard_for_rank((x, y), mesh.dp_rank, mesh.dp)
+            loss = module(xs, ys)
+            loss.backward()
+            impl("data_parallel").allreduce_gradients(module, group=mesh.dp_group)
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=mesh.dp_group)
+            loss /= mesh.dp
+        elif args.strategy == "pp":
+            loss = pipeline.run_schedule(module, schedule, x if mesh.is_first_stage else None,
+                                         y if mesh.is_last_stage else None, stage=mesh.pp_rank,
+                                         act_shape=act_shape, prev_rank=mesh.prev_rank,
+                                         next_rank=mesh.next_rank, group=mesh.pp_group)
+        else:
+            loss = hybrid.hybrid_step(module, mesh, x, y, m)  # gradients averaged, no step yet
+        if cfg.grad_clip is not None:
+            _global_grad_clip(list(module.parameters()), cfg.grad_clip, mesh.pp_group, reduce=mesh.pp > 1)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if loss is not None:
+            losses.append(loss.item())
+            if rank == mesh.pp - 1 and not args.quiet:  # the last stage of pipeline 0
+                print(f"step {step:4d}  loss {losses[-1]:.4f}", flush=True)
+    dist.barrier()
+    seconds = time.perf_counter() - t_start if t_start is not None else float("nan")
+    mine = {id(p) for p in module.parameters()}
+    weights = {n: p.detach().cpu() for n, p in model.named_parameters() if id(p) in mine}
+    return {"losses": losses if losses else None, "seconds": seconds, "device": str(device),
+            "weights": weights if (args.save or mesh.dp_rank == 0) else None}
+
+
+# ---------------------------------------------------------------------------- the report
+def report(results, args, world_size: int) -> dict:
+    """Merge the ranks' results: losses, tokens/s, MFU, a weights checksum."""
+    import torch
+
+    from labkit import metrics
+    from labkit.model import get_config
+
+    config = get_config(args.model)
+    losses = next(r["losses"] for r in results if r["losses"] is not None)
+    weights = {}
+    for r in results:
+        weights.update(r["weights"] or {})
+    timed = args.steps - 1
+    seconds = max(r["seconds"] for r in results)
+    tok_s = timed * args.batch_size * args.seq_len / seconds if timed > 0 else float("nan")
+    device = results[0]["device"]
+    fraction = metrics.mfu(tok_s, config, args.seq_len, device=device, dtype=torch.float32,
+                           n_devices=world_size) if timed > 0 and device.startswith("cuda") else None
+    return {
+        "strategy": args.strategy, "dp": args.dp, "pp": args.pp, "microbatches": args.microbatches,
+        "world_size": world_size, "model": args.model, "steps": args.steps,
+        "global_batch_tokens": args.batch_size * args.seq_len,
+        "first_loss": losses[0], "final_loss": losses[-1],
+        "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / world_size, "mfu": fraction,
+        "weights_checksum": float(sum(w.double().sum() for w in weights.values())),
+        "n_params": int(sum(w.numel() for w in weights.values())),
+        "device": device,
+    }, weights
+
+
+def main(argv=None) -> dict:
+    """Parse ``argv``, run every rank (forked, or this process under a launcher), report.
+
+    Returns the report dict (on every process); rank 0 (or the forking parent) prints the
+    summary and, as the last line, the JSON object.
+    """
+    args = parse_args(argv)
+    if args.impl:
+        os.environ["LABKIT_IMPL"] = args.impl  # before any impl(): forked ranks inherit it
+    world = scheduled_world_size()
+    args.dp, args.pp = resolve_mesh(args.strategy, args.dp, args.pp, world)
+    if args.microbatches is None:
+        args.microbatches = 2 * args.pp if args.strategy in ("pp", "hybrid") else 1
+    world_size = args.dp * args.pp
+    if args.batch_size % (args.dp * args.microbatches):
+        raise SystemExit(f"--batch-size {args.batch_size} must split into dp x microbatches = "
+                         f"{args.dp} x {args.microbatches} equal parts")
+    import torch
+    import torch.distributed as dist
+
+    from labkit.launch import launch
+
+    results = launch(train_rank, world_size, args, timeout=args.timeout)
+    out, weights = report(results, args, world_size)
+    leader = not dist.is_initialized() or dist.get_rank() == 0
+    if leader:
+        if args.save:
+            torch.save(weights, args.save)
+        from labkit.metrics import format_rate
+
+        mfu_text = "n/a (no known peak FLOP/s for this device)" if out["mfu"] is None else f"{out['mfu']:.1%}"
+        print(f"{args.strategy} dp={args.dp} pp={args.pp} m={args.microbatches} on {world_size} rank(s), "
+              f"{out['device']}: loss {out['first_loss']:.4f} -> {out['final_loss']:.4f}; "
+              f"{format_rate(out['tokens_per_s'])} ({format_rate(out['tokens_per_s_per_device'])} per device), "
+              f"MFU {mfu_text}")
+        print(json.dumps(out), flush=True)
+    if dist.is_initialized():  # under a launcher: leave together
+        dist.barrier()
+        dist.destroy_process_group()
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

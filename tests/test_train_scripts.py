@@ -1,0 +1,142 @@
+"""`python -m labkit.train` under real launchers equals single-process training.
+
+Each strategy runs as a separate job under `torchrun --standalone` on CPU (gloo), as a
+learner would start it, and its final weights (saved with --save) and losses must equal
+`labkit.train_loop.train`'s, run here in one process. Two more jobs start the ranks by
+hand with the variables Slurm's srun and MPICH's mpiexec (PBS) set, which is how those
+launchers hand a rank its identity.
+
+Every job runs in its own session and is killed, children included, on timeout.
+Cost: each job starts fresh interpreters that import torch: about 5-10 s per job on two
+idle cores, about a minute for the module (several minutes on a busy machine).
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit.data import load_tokens
+from labkit.model import build_model
+from labkit.train import parse_args, train_config
+from labkit.train_loop import train
+
+REPO = Path(__file__).resolve().parent.parent
+COMMON = ["--steps", "3", "--batch-size", "8", "--seq-len", "32", "--quiet", "--impl", "solutions"]
+TIMEOUT = 240  # seconds per job; a hang is killed, not waited for
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Weights and losses of the single-process loop with the scripts' config."""
+    cfg = train_config(parse_args(COMMON))
+    model = build_model("tiny", seed=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        history = train(model, load_tokens("tinystories"), cfg, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, history["loss"]
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+           and not k.startswith(("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _run(cmds_envs, timeout=TIMEOUT):
+    """Start every (cmd, env) at once, wait for all; kill all on timeout. Returns their outputs."""
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True) for cmd, env in cmds_envs]
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            outputs.append(out)
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.communicate()
+        pytest.fail(f"job did not finish within {timeout} s and was killed: {cmds_envs[0][0]}")
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-4000:]}"
+    return outputs
+
+
+def _report(output: str) -> dict:
+    lines = [line for line in output.splitlines() if line.startswith("{")]
+    assert lines, f"no JSON report in the output:\n{output[-4000:]}"
+    return json.loads(lines[-1])
+
+
+def _check(report, saved_path, reference, strategy, world_size):
+    ref_weights, ref_losses = reference
+    assert (report["strategy"], report["world_size"]) == (strategy, world_size)
+    assert report["tokens_per_s"] > 0 and report["mfu"] is None  # CPU: no honest peak, no MFU
+    assert report["tokens_per_s_per_device"] == pytest.approx(report["tokens_per_s"] / world_size)
+    torch.testing.assert_close(torch.tensor([report["first_loss"], report["final_loss"]]),
+                               torch.tensor([ref_losses[0], ref_losses[-1]]), rtol=1e-5, atol=1e-5)
+    weights = torch.load(saved_path)
+    assert set(weights) == set(ref_weights)
+    for name, w in weights.items():
+        # AdamW's first steps move every weight by about lr = 1e-2 whatever the gradient's size,
+        # so rounding differences in tiny gradients show up at ~1e-5: 1e-4 is 1% of one step
+        torch.testing.assert_close(w, ref_weights[name], rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("strategy,nproc,extra", [
+    ("single", 1, []),
+    ("dp", 2, []),
+    ("pp", 2, ["--microbatches", "4"]),
+    ("hybrid", 4, ["--dp", "2", "--pp", "2", "--microbatches", "2"]),
+])
+def test_train_under_torchrun_standalone_equals_single_process(strategy, nproc, extra, reference, tmp_path):
+    saved = tmp_path / "weights.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "labkit.train", "--strategy", strategy, *extra, *COMMON, "--save", str(saved)]
+    (output,) = _run([(cmd, _env())])
+    _check(_report(output), saved, reference, strategy, nproc)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("launcher", ["slurm_srun", "mpich_mpiexec"])
+def test_train_dp_with_scheduler_variables_equals_single_process(launcher, reference, tmp_path):
+    # What srun / mpiexec do: start N copies of the command, each told its rank by variables.
+    saved = tmp_path / "weights.pt"
+    port = str(_free_port())
+    jobs = []
+    for rank in range(2):
+        if launcher == "slurm_srun":
+            ids = dict(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_STEP_ID="0")
+        else:
+            ids = dict(PMI_RANK=str(rank), PMI_SIZE="2", MPI_LOCALRANKID=str(rank))
+        cmd = [sys.executable, "-m", "labkit.train", "--strategy", "dp", *COMMON, "--save", str(saved)]
+        jobs.append((cmd, _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **ids)))
+    outputs = _run(jobs)
+    _check(_report(outputs[0]), saved, reference, "dp", 2)
+
+
+def test_train_wrong_process_count_says_what_to_change():
+    # hybrid dp=2 x pp=2 needs 4 processes; started by a launcher with 2 it must say so
+    cmd = [sys.executable, "-m", "labkit.train", "--strategy", "hybrid", "--dp", "2", "--pp", "2", *COMMON]
+    env = _env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0
+    assert "needs 4 processes" in proc.stderr and "started 2" in proc.stderr, proc.stderr[-2000:]
