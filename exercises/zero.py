@@ -1,6 +1,6 @@
 # GENERATED from solutions/zero.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/09_zero_fsdp.ipynb.
-# untouched-stub fingerprint: 541e7815cb60f5ef
+# untouched-stub fingerprint: 675e6c39b5b01cf9
 """ZeRO stage 1 by hand: AdamW with its state sharded over the ranks (notebook 09_zero_fsdp).
 
 Plain data parallelism keeps a full copy of the optimizer state on every rank: for Adam,
@@ -73,8 +73,12 @@ def all_gather_flat(shard: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held by the tensors in an optimizer's state (Adam: exp_avg, exp_avg_sq, step)."""
-    return sum(t.numel() * t.element_size()
+    """Bytes THIS rank holds in an optimizer's state (Adam: exp_avg, exp_avg_sq, step).
+
+    A DTensor (FSDP2's sharded state) counts its local shard only.
+    """
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    return sum(local(t).numel() * t.element_size()
                for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
 
 

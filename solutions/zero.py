@@ -70,8 +70,12 @@ def all_gather_flat(shard: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held by the tensors in an optimizer's state (Adam: exp_avg, exp_avg_sq, step)."""
-    return sum(t.numel() * t.element_size()
+    """Bytes THIS rank holds in an optimizer's state (Adam: exp_avg, exp_avg_sq, step).
+
+    A DTensor (FSDP2's sharded state) counts its local shard only.
+    """
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    return sum(local(t).numel() * t.element_size()
                for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
 
 
