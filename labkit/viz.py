@@ -16,8 +16,8 @@ gradient in greens, communication as thin grey bars under the compute row.
 from __future__ import annotations
 
 import matplotlib
-
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 
 from labkit import schedules
 from labkit import timeline as tlmod
@@ -122,6 +122,9 @@ def plot_lines(x, ys: dict, ax=None, xlabel: str = "", ylabel: str = "", title: 
         ax.plot(x, values, marker=marker, label=name)
     ax.set_xscale("log" if logx else "linear")
     ax.set_yscale("log" if logy else "linear")
+    if logx and len(x) <= 16:  # label the measured points, not powers of ten
+        ax.set_xticks(list(x), [f"{v:g}" for v in x])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
