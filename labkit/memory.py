@@ -124,15 +124,17 @@ def plot_memory(n_params: int, world_size: int, precision: str = "mixed", gpu_by
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5))
     rows = memory_table(n_params, world_size, precision)
+    unit, scale = ("GiB", 2**30) if rows[0]["total"] >= 2**30 else ("MiB", 2**20)
     bottom = [0.0] * len(rows)
     for state, color in (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green")):
-        values = [r[state] / 2**30 for r in rows]
+        values = [r[state] / scale for r in rows]
         ax.bar([r["stage"] for r in rows], values, bottom=bottom, label=state, color=color)
         bottom = [b + v for b, v in zip(bottom, values)]
     if gpu_bytes:
-        ax.axhline(gpu_bytes / 2**30, color="red", linestyle="--", label=f"GPU {gpu_bytes / 2**30:.0f} GiB")
-    ax.set_ylabel("GiB per rank")
-    ax.set_title(f"{n_params / 1e9:.3g}B params on {world_size} ranks ({precision}); activations not counted")
+        ax.axhline(gpu_bytes / scale, color="red", linestyle="--", label=f"GPU {gpu_bytes / 2**30:.0f} GiB")
+    ax.set_ylabel(f"{unit} per rank")
+    size = f"{n_params / 1e9:.3g}B" if n_params >= 1e9 else f"{n_params / 1e6:.3g}M"
+    ax.set_title(f"{size} params on {world_size} ranks ({precision}); activations not counted", fontsize=10)
     ax.legend()
     return ax
 
