@@ -293,7 +293,7 @@ def get_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, step: int, se
     windows = batch_windows(n_windows, batch_size, step, seed)[rank * b:(rank + 1) * b]
     idx = windows[:, None] * seq_len + torch.arange(seq_len + 1)
     chunk = tokens[idx]
-    x, y = chunk[:, :-1], chunk[:, 1:]
+    x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # .view(-1) works on both
     if device is not None:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     return x, y
