@@ -103,3 +103,39 @@ def test_gather_three_ranks(estimate):
         assert max(abs(o) for o in offsets) < 0.05
     else:  # one host: every rank takes rank 0's reading as t = 0
         assert origins[0] == origins[1] == origins[2]
+
+
+# ------------------------------------------------------------------ the pictures (labkit.viz)
+def _bars(ax):
+    """(x, width, row) of every compute box drawn, rows read back from their y position."""
+    out = []
+    for coll in ax.collections:
+        for path in coll.get_paths():
+            (x0, y0), (x1, y1) = path.vertices.min(0), path.vertices.max(0)
+            if y1 - y0 > 0.5:  # compute boxes are 0.8 high, communication bars 0.12
+                out.append((round(x0, 6), round(x1 - x0, 6), round((y0 + y1) / 2)))
+    return sorted(out)
+
+
+def test_plot_timeline_draws_every_compute_span_at_its_time():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labkit import viz
+
+    fig = viz.plot_timeline(SPANS, unit="s")
+    ax = fig.axes[0]
+    want = sorted((s.start, s.duration, s.rank) for s in SPANS if s.kind in "FB")
+    assert _bars(ax) == want
+    assert ax.get_title() == "measured: bubble 33.3%"
+
+
+def test_plot_schedule_draws_the_simulation():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labkit import viz
+
+    schedule = [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1F1", "1B0", "1B1"]]
+    fig = viz.plot_schedule(schedule)
+    assert _bars(fig.axes[0]) == sorted((s.start, s.duration, s.rank) for s in SPANS if s.kind in "FB")
+    fig = viz.plot_schedule_vs_timeline(schedule, SPANS, name="GPipe")
+    assert "theory (p-1)/(m+p-1) = 33.3%, measured 33.3%" in fig._suptitle.get_text()
