@@ -1,4 +1,5 @@
-"""All-reduce bandwidth: your ring vs the naive master vs torch's dist.all_reduce.
+"""All-reduce bandwidth: your ring vs the naive master vs torch's dist.all_reduce
+(and the optional pipelined ring and tree).
 
     python bench/allreduce.py [--quick] [--impl solutions|exercises]
 
@@ -37,7 +38,8 @@ def run_rank(rank, world_size, sizes, quick):
     from labkit.grading import impl
 
     allreduce = impl("allreduce")
-    fns = {"ring": allreduce.ring_allreduce, "naive": allreduce.naive_allreduce, "torch": dist.all_reduce}
+    fns = {"ring": allreduce.ring_allreduce, "naive": allreduce.naive_allreduce, "torch": dist.all_reduce,
+           "pipelined ring": allreduce.pipelined_ring_allreduce, "tree": allreduce.tree_allreduce}
     return bandwidth.sweep(fns, sizes, iters_for=lambda nbytes: iterations(nbytes, quick))
 
 
@@ -64,10 +66,12 @@ def main():
         return row["busbw"] / 1e9
 
     ring, naive, torch_ = gbs("ring"), gbs("naive"), gbs("torch")
+    pipelined, tree = gbs("pipelined ring"), gbs("tree")
     print(f"4 ranks, 64 MB: ring / torch = {ring / torch_:.2f}, naive / torch = {naive / torch_:.2f}")
     print(json.dumps({"bench": "allreduce", "world_size": 4, "bytes": 64 * MB,
                       "ring_busbw_gbs": round(ring, 4), "naive_busbw_gbs": round(naive, 4),
                       "torch_busbw_gbs": round(torch_, 4), "ratio": round(ring / torch_, 3),
+                      "pipelined_busbw_gbs": round(pipelined, 4), "tree_busbw_gbs": round(tree, 4),
                       "quick": args.quick}))
 
 

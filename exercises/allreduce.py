@@ -1,6 +1,6 @@
 # GENERATED from solutions/allreduce.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/03_allreduce.ipynb.
-# untouched-stub fingerprint: 2e53e05eea5b5b0e
+# untouched-stub fingerprint: 8de40a6c94ab10f9
 """All-reduce by hand: through a master, and around a ring (notebook 03_allreduce).
 
 All-reduce: every rank starts with a tensor of the same size; afterwards every
@@ -93,4 +93,39 @@ def ring_allreduce(tensor, group=None):
         return tensor
     check_tensors("ring_allreduce", tensor, group)
     raise NotImplementedError("exercise ring_allreduce is not implemented yet: edit exercises/allreduce.py, see notebooks/03_allreduce.ipynb")
+    return tensor
+
+
+# --- Going further (optional exercises): same contract, other schedules.
+
+def pipelined_ring_allreduce(tensor, group=None, segment_bytes=1 << 20):
+    """`ring_allreduce`, with each chunk cut into segments of about `segment_bytes`.
+
+    At every reduce-scatter step all segments are posted at once, and segment k
+    is added as soon as it arrives, while segments k+1... are still on the wire:
+    the additions hide behind the transfers (what gloo and NCCL do). Same
+    results and edge cases as `ring_allreduce`.
+    """
+    info = group_info(group)
+    if info is None:
+        return tensor
+    check_tensors("pipelined_ring_allreduce", tensor, group)
+    raise NotImplementedError("exercise pipelined_ring_allreduce is not implemented yet: edit exercises/allreduce.py, see notebooks/03_allreduce.ipynb")
+    return tensor
+
+
+def tree_allreduce(tensor, group=None):
+    """Sum `tensor` over the ranks of `group`, in place, along a binomial tree; return it.
+
+    Reduce up the tree in ceil(log2 N) rounds (in round k, rank r with bit k set
+    sends its partial sum to r - 2^k and drops out), then broadcast the total
+    back down the same tree. 2 log2 N messages of the whole tensor instead of
+    the ring's 2(N-1) of S/N: fewer latencies, more bytes. The schedule for
+    small tensors. Any world size.
+    """
+    info = group_info(group)
+    if info is None:
+        return tensor
+    check_tensors("tree_allreduce", tensor, group)
+    raise NotImplementedError("exercise tree_allreduce is not implemented yet: edit exercises/allreduce.py, see notebooks/03_allreduce.ipynb")
     return tensor

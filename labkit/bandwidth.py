@@ -149,12 +149,12 @@ def format_table(rows: list) -> str:
     names = list(dict.fromkeys(row["name"] for row in rows))
     keys = list(dict.fromkeys((row["world_size"], row["bytes"]) for row in rows))
     cell = {(row["world_size"], row["bytes"], row["name"]): row for row in rows}
-    lines = ["busbw GB/s (time ms)".ljust(22) + "".join(f"{name:>22}" for name in names)]
+    lines = ["busbw GB/s (ms)".ljust(16) + "".join(f"{name:>19}" for name in names)]
     for n, nbytes in keys:
-        line = f"N={n} {human_bytes(nbytes):>8}".ljust(22)
+        line = f"N={n} {human_bytes(nbytes):>8}".ljust(16)
         for name in names:
             row = cell.get((n, nbytes, name))
-            line += f"{'-':>22}" if row is None else f"{row['busbw'] / 1e9:>11.3f} ({row['seconds'] * 1e3:>7.2f})"
+            line += f"{'-':>19}" if row is None else f"{row['busbw'] / 1e9:>9.3f} ({row['seconds'] * 1e3:>7.1f})"
         lines.append(line)
     return "\n".join(lines)
 

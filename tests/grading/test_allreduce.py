@@ -1,11 +1,12 @@
-"""Grading tests for notebook 03_allreduce: naive_allreduce and ring_allreduce.
+"""Grading tests for notebook 03_allreduce: naive_allreduce and ring_allreduce, and the
+optional pipelined_ring_allreduce and tree_allreduce (same tests).
 
 Run: pytest tests/grading/test_allreduce.py   (add --impl=solutions for the reference)
 
 Every case is compared with torch's own `dist.all_reduce` on the same inputs:
 exactly for int64, with assert_close for floats (the order of the additions
 differs). To keep launches few, ONE launch per world size (1, 2, 3, 4) runs
-every case of both functions; each test below then reads its case's outcome.
+every case of every function; each test below then reads its case's outcome.
 About 10 s on 2 cores.
 """
 import functools
@@ -18,7 +19,10 @@ import torch.distributed as dist
 from labkit.grading import impl
 from labkit.launch import launch
 
-FUNCTIONS = ("ring_allreduce", "naive_allreduce")
+FUNCTIONS = ("ring_allreduce", "naive_allreduce", "pipelined_ring_allreduce", "tree_allreduce")
+# The pipelined ring runs with tiny segments (2-4 elements) so that every case crosses
+# segment boundaries; the several-MB case uses its default segments.
+SMALL_SEGMENTS = 16
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
 
 
@@ -55,7 +59,8 @@ def cases(n):
     out["numel_smaller_than_world_size"] = lambda fn, r, n: [
         check_against_torch(fn, make_input(r, (numel,), torch.int64)) for numel in range(1, n)]
     out["empty_tensor"] = lambda fn, r, n: check_against_torch(fn, torch.empty(0, 3))
-    out["several_megabytes"] = lambda fn, r, n: check_against_torch(fn, make_input(r, (3 * 2**20 // 4 + 1,), torch.float32))
+    out["several_megabytes"] = lambda fn, r, n: check_against_torch(
+        getattr(fn, "func", fn), make_input(r, (3 * 2**20 // 4 + 1,), torch.float32))
     out["non_contiguous"] = lambda fn, r, n: check_against_torch(fn, make_input(r, (6, 10), torch.float64).t())
 
     def non_contiguous_view_of_bigger_tensor(fn, r, n):
@@ -120,6 +125,8 @@ def run_all(rank, world_size):
     results = {}
     for fn_name in FUNCTIONS:
         fn = getattr(module, fn_name)
+        if fn_name == "pipelined_ring_allreduce":
+            fn = functools.partial(fn, segment_bytes=SMALL_SEGMENTS)
         for case, body in {**cases(world_size), **subgroup_cases(groups)}.items():
             try:
                 body(fn, rank, world_size)
@@ -155,7 +162,7 @@ def expect_ok(fn_name, case, world_size):
 
 
 def each_function(test):
-    """Parametrize a test over both functions, each marked with its exercise name."""
+    """Parametrize a test over every function, each marked with its exercise name."""
     return pytest.mark.parametrize("fn_name", [
         pytest.param(name, marks=pytest.mark.exercise(name), id=name) for name in FUNCTIONS])(test)
 
