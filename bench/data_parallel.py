@@ -110,6 +110,9 @@ def main():
     n = args.ranks
     tokens_per_step = lambda ranks: cfg["micro_batch"] * ranks * cfg["seq_len"]  # noqa: E731
 
+    # The first optimizer built in a process imports torch._dynamo (seconds): once here, so
+    # that the forked ranks inherit it instead of each importing it.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     modes = launch(bench_rank, n, MODES, cfg, timeout=600)[0]
     scaling = {}
     for ranks in sorted({1, 2, n} if n >= 2 else {1}):

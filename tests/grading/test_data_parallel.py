@@ -26,6 +26,13 @@ def dp():
     return impl("data_parallel")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def optimizer_imports_done_once():
+    """The first optimizer built in a process imports torch._dynamo (seconds): do it here,
+    once, so that the forked ranks inherit it instead of each paying for it."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
 class OddNet(nn.Module):
     def __init__(self, seed=0):
         super().__init__()
