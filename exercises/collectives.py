@@ -1,6 +1,6 @@
 # GENERATED from solutions/collectives.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/02_collectives.ipynb.
-# untouched-stub fingerprint: 41cb4491188dff27
+# untouched-stub fingerprint: f7622e3fbcdaba14
 """Collectives built from point-to-point messages (notebook 02_collectives).
 
 Each function behaves like its torch.distributed namesake, same arguments and
@@ -14,7 +14,7 @@ Conventions, as in torch.distributed:
   inside the group, which is what `group_dst=` / `group_src=` take;
 - results are written in place and the functions return None;
 - a rank that is not in `group` returns at once;
-- reductions are sums (gloo has no AVG: sum, then divide by the world size).
+- reductions are sums (an average is a sum, then one division by the world size).
 
 Before any message moves, `check_tensors` compares (numel, dtype, device) across
 the ranks, so a mismatch raises a ValueError on every rank instead of hanging.

@@ -11,7 +11,7 @@ Conventions, as in torch.distributed:
   inside the group, which is what `group_dst=` / `group_src=` take;
 - results are written in place and the functions return None;
 - a rank that is not in `group` returns at once;
-- reductions are sums (gloo has no AVG: sum, then divide by the world size).
+- reductions are sums (an average is a sum, then one division by the world size).
 
 Before any message moves, `check_tensors` compares (numel, dtype, device) across
 the ranks, so a mismatch raises a ValueError on every rank instead of hanging.
