@@ -67,6 +67,36 @@ def one_f_one_b_schedule(n_stages: int, n_microbatches: int) -> list[list[str]]:
     ### END SOLUTION
 
 
+def interleaved_schedule(n_ranks: int, n_chunks: int, n_microbatches: int) -> list[list[str]]:
+    """Interleaved 1F1B (Megatron-LM's virtual stages), given as a worked example (not an exercise).
+
+    The model is cut into ``n_ranks * n_chunks`` stages and rank r holds stages
+    r, r + p, r + 2p, ...: each micro-batch goes round the ranks ``n_chunks`` times. Every
+    rank walks its (chunk, micro-batch) pairs in groups of p micro-batches, chunk after
+    chunk, forwards in chunk order and backwards in reverse chunk order, with
+    ``2 (p - r - 1) + (v - 1) p`` warm-up forwards. With stages 1/v as long, the bubble
+    shrinks to (p-1)/(v m + p - 1), at the price of more messages and more activations
+    in flight. Needs n_microbatches to be a multiple of n_ranks.
+    """
+    p, v, m = n_ranks, n_chunks, n_microbatches
+    if p < 1 or v < 1 or m < 1 or m % p:
+        raise ValueError(f"interleaved 1F1B needs n_microbatches ({m}) to be a positive multiple of "
+                         f"n_ranks ({p}), and n_chunks >= 1 (got {v})")
+    out = []
+    for r in range(p):
+        def action(k, kind):
+            chunk = (k % (p * v)) // p
+            chunk = chunk if kind == "F" else v - 1 - chunk
+            return f"{chunk * p + r}{kind}{(k // (p * v)) * p + k % p}"
+
+        total, w = m * v, min(2 * (p - r - 1) + (v - 1) * p, m * v)
+        actions = [action(k, "F") for k in range(w)]
+        for k in range(total - w):
+            actions += [action(k + w, "F"), action(k, "B")]
+        out.append(actions + [action(k, "B") for k in range(total - w, total)])
+    return out
+
+
 # ----------------------------------------------------------------------------- executor
 def activation_shape(config, batch_size: int, seq_len: int, n_microbatches: int) -> tuple[int, int, int]:
     """(micro-batch, seq_len, d_model): what flows between stages, known to every rank.
@@ -92,13 +122,18 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
                  stats: dict | None = None, dtype=torch.float32):
     """Run this rank's part of ``schedule`` (the FULL per-rank list) for one training step.
 
-    stage_module: this rank's stage (`labkit.model.make_stage` or `SyntheticStage`).
+    stage_module: this rank's stage (`labkit.model.make_stage` or `SyntheticStage`), or a
+        dict {stage: module} when the rank holds several stages (interleaved schedules).
     schedule: list of action lists indexed by pipeline rank; this rank runs ``schedule[stage]``.
-    inputs: token ids [B, T] on stage 0; targets [B, T] on the last stage (every rank can
-        read the data, so the last stage reads its targets directly); None elsewhere.
+    stage: this rank's position in the pipeline (its stage when it holds one).
+    inputs: token ids [B, T] on the rank of stage 0; targets [B, T] on the rank of the last
+        stage (every rank can read the data, so the last stage reads its targets
+        directly); None elsewhere.
     act_shape: (B / m, T, d_model), see `activation_shape`; the same on every rank.
-    prev_rank / next_rank: GLOBAL ranks of the neighbouring stages (default stage -/+ 1),
-        so that a DP x PP hybrid can pass its row's ranks with ``group`` its pipeline group.
+    prev_rank / next_rank: GLOBAL ranks of the previous / next pipeline position (default
+        position -/+ 1 modulo the number of positions), so that a DP x PP hybrid can pass
+        its row's ranks with ``group`` its pipeline group. With several stages per rank,
+        stage s+1 lives on the next position, the last position's next being position 0.
     timeline: a `labkit.timeline.Timeline` to record F/B/send/recv/wait spans into.
     loss_scale: multiplies each micro-batch loss; default 1/m, so that the accumulated
         ``.grad`` equal the full-batch mean-loss gradient.
@@ -106,23 +141,39 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
     check: validate the whole schedule first (default), so that a malformed or
         deadlocking schedule raises `labkit.schedules.ScheduleError` on every rank
         before any message is sent.
-    stats: a dict to fill with ``peak_inflight`` (micro-batches whose activations are
-        held at once) and ``peak_activation_bytes`` (tensors saved for backward then).
+    stats: a dict to fill with ``peak_inflight`` (micro-batch activations held at once,
+        counted per stage) and ``peak_activation_bytes`` (tensors saved for backward then).
 
     Returns the batch's mean loss (a 0-d tensor, the sum of the scaled micro-batch
     losses) on the last stage, None elsewhere. Gradients accumulate into ``.grad``.
     Receive buffers are allocated on the device of the stage's parameters.
     """
-    n_stages = len(schedule)
+    n_ranks = len(schedule)
     if check:
         schedules.validate(schedule, blocking_send=blocking_send)
-    if not 0 <= stage < n_stages:
-        raise ValueError(f"stage={stage} but the schedule has {n_stages} ranks")
+    if not 0 <= stage < n_ranks:
+        raise ValueError(f"stage={stage} but the schedule has {n_ranks} ranks")
     actions = [schedules.parse_action(a) for a in schedule[stage]]
-    if any(a.stage != stage for a in actions):
-        raise ValueError(f"rank of stage {stage} got actions of other stages: {schedule[stage]}")
+    owner = schedules.stage_ranks(schedule)  # stage -> pipeline position
+    n_stages = max(owner) + 1
+    for s in range(n_stages - 1):  # messages only go to the previous / next position
+        if s in owner and s + 1 in owner and owner[s + 1] != (owner[s] + 1) % n_ranks:
+            raise ValueError(f"stage {s + 1} must run on the position after stage {s}'s "
+                             f"({(owner[s] + 1) % n_ranks}), not on {owner[s + 1]}")
+    own = sorted({a.stage for a in actions})
+    if isinstance(stage_module, dict):
+        modules = stage_module
+        if any(s not in modules for s in own):
+            raise ValueError(f"rank {stage} runs stages {own}: stage_module has no module for "
+                             f"{[s for s in own if s not in modules]}")
+    elif len(own) > 1:
+        raise ValueError(f"rank {stage} runs stages {own}: pass stage_module as a dict {{stage: module}}")
+    else:
+        modules = {s: stage_module for s in own}
+    if not actions:
+        return None
     m = 1 + max(a.mb for a in actions)
-    first, last = stage == 0, stage == n_stages - 1
+    first, last = 0 in own, n_stages - 1 in own
     for name, t, needed in (("inputs", inputs, first), ("targets", targets, last)):
         if needed and (t is None or t.shape[0] != act_shape[0] * m):
             got = None if t is None else tuple(t.shape)
@@ -130,33 +181,33 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
                              f"(act_shape[0]={act_shape[0]} x {m} micro-batches), got {got}")
     x_mbs = inputs.chunk(m) if first else None
     y_mbs = targets.chunk(m) if last else None
-    prev_rank = stage - 1 if prev_rank is None else prev_rank
-    next_rank = stage + 1 if next_rank is None else next_rank
+    prev_rank = (stage - 1) % n_ranks if prev_rank is None else prev_rank
+    next_rank = (stage + 1) % n_ranks if next_rank is None else next_rank
     scale = 1.0 / m if loss_scale is None else loss_scale
     tl = timeline if timeline is not None else NullTimeline()
-    params = {p.data_ptr() for p in stage_module.parameters()}
-    device = next(stage_module.parameters()).device  # buffers live where the stage does (GPU under nccl)
+    params = {p.data_ptr() for mod in modules.values() for p in mod.parameters()}
+    device = next(next(iter(modules.values())).parameters()).device  # buffers live where the stage does
 
     saved, saved_bytes, sends, loss = {}, {}, [], None
     peak_count = peak_bytes = 0
 
-    def send(tensor, dst, key, mb):
-        with tl.span("send", stage, mb):
+    def send(tensor, dst, key, s, mb):
+        with tl.span("send", s, mb):
             if blocking_send:
-                dist.send(tensor, dst, group=group, tag=_tag(key, stage, mb))
+                dist.send(tensor, dst, group=group, tag=_tag(key, s, mb))
             else:  # keep the tensor alive until the send completes
-                sends.append((dist.isend(tensor, dst, group=group, tag=_tag(key, stage, mb)), tensor))
+                sends.append((dist.isend(tensor, dst, group=group, tag=_tag(key, s, mb)), tensor))
 
-    def recv(src, key, src_stage, mb):
+    def recv(src, key, src_stage, s, mb):
         buf = torch.empty(act_shape, dtype=dtype, device=device)
-        with tl.span("recv", stage, mb):
+        with tl.span("recv", s, mb):
             dist.recv(buf, src, group=group, tag=_tag(key, src_stage, mb))
         return buf
 
     for a in actions:
-        mb = a.mb
+        s, mb = a.stage, a.mb
         if a.kind == "F":
-            x = x_mbs[mb] if first else recv(prev_rank, "act", stage - 1, mb)
+            x = x_mbs[mb] if s == 0 else recv(prev_rank, "act", s - 1, s, mb)
             seen = {}  # bytes of the tensors autograd saves for this micro-batch's backward
 
             def pack(t):
@@ -164,22 +215,24 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
                     seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
                 return t
 
-            with tl.span("F", stage, mb), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                saved[mb] = forward_step(stage_module, x, y_mbs[mb] if last else None, scale)
-            saved_bytes[mb] = sum(seen.values())
+            is_last = s == n_stages - 1
+            with tl.span("F", s, mb), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                saved[s, mb] = forward_step(modules[s], x, y_mbs[mb] if is_last else None, scale)
+            saved_bytes[s, mb] = sum(seen.values())
             peak_count = max(peak_count, len(saved))
             peak_bytes = max(peak_bytes, sum(saved_bytes.values()))
-            if not last:
-                send(saved[mb][1].detach(), next_rank, "act", mb)
+            if not is_last:
+                send(saved[s, mb][1].detach(), next_rank, "act", s, mb)
         else:
-            inp, out = saved.pop(mb)
-            saved_bytes.pop(mb)
-            grad_out = None if last else recv(next_rank, "grad", stage + 1, mb)
-            with tl.span("B", stage, mb):
+            inp, out = saved.pop((s, mb))
+            saved_bytes.pop((s, mb))
+            is_last = s == n_stages - 1
+            grad_out = None if is_last else recv(next_rank, "grad", s + 1, s, mb)
+            with tl.span("B", s, mb):
                 grad_in = backward_step(inp, out, grad_out)
-            if not first:
-                send(grad_in, prev_rank, "grad", mb)
-            if last:
+            if s > 0:
+                send(grad_in, prev_rank, "grad", s, mb)
+            if is_last:
                 loss = out.detach() if loss is None else loss + out.detach()
     if sends:
         with tl.span("wait", stage):

@@ -146,3 +146,71 @@ def test_subgroup_with_global_neighbour_ranks_equals_single_model():
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} {n}: {m}")
         if rank % 2:
             torch.testing.assert_close(got_loss, loss.detach())
+
+
+# ------------------------------------------------- stretch: interleaved 1F1B (virtual stages)
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (3, 2, 6), (4, 3, 8), (2, 1, 4)])
+def test_interleaved_schedule_valid_and_bubble_shrinks_by_chunks(p, v, m):
+    schedule = pl.interleaved_schedule(p, v, m)
+    assert validate_ok(schedule) == (p * v, m)
+    for r, actions in enumerate(schedule):
+        assert {int(a.split("F")[0]) for a in actions if "F" in a} == {c * p + r for c in range(v)}
+    sim = simulate(schedule, t_f=1 / v, t_b=2 / v)  # each virtual stage is 1/v of a rank's layers
+    assert sim.bubble == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+def validate_ok(schedule):
+    from labkit.schedules import validate
+
+    return validate(schedule)
+
+
+def test_interleaved_schedule_microbatches_not_multiple_of_ranks_rejected():
+    with pytest.raises(ValueError, match=r"n_microbatches \(3\) to be a positive multiple of n_ranks \(2\)"):
+        pl.interleaved_schedule(2, 2, 3)
+
+
+def test_interleaved_needs_a_module_per_stage():
+    with pytest.raises(ValueError, match=r"rank 0 runs stages \[0, 2\]: pass stage_module as a dict"):
+        _synthetic_call(pl.interleaved_schedule(2, 2, 2))
+
+
+def test_stage_on_wrong_position_rejected():
+    # stage 1 on position 0 and stage 0 on position 1: position 1 sends to position 2
+    with pytest.raises(ValueError, match=r"stage 1 must run on the position after stage 0's \(2\), not on 0"):
+        _synthetic_call([["1F0", "1B0"], ["0F0", "0B0"], ["2F0", "2B0"]])
+
+
+def _interleaved_rank(rank, world_size, x, y, v, ms):
+    from labkit.model import build_model, make_stage
+
+    model = build_model("tiny", seed=0)
+    n_stages = world_size * v
+    stages = {c * world_size + rank: make_stage(model, c * world_size + rank, n_stages) for c in range(v)}
+    out = {}
+    for m in ms:
+        model.zero_grad(set_to_none=True)
+        loss = pl.run_schedule(stages, pl.interleaved_schedule(world_size, v, m), x, y, stage=rank,
+                               act_shape=pl.activation_shape(model.config, x.shape[0], x.shape[1], m))
+        mine = {n: p.grad.clone() for s in stages.values() for n, p in s.named_parameters(prefix=f"stage{s.stage}")}
+        out[m] = (mine, loss)
+    return out
+
+
+def test_interleaved_two_ranks_two_chunks_equals_single_model():
+    from labkit.model import build_model, make_stages
+
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randint(0, 4096, (4, 8), generator=g), torch.randint(0, 4096, (4, 8), generator=g)
+    results = launch(_interleaved_rank, 2, x, y, 2, (2, 4), timeout=60)
+    ref = build_model("tiny", seed=0)
+    loss = ref(x, y)
+    loss.backward()
+    want = {n: p.grad for s in make_stages(ref, 4) for n, p in s.named_parameters(prefix=f"stage{s.stage}")}
+    for m in (2, 4):
+        got = {**results[0][m][0], **results[1][m][0]}
+        assert set(got) == set(want)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=lambda msg: f"m={m} {n}: {msg}")
+        torch.testing.assert_close(results[1][m][1], loss.detach())  # stage 3 lives on rank 1
+        assert results[0][m][1] is None
