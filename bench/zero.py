@@ -37,7 +37,7 @@ def run_rank(rank, world_size, model_name, steps, batch, seq):
     zero = impl("zero")
     device = rank_device()
     tokens = load_tokens("tinystories")
-    models = {"dp": build_model(model_name, seed=0, device=device), "zero": build_model(model_name, seed=0, device=device)}
+    models = {mode: build_model(model_name, seed=0, device=device) for mode in ("dp", "zero")}
     opts = {"dp": torch.optim.AdamW(models["dp"].parameters(), **HYPER),
             "zero": zero.ZeroAdamW(models["zero"].parameters(), **HYPER)}
 

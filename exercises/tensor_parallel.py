@@ -1,6 +1,6 @@
 # GENERATED from solutions/tensor_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/08_tensor_parallel.ipynb.
-# untouched-stub fingerprint: bb5cc6975493c2ef
+# untouched-stub fingerprint: 765bec573a5f7a36
 """Tensor parallelism, Megatron-style (notebook 08_tensor_parallel).
 
 A linear layer y = x W^T + b can be cut across the ranks of a TP group in two ways:
@@ -68,13 +68,13 @@ def _all_reduce(x, group):
         return x
     if _log is not None:
         _log.append(("all_reduce", x.numel()))
-    x = x.contiguous()  # all_reduce works in place: never on the caller's tensor (see clone below)
+    x = x.contiguous()  # in place: the callers pass a clone, never a tensor autograd still needs
     dist.all_reduce(x, group=group)
     return x
 
 
 def _all_gather_last(x, group):
-    rank, world = tp_world(group)
+    _, world = tp_world(group)
     if world == 1:
         return x
     if _log is not None:

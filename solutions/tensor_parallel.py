@@ -65,13 +65,13 @@ def _all_reduce(x, group):
         return x
     if _log is not None:
         _log.append(("all_reduce", x.numel()))
-    x = x.contiguous()  # all_reduce works in place: never on the caller's tensor (see clone below)
+    x = x.contiguous()  # in place: the callers pass a clone, never a tensor autograd still needs
     dist.all_reduce(x, group=group)
     return x
 
 
 def _all_gather_last(x, group):
-    rank, world = tp_world(group)
+    _, world = tp_world(group)
     if world == 1:
         return x
     if _log is not None:
