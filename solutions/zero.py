@@ -92,9 +92,10 @@ class ZeroAdamW:
     So every rank ends each step with the same parameters as plain DP + torch.optim.AdamW
     (equal up to float rounding), with ~1/N of the optimizer state.
 
-    Attributes the tests rely on: `shard` (an nn.Parameter: this rank's ceil(numel/N)
+    Attributes the tests rely on: `shard` (an nn.Parameter: this rank's s = ceil(numel/N)
     elements of the flat, padded parameters, elements [rank*s, (rank+1)*s)) and `optimizer`
-    (the torch.optim.AdamW that steps `shard`). Not supported: several parameter groups,
+    (the torch.optim.AdamW that steps `shard`). The given helper `_flat` needs
+    `self.shard_size` (= s) to be set in __init__. Not supported: several parameter groups,
     gradient clipping (it needs a norm over all shards), parameters of mixed dtypes.
     """
 
