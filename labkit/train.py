@@ -231,6 +231,20 @@ def report(results, args, world_size: int) -> dict:
     }, weights
 
 
+def _warm_up() -> None:
+    """Import, once in this process, what every rank needs, so forked ranks inherit it.
+
+    The first optimizer built in a process imports torch's compiler stack (seconds; tens of
+    seconds on a busy machine), and each forked rank would pay for it again."""
+    import torch
+
+    import labkit.data  # noqa: F401
+    import labkit.model  # noqa: F401
+    import labkit.train_loop  # noqa: F401
+
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+
+
 def main(argv=None) -> dict:
     """Parse ``argv``, run every rank (forked, or this process under a launcher), report.
 
@@ -253,6 +267,7 @@ def main(argv=None) -> dict:
 
     from labkit.launch import launch
 
+    _warm_up()
     results = launch(train_rank, world_size, args, timeout=args.timeout)
     out, weights = report(results, args, world_size)
     leader = not dist.is_initialized() or dist.get_rank() == 0

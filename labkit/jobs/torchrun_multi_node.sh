@@ -10,6 +10,7 @@
 # stay inside a node and each stage's gradient all-reduce (once per step) crosses nodes.
 # (Notebook 10 discusses which axis should cross the slow links.)
 #   HEAD=node01 NNODES=2 NPROC=4 bash labkit/jobs/torchrun_multi_node.sh --strategy hybrid --dp 2 --pp 4
+# PYTHON=.venv/bin/python to use the lab's environment without activating it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 : "${HEAD:?set HEAD to the host name of the first node}"
@@ -20,6 +21,6 @@ JOB_ID=${JOB_ID:-labkit-$(date +%Y%m%d)}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # export NCCL_SOCKET_IFNAME=ib0   # pick the fast network interface if NCCL guesses wrong
 
-python -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" \
+"${PYTHON:-python}" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" \
     --rdzv-backend c10d --rdzv-endpoint "$HEAD:$PORT" --rdzv-id "$JOB_ID" \
     -m labkit.train --model "${MODEL:-seed}" --steps "${STEPS:-200}" "$@"
