@@ -76,8 +76,10 @@ def _label(cell, n):
     return "+".join(LETTERS[r] for r in sorted(ranks))  # a partial sum: its column says which element
 
 
-def _color(cell):
+def _color(cell, n):
     ranks = sorted(cell[0])
+    if len(ranks) == n and n > 1:
+        return "#2F3B4C"  # complete sums: one dark colour, easy to follow
     rgb = [sum(matplotlib.colors.to_rgb(COLORS[r])[k] for r in ranks) / len(ranks) for k in range(3)]
     return rgb if len(ranks) == 1 else [0.35 + 0.5 * c for c in rgb]
 
@@ -90,7 +92,7 @@ def _draw_grid(ax, rows, n, title, highlight=None, col_label="element"):
         ax.text(-0.15, y + 0.5, f"rank {r}", ha="right", va="center", fontsize=9)
         for c, cell in enumerate(row):
             thick = highlight and (r, c) in highlight
-            face = "white" if cell is None else _color(cell)
+            face = "white" if cell is None else _color(cell, n)
             ax.add_patch(Rectangle((c + 0.05, y + 0.08), 0.9, 0.84, facecolor=face,
                                    edgecolor="black", linewidth=2.5 if thick else 0.6,
                                    linestyle="-" if cell is not None else ":"))
@@ -224,9 +226,10 @@ def draw_ring(moves, world_size):
             title = "done: every rank has every sum"
         else:
             phase = "reduce-scatter" if k < n - 1 else "all-gather"
-            title = f"{phase} step {k % (n - 1) + 1}: send thick chunks right"
+            title = f"{phase}, step {k % (n - 1) + 1} of {n - 1}"
         _draw_grid(ax, rows, n, title, highlight={(m["src"], m["chunk"]) for m in sent}, col_label="chunk")
-    fig.suptitle(f"ring all-reduce on {n} ranks, drawn from the messages it sent", fontsize=11)
+    fig.suptitle(f"ring all-reduce on {n} ranks, drawn from the messages it sent; thick: the chunk "
+                 f"each rank sends to its right neighbour at this step", fontsize=11)
     fig.tight_layout()
     return fig
 
