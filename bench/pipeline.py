@@ -2,7 +2,7 @@
 
     python bench/pipeline.py [--quick] [--impl solutions|exercises] [--t-f SECONDS]
 
-4 ranks (labkit.launch), one stage each. Every stage is a `SyntheticStage`: its forward
+4 ranks (labkit.launch), one stage each (two for interleaved 1F1B). Every stage is a `SyntheticStage`: its forward
 sleeps t_F and its backward t_B = 2 t_F, so the ranks do not compete for CPU cores and
 what is measured is the schedule plus the messages. For GPipe and 1F1B and m in
 {4, 8, 16} micro-batches of one global batch (16 rows x 64 positions x d_model 288, the
@@ -11,11 +11,15 @@ step (it also opens the gloo connections) and then a few measured steps; the rep
 step is the median by bubble (the lower median for an even count). Columns:
 
     bubble      measured idle fraction of the step (labkit.timeline.bubble_fraction)
-    theory      (p-1)/(m+p-1); abs.err = measured - theory (percentage points),
+    theory      (p-1)/(m+p-1), or (p-1)/(vm+p-1) for interleaved 1F1B with v = 2 stages
+                per rank (each t_F/2 + t_B/2 long); abs.err = measured - theory (percentage points),
                 rel.err = measured / theory - 1
-    step        measured step time; ideal = (m+p-1)(t_F+t_B)
-    in-flight   peak micro-batches whose activations a rank holds (rank 0, the most)
-    act MiB     peak bytes autograd saved for backward on rank 0
+    step        measured step time; ideal = (m+p-1)(t_F+t_B), interleaved (vm+p-1)(t_F+t_B)/v
+    in-flight   peak micro-batches whose activations a rank holds (rank 0, the most;
+                interleaved: counted per stage, each stage half a rank's layers)
+    act MiB     peak bytes autograd saved for backward on rank 0 (a synthetic stage saves
+                the same bytes whatever share of the layers it stands for, so the
+                interleaved figure counts each half-size stage as a full one: divide by v)
 
 The last line is one JSON object: per configuration figures, the largest absolute and
 relative bubble errors, and rank 0's peak activation memory of GPipe over 1F1B for each m.
@@ -35,7 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 P, MS, BATCH, SEQ, D_MODEL = 4, (4, 8, 16), 16, 64, 288
-SCHEDULES = {"GPipe": "gpipe_schedule", "1F1B": "one_f_one_b_schedule"}
+SCHEDULES = {"GPipe": "gpipe_schedule", "1F1B": "one_f_one_b_schedule", "interl.2": "interleaved_schedule"}
+V = 2  # stages per rank of the interleaved schedule, each t_F / V long
 
 
 def run_rank(rank, world_size, t_f, steps):
@@ -49,11 +54,13 @@ def run_rank(rank, world_size, t_f, steps):
     for label, fn in SCHEDULES.items():
         for m in MS:
             act = pl.activation_shape(type("Cfg", (), {"d_model": D_MODEL}), BATCH, SEQ, m)
-            schedule = getattr(pl, fn)(world_size, m)
+            v = V if fn == "interleaved_schedule" else 1
+            schedule = pl.interleaved_schedule(world_size, v, m) if v > 1 else getattr(pl, fn)(world_size, m)
             tokens = torch.zeros(BATCH, SEQ, dtype=torch.long)
             runs = []
             for _ in range(1 + steps):  # the first is a warm-up, dropped below
-                stage = pl.SyntheticStage(rank, world_size, act, t_f=t_f)
+                stage = {c * world_size + rank: pl.SyntheticStage(c * world_size + rank, world_size * v, act, t_f=t_f / v)
+                         for c in range(v)}
                 stats = {}
                 tl.sync()
                 pl.run_schedule(stage, schedule, tokens, tokens, stage=rank, act_shape=act, timeline=tl, stats=stats)
@@ -92,10 +99,11 @@ def main():
                 measured.append((bubble_fraction(spans), t1 - t0, i))
             bubble, step_s, i = sorted(measured)[(len(measured) - 1) // 2]  # the (lower) median step
             stats0 = results[0][label, m][i][1]
-            theory = theoretical_bubble(P, m)
+            v = V if label.startswith("interl") else 1
+            theory = theoretical_bubble(P, m, v)
             rows.append({"schedule": label, "m": m, "bubble": round(bubble, 4), "theory": round(theory, 4),
                          "abs_error_pp": round(100 * (bubble - theory), 2), "rel_error": round(bubble / theory - 1, 4), "step_ms": round(step_s * 1e3, 1),
-                         "ideal_step_ms": round((m + P - 1) * 3 * t_f * 1e3, 1),
+                         "ideal_step_ms": round((v * m + P - 1) * 3 * t_f / v * 1e3, 1),
                          "peak_inflight_rank0": stats0["peak_inflight"],
                          "peak_act_mib_rank0": round(stats0["peak_activation_bytes"] / 2**20, 3),
                          "peak_inflight_per_rank": [results[r][label, m][i][1]["peak_inflight"] for r in range(P)]})

@@ -255,11 +255,16 @@ def ideal_bubble(schedule, t_f: float = 1.0, t_b: float = 2.0) -> float:
     return simulate(schedule, t_f, t_b).bubble
 
 
-def theoretical_bubble(n_stages: int, n_microbatches: int) -> float:
-    """(p - 1) / (m + p - 1): GPipe's and 1F1B's idle fraction with equal stages."""
-    if n_stages < 1 or n_microbatches < 1:
-        raise ValueError(f"need n_stages >= 1 and n_microbatches >= 1, got {n_stages}, {n_microbatches}")
-    return (n_stages - 1) / (n_microbatches + n_stages - 1)
+def theoretical_bubble(n_stages: int, n_microbatches: int, n_chunks: int = 1) -> float:
+    """(p - 1) / (m + p - 1): GPipe's and 1F1B's idle fraction with equal stages.
+
+    With ``n_chunks`` = v stages per rank (interleaved 1F1B, p = ranks):
+    (p - 1) / (v m + p - 1).
+    """
+    if n_stages < 1 or n_microbatches < 1 or n_chunks < 1:
+        raise ValueError(f"need n_stages, n_microbatches and n_chunks >= 1, "
+                         f"got {n_stages}, {n_microbatches}, {n_chunks}")
+    return (n_stages - 1) / (n_chunks * n_microbatches + n_stages - 1)
 
 
 def format_schedule(schedule) -> str:

@@ -11,7 +11,8 @@ Every plotting function returns the matplotlib Figure (and draws into ``ax`` whe
     schedule_explorer({"GPipe": gpipe_schedule, "1F1B": one_f_one_b_schedule})  # ipywidgets
 
 Colours: forward in blues, backward in oranges (darker = later micro-batch), weight
-gradient in greens, communication as thin grey bars under the compute row.
+gradient in greens, communication as thin grey bars under the compute row. A rank that
+holds several stages (interleaved 1F1B) draws its second stage hatched ///, its third ...
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from labkit import schedules
 from labkit import timeline as tlmod
 
 _CMAPS = {"F": "Blues", "B": "Oranges", "W": "Greens"}
+_HATCHES = (None, "///", "...", "xxx")
 _COMM = {"send": "#888888", "recv": "#bbbbbb", "wait": "#dddddd", "allreduce": "#9467bd"}
 
 
@@ -41,16 +43,22 @@ def _axes(ax, figsize):
 
 
 def _boxes(ax, rows, n_mb, width_for_text):
-    """rows: rank -> list of (start, end, kind, mb). Draws compute boxes with labels."""
+    """rows: rank -> list of (start, end, kind, mb, stage). Draws compute boxes with labels.
+
+    A rank that holds several stages (interleaved schedules) draws its later stages hatched.
+    """
     for rank, items in rows.items():
         compute = [it for it in items if it[2] in tlmod.COMPUTE_KINDS]
         comm = [it for it in items if it[2] not in tlmod.COMPUTE_KINDS]
-        # one collection per row and per kind of bar: fast even with thousands of spans
-        for group, (y, h), edge in ((compute, (rank - 0.4, 0.8), "black"), (comm, (rank + 0.28, 0.12), "none")):
+        chunks = sorted({it[4] for it in compute}, key=lambda s: (s is None, s))
+        # one collection per row, stage and kind of bar: fast even with thousands of spans
+        groups = [([it for it in compute if it[4] == st], (rank - 0.4, 0.8), "black", _HATCHES[i % len(_HATCHES)])
+                  for i, st in enumerate(chunks)] + [(comm, (rank + 0.28, 0.12), "none", None)]
+        for group, (y, h), edge, hatch in groups:
             if group:
-                ax.broken_barh([(s, e - s) for s, e, _, _ in group], (y, h), edgecolor=edge, linewidth=0.4,
-                               facecolors=[_color(k, mb, n_mb) for _, _, k, mb in group])
-        for start, end, kind, mb in compute:
+                ax.broken_barh([(s, e - s) for s, e, *_ in group], (y, h), edgecolor=edge, linewidth=0.4,
+                               facecolors=[_color(k, mb, n_mb) for _, _, k, mb, _ in group], hatch=hatch)
+        for start, end, kind, mb, _ in compute:
             if mb is not None and end - start >= width_for_text:
                 ax.text((start + end) / 2, rank, f"{kind}{mb}" if n_mb <= 12 else str(mb),
                         ha="center", va="center", fontsize=7)
@@ -77,7 +85,7 @@ def plot_timeline(spans, ax=None, title: str | None = None, unit: str = "ms", co
     n_mb = 1 + max((s.mb for s in spans if s.mb is not None), default=0)
     rows = {}
     for s in shown:
-        rows.setdefault(s.rank, []).append(((s.start - t0) * scale, (s.end - t0) * scale, s.kind, s.mb))
+        rows.setdefault(s.rank, []).append(((s.start - t0) * scale, (s.end - t0) * scale, s.kind, s.mb, s.stage))
     _boxes(ax, rows, n_mb, width_for_text=(t1 - t0) * scale / 40)
     bubble = tlmod.bubble_fraction(spans)
     _finish(ax, 1 + max(tlmod.ranks_of(spans)), f"time ({unit})",
@@ -92,8 +100,8 @@ def plot_schedule(schedule, t_f: float = 1.0, t_b: float = 2.0, ax=None, title: 
     """
     sim = schedules.simulate(schedule, t_f, t_b)
     fig, ax = _axes(ax, (9, 0.6 + 0.55 * len(schedule)))
-    rows = {r: [(s, e, a.kind, a.mb) for s, e, a in rank] for r, rank in enumerate(sim.spans)}
-    _boxes(ax, rows, sim.n_microbatches, width_for_text=0)
+    rows = {r: [(s, e, a.kind, a.mb, a.stage) for s, e, a in rank] for r, rank in enumerate(sim.spans)}
+    _boxes(ax, rows, sim.n_microbatches, width_for_text=sim.makespan / 45)
     _finish(ax, len(schedule), "time (units of one forward)",
             title if title is not None else
             f"ideal: bubble {sim.bubble:.1%}, peak in-flight activations {sim.peak_inflight}")
@@ -103,12 +111,13 @@ def plot_schedule(schedule, t_f: float = 1.0, t_b: float = 2.0, ax=None, title: 
 def plot_schedule_vs_timeline(schedule, spans, t_b_over_t_f: float = 2.0, name: str = "", unit: str = "ms"):
     """The schedule's ideal grid (left) and the measured run (right), bubbles compared in the title."""
     sim = schedules.simulate(schedule, 1.0, t_b_over_t_f)
-    p, m = sim.n_stages, sim.n_microbatches
+    p, m, v = len(schedule), sim.n_microbatches, max(1, sim.n_stages // len(schedule))
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 0.9 + 0.55 * p))
     plot_schedule(schedule, 1.0, t_b_over_t_f, ax=left, title=f"ideal {name} (bubble {sim.bubble:.1%})")
     plot_timeline(spans, ax=right, unit=unit, comm=True,
                   title=f"measured (bubble {tlmod.bubble_fraction(spans):.1%})")
-    fig.suptitle(f"{name} p={p} m={m}: theory (p-1)/(m+p-1) = {schedules.theoretical_bubble(p, m):.1%}, "
+    formula = "(p-1)/(m+p-1)" if v == 1 else f"(p-1)/(vm+p-1), v={v}"
+    fig.suptitle(f"{name} p={p} m={m}: theory {formula} = {schedules.theoretical_bubble(p, m, v):.1%}, "
                  f"measured {tlmod.bubble_fraction(spans):.1%}", fontsize=11)
     fig.tight_layout()
     return fig
