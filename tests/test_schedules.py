@@ -84,7 +84,8 @@ def test_simulate_one_f_one_b_2x2_peak_memory():
 def test_theoretical_bubble_values():
     assert theoretical_bubble(4, 4) == pytest.approx(3 / 7)
     assert theoretical_bubble(1, 8) == 0
-    with pytest.raises(ValueError, match="n_microbatches >= 1"):
+    assert theoretical_bubble(4, 8, n_chunks=2) == pytest.approx(3 / 19)  # interleaved: (p-1)/(vm+p-1)
+    with pytest.raises(ValueError, match=r"n_microbatches and n_chunks >= 1, got 4, 0, 1"):
         theoretical_bubble(4, 0)
 
 
