@@ -197,7 +197,7 @@ def train_rank(rank: int, world_size: int, args) -> dict:
     mine = {id(p) for p in module.parameters()}
     weights = {n: p.detach().cpu() for n, p in model.named_parameters() if id(p) in mine}
     return {"losses": losses if losses else None, "seconds": seconds, "device": str(device),
-            "weights": weights if (args.save or mesh.dp_rank == 0) else None}
+            "weights": weights if mesh.dp_rank == 0 else None}  # replica 0 speaks for all
 
 
 # ---------------------------------------------------------------------------- the report

@@ -1,14 +1,15 @@
 """`python -m labkit.train` under real launchers equals single-process training.
 
-Each strategy runs as a separate job under `torchrun --standalone` on CPU (gloo), as a
-learner would start it, and its final weights (saved with --save) and losses must equal
-`labkit.train_loop.train`'s, run here in one process. Two more jobs start the ranks by
-hand with the variables Slurm's srun and MPICH's mpiexec (PBS) set, which is how those
+Each distributed strategy (dp, pp, hybrid) runs as a separate job under `torchrun
+--standalone` on CPU (gloo), as a learner would start it, and its final weights (saved
+with --save) and losses must equal `labkit.train_loop.train`'s, run here in one process;
+so must the single strategy, run in this process. Two more jobs start the ranks by hand
+with the variables Slurm's srun and MPICH's mpiexec (PBS) set, which is how those
 launchers hand a rank its identity.
 
 Every job runs in its own session and is killed, children included, on timeout.
 Cost: each job starts fresh interpreters that import torch: about 5-10 s per job on two
-idle cores, about a minute for the module (several minutes on a busy machine).
+idle cores, about a minute for the module (3-4 minutes on a busy machine).
 """
 import json
 import os
@@ -23,7 +24,7 @@ import torch
 
 from labkit.data import load_tokens
 from labkit.model import build_model
-from labkit.train import parse_args, train_config
+from labkit.train import main, parse_args, train_config
 from labkit.train_loop import train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,8 +97,15 @@ def _check(report, saved_path, reference, strategy, world_size):
         torch.testing.assert_close(w, ref_weights[name], rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
+def test_train_single_in_process_equals_train_loop(reference, tmp_path, monkeypatch):
+    # the single strategy has no distributed code: run it here (one forked rank), not in a job
+    monkeypatch.setenv("LABKIT_IMPL", "solutions")  # main(--impl) sets it; restored afterwards
+    saved = tmp_path / "weights.pt"
+    report = main(["--strategy", "single", *COMMON, "--save", str(saved)])
+    _check(report, saved, reference, "single", 1)
+
+
 @pytest.mark.parametrize("strategy,nproc,extra", [
-    ("single", 1, []),
     ("dp", 2, []),
     ("pp", 2, ["--microbatches", "4"]),
     ("hybrid", 4, ["--dp", "2", "--pp", "2", "--microbatches", "2"]),
