@@ -31,7 +31,6 @@ makes it relatively smaller.
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path

@@ -24,7 +24,7 @@ rank waits on. The executor runs both checks before any rank communicates.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _ACTION = re.compile(r"^(\d+)([FB])(\d+)$")
 
