@@ -3,7 +3,7 @@ the blocking-send deadlock, synthetic stages, timelines, global ranks of a sub-g
 
 Uses the reference module (the executor's own code is the same in exercises/, but it
 calls the learner's forward/backward steps). About 25 s on 2 cores: the deadlock test
-waits for its 6 s launcher timeout on purpose.
+waits for its 8 s launcher timeout on purpose.
 """
 import pytest
 import torch
@@ -81,7 +81,7 @@ def test_blocking_send_one_f_one_b_really_deadlocks():
     with pytest.raises(DeadlockError):
         simulate(pl.one_f_one_b_schedule(2, 4), blocking_send=True)
     with pytest.raises(LaunchError, match="send"):
-        launch(_blocking_rank, 2, timeout=6)
+        launch(_blocking_rank, 2, timeout=8)
 
 
 def _synthetic_rank(rank, world_size, m):
