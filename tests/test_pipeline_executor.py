@@ -1,8 +1,8 @@
 """The pipeline executor (solutions/pipeline.py run_schedule) beyond grading: bad input,
-the blocking-send deadlock, synthetic stages, timelines, global ranks of a sub-group.
+the blocking-send deadlock, synthetic stages, timelines, global ranks of a sub-group, and the interleaved 1F1B stretch.
 
 Uses the reference module (the executor's own code is the same in exercises/, but it
-calls the learner's forward/backward steps). About 25 s on 2 cores: the deadlock test
+calls the learner's forward/backward steps). About 35 s on 2 cores: the deadlock test
 waits for its 8 s launcher timeout on purpose.
 """
 import pytest
