@@ -142,6 +142,9 @@ class BucketedDataParallel(nn.Module):
     bucket waits for the earlier ones), so the collectives always match.
 
     Usage, once per step:  loss = ddp(x, y); loss.backward(); ddp.finish(); opt.step()
+    Attributes: `module` (the wrapped model), `world_size`, and `buckets`: a list of
+    lists of Parameters, buckets[0] holding the LAST parameters of the model.
+    __init__ builds them, registers the hooks (kept in `_hooks`) and calls `_reset()`.
     finish() launches the buckets still waiting (those holding parameters that
     got no gradient), waits for all of them and writes back averaged
     gradients, with the same None rule as `allreduce_gradients`. Tied weights
@@ -235,9 +238,12 @@ class BucketedDataParallel(nn.Module):
 
 def _checksums(model: nn.Module):
     names, sums = [], []
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        names.append(name)
-        sums.append(zlib.crc32(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()))
+    tensors = [("parameter", n, t) for n, t in model.named_parameters()]
+    tensors += [("buffer", n, t) for n, t in model.named_buffers()]
+    for kind, name, tensor in tensors:
+        names.append(f"{kind} {name!r}")
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # the exact bits
+        sums.append(zlib.crc32(raw.numpy().tobytes()))
     return names, torch.tensor(sums, dtype=torch.int64)
 
 
@@ -261,6 +267,6 @@ def check_replicas(model: nn.Module, group=None) -> None:
         first = int(differs.nonzero()[0])
         ranks = (table[:, first] != table[0, first]).nonzero().flatten().tolist()
         raise ReplicaMismatchError(
-            f"replicas differ: parameter {names[first]!r} on group ranks {ranks} differs from group rank 0 "
+            f"replicas differ: {names[first]} on group ranks {ranks} differs from group rank 0 "
             f"({int(differs.sum())} of {len(names)} tensors differ). Call broadcast_parameters(model) "
             "after building the model, and average the gradients on every step.")

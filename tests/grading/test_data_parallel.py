@@ -49,6 +49,7 @@ class OddNet(nn.Module):
         self.head = nn.Linear(D, V, bias=False)
         self.head.weight = self.emb.weight  # tied: one Parameter, two uses
         self.register_buffer("scale", torch.ones(D))
+        self.register_buffer("version", torch.tensor(7))  # a 0-dim integer buffer
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in self.parameters():
@@ -274,6 +275,7 @@ def _broadcast(rank, world_size):
         error = str(e)
     model = OddNet(seed=rank)  # every replica different, buffers too
     model.scale.fill_(1.0 + rank)
+    model.version.fill_(7 + rank)
     dp().broadcast_parameters(model)
     dp().check_replicas(model)  # raises if the broadcast missed anything
     return error, snapshot(model), model.head.weight is model.emb.weight
