@@ -98,7 +98,9 @@ def _pipeline_rank(rank, world_size):
     return out
 
 
-@pytest.mark.exercise("gpipe_schedule", "one_f_one_b_schedule", "forward_step", "backward_step")
+# forward_step / backward_step (notebook 05) are graded in test_pipeline_naive.py; marking them
+# here too would show them "not implemented" in the table until the schedules are written.
+@pytest.mark.exercise("gpipe_schedule", "one_f_one_b_schedule")
 @pytest.mark.filterwarnings("ignore::labkit.launch.OversubscriptionWarning")
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_pipeline_gradients_equal_single_device_m_1_2_4_8(p):
