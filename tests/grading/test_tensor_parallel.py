@@ -159,9 +159,14 @@ def _whole_model(rank, world):
     loss_ref = model(x, y)
     loss_ref.backward()
     tp_model = tp.parallelize_model(model)
-    loss = tp_model(x, y)
-    loss.backward()
+    with tp.count_collectives() as log:
+        loss = tp_model(x, y)
+        loss.backward()
     torch.testing.assert_close(loss, loss_ref)
+    # what tp_comm_per_layer promises: 4 all-reduces of [batch, seq, d_model] per layer and step
+    per_layer = tp.tp_comm_per_layer(2, 16, 64, world, bytes_per_elem=4)
+    assert log == [("all_reduce", 2 * 16 * 64)] * (per_layer["allreduces"] * model.config.n_layers)
+    assert per_layer["activation_bytes"] == 2 * 16 * 64 * 4
     full = dict(model.named_parameters())
     for name, p in tp_model.named_parameters():
         grad = full[name].grad
