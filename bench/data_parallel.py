@@ -1,6 +1,6 @@
 """Data-parallel step time: flat all-reduce vs bucketed (overlapped) vs torch DDP, and scaling.
 
-    python bench/data_parallel.py [--quick] [--ranks 4] [--impl solutions]
+    python bench/data_parallel.py [--quick] [--ranks 4] [--impl solutions|exercises]
 
 One run measures, on `--ranks` ranks, the same training step (forward, backward,
 gradient averaging, AdamW) with three ways of averaging the gradients:
@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from labkit.data import get_batch, load_tokens  # noqa: E402
 from labkit.grading import impl  # noqa: E402
-from labkit.launch import launch  # noqa: E402
+from labkit.launch import OversubscriptionWarning, launch  # noqa: E402
 from labkit.model import build_model  # noqa: E402
 
 MODES = ("flat", "bucketed", "ddp")
@@ -98,13 +99,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU, CI)")
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--impl", choices=("exercises", "solutions"), default=None,
-                        help="whose data_parallel to time (default: $LABKIT_IMPL or exercises)")
+    parser.add_argument("--impl", choices=("exercises", "solutions"), default=os.environ.get("LABKIT_IMPL", "solutions"),
+                        help="whose data_parallel to time (default: $LABKIT_IMPL, else solutions)")
     args = parser.parse_args()
-    if args.impl:
-        os.environ["LABKIT_IMPL"] = args.impl
+    os.environ["LABKIT_IMPL"] = args.impl
+    warnings.simplefilter("ignore", OversubscriptionWarning)  # said in the table's header instead
     if args.quick:
-        cfg = dict(model="tiny", micro_batch=4, seq_len=64, bucket_mb=0.5, warmup=2, steps=4, rounds=3)
+        cfg = dict(model="tiny", micro_batch=4, seq_len=64, bucket_mb=0.5, warmup=2, steps=4, rounds=5)
     else:
         cfg = dict(model="seed", micro_batch=8, seq_len=256, bucket_mb=4.0, warmup=3, steps=10, rounds=5)
     n = args.ranks
@@ -121,8 +122,10 @@ def main():
     efficiency = {r: scaling[r] / (r * scaling[1]) for r in scaling}
 
     print(f"data parallel, {n} ranks, model {cfg['model']}, micro-batch {cfg['micro_batch']} x {cfg['seq_len']} "
-          f"tokens per rank, buckets {cfg['bucket_mb']} MB, {os.cpu_count()} CPU cores"
+          f"tokens per rank, buckets {cfg['bucket_mb']} MB, impl={args.impl}, {os.cpu_count()} CPU cores"
           f"{', ' + str(torch.cuda.device_count()) + ' GPUs' if torch.cuda.is_available() else ''}")
+    if n > (os.cpu_count() or 1):
+        print(f"note: {n} ranks on {os.cpu_count()} CPU cores take turns on the cores (oversubscribed)")
     print(f"{'mode':<10}{'step (ms)':>12}{'tokens/s':>12}{'vs ddp':>9}")
     for mode, t in modes.items():
         print(f"{mode:<10}{t * 1e3:>12.1f}{tokens_per_step(n) / t:>12.0f}{t / modes['ddp']:>9.2f}")
@@ -130,7 +133,7 @@ def main():
     for ranks in scaling:
         print(f"{ranks:<10}{scaling[ranks]:>12.0f}{efficiency[ranks]:>12.2f}")
     print(json.dumps({
-        "bench": "data_parallel", "world_size": n, "model": cfg["model"], "micro_batch": cfg["micro_batch"],
+        "bench": "data_parallel", "impl": args.impl, "world_size": n, "cpu_cores": os.cpu_count(), "model": cfg["model"], "micro_batch": cfg["micro_batch"],
         "seq_len": cfg["seq_len"], "bucket_mb": cfg["bucket_mb"],
         **{f"{mode}_step_s": round(t, 6) for mode, t in modes.items()},
         **{f"{mode}_tokens_per_s": round(tokens_per_step(n) / t, 1) for mode, t in modes.items()},
