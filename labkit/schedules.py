@@ -11,6 +11,9 @@ The communication model is the executor's (`solutions/pipeline.py`):
   s < p-1 then sends its output to stage s+1.
 * ``B`` on stage s < p-1 first receives the gradient of its output from stage s+1;
   ``B`` on stage s > 0 then sends the gradient of its input to stage s-1.
+* ``W`` (zero-bubble schedules) computes the stage's weight gradients of a micro-batch
+  whose ``B`` then only computes the input gradient; it sends and receives nothing.
+  Without a ``W``, ``B`` computes both.
 * A receive blocks until the matching message was sent. Messages are matched by
   (kind, stage, micro-batch), as the executor's tags do, not by arrival order.
 * ``blocking_send=False`` (the executor's default, ``isend``): a send never waits.
@@ -26,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_ACTION = re.compile(r"^(\d+)([FB])(\d+)$")
+_ACTION = re.compile(r"^(\d+)([FBW])(\d+)$")
 
 
 class ScheduleError(ValueError):
@@ -40,7 +43,7 @@ class DeadlockError(ScheduleError):
 @dataclass(frozen=True)
 class Action:
     stage: int
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" or "W"
     mb: int
 
     def __str__(self) -> str:
@@ -52,7 +55,8 @@ def parse_action(text: str) -> Action:
     match = _ACTION.match(text) if isinstance(text, str) else None
     if match is None:
         raise ScheduleError(
-            f"bad action {text!r}: write '{{stage}}F{{microbatch}}' or '{{stage}}B{{microbatch}}', e.g. '0F3' or '1B0'")
+            f"bad action {text!r}: write '{{stage}}F{{microbatch}}' or '{{stage}}B{{microbatch}}' "
+            "(or '{stage}W{microbatch}'), e.g. '0F3' or '1B0'")
     return Action(int(match[1]), match[2], int(match[3]))
 
 
@@ -110,6 +114,8 @@ def check_schedule(schedule, n_stages: int | None = None, n_microbatches: int | 
                 raise ScheduleError(f"{where}: {a} appears twice; each micro-batch runs F and B once per stage")
             if a.kind == "B" and (a.stage, "F", a.mb) not in done:
                 raise ScheduleError(f"{where}: backward before forward; {a.stage}F{a.mb} must come before {a}")
+            if a.kind == "W" and (a.stage, "B", a.mb) not in done:
+                raise ScheduleError(f"{where}: weight gradient before backward; {a.stage}B{a.mb} must come before {a}")
             done.add((a.stage, a.kind, a.mb))
     for stage in range(p):
         if stage not in owner:
@@ -142,12 +148,14 @@ class SimResult:
         return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
 
 
-def _ops(actions: list[Action], p: int, owner: dict[int, int], t_f: float, t_b: float):
+def _ops(actions: list[Action], p: int, owner: dict[int, int], t_f: float, t_b: float, t_w: float, split):
     """The send/recv/compute operations a rank runs for its actions (the executor's order)."""
     ops = []
     for a in actions:
         s, mb = a.stage, a.mb
-        if a.kind == "F":
+        if a.kind == "W":
+            ops.append(("compute", t_w, None, a))
+        elif a.kind == "F":
             if s > 0:
                 ops.append(("recv", ("act", s - 1, mb), owner[s - 1], a))
             ops.append(("compute", t_f, None, a))
@@ -156,7 +164,7 @@ def _ops(actions: list[Action], p: int, owner: dict[int, int], t_f: float, t_b: 
         else:
             if s < p - 1:
                 ops.append(("recv", ("grad", s + 1, mb), owner[s + 1], a))
-            ops.append(("compute", t_b, None, a))
+            ops.append(("compute", t_b - t_w if (s, mb) in split else t_b, None, a))
             if s > 0:
                 ops.append(("send", ("grad", s, mb), owner[s - 1], a))
     return ops
@@ -170,16 +178,26 @@ def _describe(op) -> str:
     return f"blocking send of the {what} of stage {key[1]} micro-batch {key[2]} to rank {peer} (after {a})"
 
 
-def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, *, blocking_send: bool = False,
+def split_backwards(schedule) -> set[tuple[int, int]]:
+    """(stage, mb) pairs whose backward is split into B (input gradient) and W (weights)."""
+    return {(a.stage, a.mb) for acts in parse_schedule(schedule) for a in acts if a.kind == "W"}
+
+
+def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, *, t_w: float | None = None, blocking_send: bool = False,
              n_stages: int | None = None, n_microbatches: int | None = None) -> SimResult:
     """Run the schedule on a unit-time model: F takes t_f, B takes t_b, messages are free.
+
+    A backward split by a ``W`` action takes t_b - t_w for B and t_w for W (t_w
+    defaults to t_b / 2); its activations are held until W.
 
     Raises ScheduleError for a malformed schedule and DeadlockError, naming every stuck
     rank and what it waits on, if the ranks can never finish.
     """
     p, m = check_schedule(schedule, n_stages, n_microbatches)
     parsed, owner = parse_schedule(schedule), stage_ranks(schedule)
-    ops = [_ops(acts, p, owner, t_f, t_b) for acts in parsed]
+    split = split_backwards(schedule)
+    t_w = t_b / 2 if t_w is None else t_w
+    ops = [_ops(acts, p, owner, t_f, t_b, t_w, split) for acts in parsed]
     pc = [0] * len(ops)  # next op per rank
     clock = [0.0] * len(ops)
     sent = {}  # key -> time the message is available (isend)
@@ -195,7 +213,10 @@ def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, *, blocking_send: boo
                 if kind == "compute":
                     spans[r].append((clock[r], clock[r] + key, a))
                     clock[r] += key
-                    inflight[r] += 1 if a.kind == "F" else -1
+                    if a.kind == "F":
+                        inflight[r] += 1
+                    elif a.kind == "W" or (a.stage, a.mb) not in split:
+                        inflight[r] -= 1  # the activations go with the last step that needs them
                     peak[r] = max(peak[r], inflight[r])
                 elif kind == "send" and not blocking_send:
                     sent[key] = clock[r]
@@ -270,3 +291,51 @@ def theoretical_bubble(n_stages: int, n_microbatches: int, n_chunks: int = 1) ->
 def format_schedule(schedule) -> str:
     """One line per rank, for printing."""
     return "\n".join(f"rank {r}: " + " ".join(acts) for r, acts in enumerate(schedule))
+
+
+def zero_bubble_schedule(n_stages: int, n_microbatches: int, max_inflight=None) -> list[list[str]]:
+    """A zero-bubble-style schedule (after ZB-H1, Qi et al. 2024), built greedily; not an exercise.
+
+    Every backward is split into B (the input gradient, which the previous stage waits
+    for) and W (the weight gradient, which nobody waits for). In unit time (F = B = W = 1)
+    each rank starts, as soon as it is free: a B if one is ready, else an F if it holds
+    fewer than ``max_inflight`` micro-batches (held from F until W; default p - stage,
+    1F1B's memory), else its oldest pending W. The W steps fill gaps that 1F1B leaves
+    idle: for m >= p, with 1F1B's memory the idle time per rank drops from 3(p-1) to
+    2(p-1) units; with ``max_inflight=n_microbatches`` every W can wait and it drops to
+    p-1, at GPipe's memory. (The paper's hand-made ZB-H1/ZB-H2 trade memory and bubble
+    more finely.) Simulate it with ``simulate(schedule, t_w=...)``.
+    """
+    p, m = n_stages, n_microbatches
+    if p < 1 or m < 1:
+        raise ValueError(f"need n_stages >= 1 and n_microbatches >= 1, got {p}, {m}")
+    limit = [p - s if max_inflight is None else max_inflight for s in range(p)]
+    done = {}  # (kind, stage, mb) -> finish time
+    nxt_f, nxt_b, pending_w = [0] * p, [0] * p, [[] for _ in range(p)]
+    held, free_at, out = [0] * p, [0] * p, [[] for _ in range(p)]
+    t = 0
+    while any(len(acts) < 3 * m for acts in out):
+        for s in range(p):
+            if free_at[s] > t:
+                continue
+            b, f = nxt_b[s], nxt_f[s]
+            grad_ready = done.get(("F", s, b) if s == p - 1 else ("B", s + 1, b), t + 1) <= t
+            act_ready = s == 0 or done.get(("F", s - 1, f), t + 1) <= t
+            if b < f and grad_ready:
+                kind, mb = "B", b
+                nxt_b[s] += 1
+                pending_w[s].append(b)
+            elif f < m and act_ready and held[s] < limit[s]:
+                kind, mb = "F", f
+                nxt_f[s] += 1
+                held[s] += 1
+            elif pending_w[s]:
+                kind, mb = "W", pending_w[s].pop(0)
+                held[s] -= 1
+            else:
+                continue
+            done[kind, s, mb] = t + 1
+            free_at[s] = t + 1
+            out[s].append(f"{s}{kind}{mb}")
+        t += 1
+    return out

@@ -117,8 +117,10 @@ def plot_schedule_vs_timeline(schedule, spans, t_b_over_t_f: float = 2.0, name: 
     plot_timeline(spans, ax=right, unit=unit, comm=True,
                   title=f"measured (bubble {tlmod.bubble_fraction(spans):.1%})")
     formula = "(p-1)/(m+p-1)" if v == 1 else f"(p-1)/(vm+p-1), v={v}"
-    fig.suptitle(f"{name} p={p} m={m}: theory {formula} = {schedules.theoretical_bubble(p, m, v):.1%}, "
-                 f"measured {tlmod.bubble_fraction(spans):.1%}", fontsize=11)
+    theory = f"theory {formula} = {schedules.theoretical_bubble(p, m, v):.1%}"
+    if schedules.split_backwards(schedule):  # zero-bubble: no closed form here, compare with 1F1B's
+        theory = f"ideal {sim.bubble:.1%} (1F1B's {formula} = {schedules.theoretical_bubble(p, m, v):.1%})"
+    fig.suptitle(f"{name} p={p} m={m}: {theory}, measured {tlmod.bubble_fraction(spans):.1%}", fontsize=11)
     fig.tight_layout()
     return fig
 

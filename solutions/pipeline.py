@@ -144,6 +144,11 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
     stats: a dict to fill with ``peak_inflight`` (micro-batch activations held at once,
         counted per stage) and ``peak_activation_bytes`` (tensors saved for backward then).
 
+    Zero-bubble schedules add ``W`` actions: a micro-batch with a W gets its input
+    gradient in B (sent at once) and its weight gradients in W, later. (Here W runs
+    autograd again on the kept graph, so on a real model it costs a whole backward; a
+    real implementation splits each layer's backward. Synthetic stages model the split.)
+
     Returns the batch's mean loss (a 0-d tensor, the sum of the scaled micro-batch
     losses) on the last stage, None elsewhere. Gradients accumulate into ``.grad``.
     Receive buffers are allocated on the device of the stage's parameters.
@@ -188,6 +193,7 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
     params = {p.data_ptr() for mod in modules.values() for p in mod.parameters()}
     device = next(next(iter(modules.values())).parameters()).device  # buffers live where the stage does
 
+    split = schedules.split_backwards(schedule)  # (stage, mb) whose weight gradient waits for a W
     saved, saved_bytes, sends, loss = {}, {}, [], None
     peak_count = peak_bytes = 0
 
@@ -223,13 +229,24 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
             peak_bytes = max(peak_bytes, sum(saved_bytes.values()))
             if not is_last:
                 send(saved[s, mb][1].detach(), next_rank, "act", s, mb)
-        else:
-            inp, out = saved.pop((s, mb))
+        elif a.kind == "W":  # zero-bubble: the weight gradient, long after B (no messages)
+            inp, out, grad_out = saved.pop((s, mb))
             saved_bytes.pop((s, mb))
+            with tl.span("W", s, mb):
+                torch.autograd.backward(out, grad_out, inputs=[p for p in modules[s].parameters() if p.requires_grad])
+        else:
             is_last = s == n_stages - 1
             grad_out = None if is_last else recv(next_rank, "grad", s + 1, s, mb)
-            with tl.span("B", s, mb):
-                grad_in = backward_step(inp, out, grad_out)
+            if (s, mb) in split:  # B: only the input gradient; keep the graph for W
+                inp, out = saved[s, mb]
+                saved[s, mb] = (inp, out, grad_out)
+                with tl.span("B", s, mb):
+                    grad_in = None if inp is None else torch.autograd.grad(out, inp, grad_out, retain_graph=True)[0]
+            else:
+                inp, out = saved.pop((s, mb))
+                saved_bytes.pop((s, mb))
+                with tl.span("B", s, mb):
+                    grad_in = backward_step(inp, out, grad_out)
             if s > 0:
                 send(grad_in, prev_rank, "grad", s, mb)
             if is_last:
@@ -267,17 +284,24 @@ class SyntheticStage(nn.Module):
     stages activations of ``act_shape`` = (b, T, D); the last stage returns a scalar loss
     when given targets. Sleeping instead of computing makes schedule shapes crisp on a
     few shared CPU cores: the ranks do not compete for cores while they "compute".
+    The backward has two paths: t_b - t_w towards the input and t_w towards the weight
+    (t_w = t_b / 2 by default), so a zero-bubble B (input gradient) sleeps t_b - t_w and
+    its W sleeps t_w; a full backward sleeps t_b. On the first stage a zero-bubble B has
+    an input gradient to compute only if the inputs are floating point (act_shape-sized
+    rows, e.g. zeros): give it those to time a zero-bubble schedule, token ids otherwise.
     """
 
-    def __init__(self, stage: int, n_stages: int, act_shape, t_f: float = 0.01, t_b: float | None = None):
+    def __init__(self, stage: int, n_stages: int, act_shape, t_f: float = 0.01, t_b: float | None = None,
+                 t_w: float | None = None):
         super().__init__()
         self.stage, self.n_stages, self.act_shape = stage, n_stages, tuple(act_shape)
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.t_f, self.t_b = t_f, 2 * t_f if t_b is None else t_b
+        self.t_w = self.t_b / 2 if t_w is None else t_w
         self.weight = nn.Parameter(torch.ones(()))
 
     def forward(self, x, targets=None):
-        if self.is_first:
-            x = torch.ones(self.act_shape, device=self.weight.device)
-        y = _Delay.apply(x * self.weight, self.t_f, self.t_b)
+        if self.is_first and not x.is_floating_point():  # token ids: stand in for the embedding's output
+            x = torch.ones(self.act_shape, device=self.weight.device, requires_grad=True)
+        y = _Delay.apply(x, self.t_f, self.t_b - self.t_w) * _Delay.apply(self.weight, 0.0, self.t_w)
         return y.mean() if self.is_last and targets is not None else y

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from labkit.grading import impl
 from labkit.launch import LaunchError, launch
-from labkit.schedules import DeadlockError, ScheduleError, simulate
+from labkit.schedules import DeadlockError, ScheduleError, simulate, zero_bubble_schedule
 from labkit.timeline import Timeline
 
 pl = impl("pipeline", "solutions")
@@ -101,7 +101,8 @@ def _synthetic_rank(rank, world_size, m):
 def test_synthetic_stages_timeline_follows_schedule_and_peak_memory():
     p, m = 2, 4
     res = launch(_synthetic_rank, p, m, timeout=60)
-    bytes_per_mb = 2 * 4 * torch.Size(ACT).numel()  # x (for the weight's grad) and x * w (the delay's)
+    # the input path's delay saves x, the product saves that delay's output and the weight path's (4 bytes)
+    bytes_per_mb = 2 * 4 * torch.Size(ACT).numel() + 4
     for name in ("gpipe_schedule", "one_f_one_b_schedule"):
         schedule = getattr(pl, name)(p, m)
         spans, _ = res[0][name]
@@ -214,3 +215,53 @@ def test_interleaved_two_ranks_two_chunks_equals_single_model():
             torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=lambda msg: f"m={m} {n}: {msg}")
         torch.testing.assert_close(results[1][m][1], loss.detach())  # stage 3 lives on rank 1
         assert results[0][m][1] is None
+
+
+# ------------------------------------------------- stretch: zero-bubble (B and W split)
+def _zero_bubble_rank(rank, world_size, x, y, m):
+    from labkit.model import build_model, make_stage
+
+    model = build_model("tiny", seed=0)
+    st = make_stage(model, rank, world_size)
+    stats = {}
+    loss = pl.run_schedule(st, zero_bubble_schedule(world_size, m), x if rank == 0 else None,
+                           y if rank == world_size - 1 else None, stage=rank, stats=stats,
+                           act_shape=pl.activation_shape(model.config, x.shape[0], x.shape[1], m))
+    return {n: p.grad for n, p in st.named_parameters()}, loss, stats
+
+
+@pytest.mark.filterwarnings("ignore::labkit.launch.OversubscriptionWarning")
+def test_zero_bubble_three_ranks_equals_single_model():
+    from labkit.model import build_model, make_stages
+
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randint(0, 4096, (6, 8), generator=g), torch.randint(0, 4096, (6, 8), generator=g)
+    results = launch(_zero_bubble_rank, 3, x, y, 3, timeout=60)
+    ref = build_model("tiny", seed=0)
+    loss = ref(x, y)
+    loss.backward()
+    for s, stage in enumerate(make_stages(ref, 3)):
+        grads, got_loss, stats = results[s]
+        for n, p in stage.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"stage {s} {n}: {m}")
+        assert stats["peak_inflight"] == 3 - s  # held from F until W: 1F1B's memory
+    torch.testing.assert_close(results[2][1], loss.detach())
+
+
+def _zb_synthetic_rank(rank, world_size, m):
+    tl = Timeline()
+    st = pl.SyntheticStage(rank, world_size, ACT, t_f=0.002)
+    x = torch.zeros(ACT[0] * m, *ACT[1:])  # floating-point inputs: stage 0's B has an input gradient
+    tl.sync()
+    pl.run_schedule(st, zero_bubble_schedule(world_size, m), x, x[:, :, 0], stage=rank, act_shape=ACT, timeline=tl)
+    return tl.gather()
+
+
+def test_zero_bubble_synthetic_timeline_follows_schedule():
+    spans = launch(_zb_synthetic_rank, 2, 4, timeout=60)[0]
+    schedule = zero_bubble_schedule(2, 4)
+    for rank in range(2):
+        compute = [f"{s.stage}{s.kind}{s.mb}" for s in spans if s.rank == rank and s.kind in ("F", "B", "W")]
+        assert compute == schedule[rank]
+        w = [s for s in spans if s.rank == rank and s.kind == "W"]
+        assert len(w) == 4 and all(s.duration >= 0.002 for s in w)  # W sleeps t_w = t_b / 2 = t_f

@@ -6,7 +6,7 @@ import pytest
 
 from labkit.schedules import (Action, DeadlockError, ScheduleError, check_schedule, format_schedule,
                               ideal_bubble, parse_action, parse_schedule, peak_inflight, simulate,
-                              theoretical_bubble, validate)
+                              theoretical_bubble, validate, zero_bubble_schedule)
 
 # p = 2 stages, m = 2 micro-batches, written out by hand
 GPIPE_2x2 = [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1F1", "1B0", "1B1"]]
@@ -25,8 +25,8 @@ def test_parse_action_bad_string_names_the_action(bad):
 
 
 def test_parse_schedule_reports_rank_and_position():
-    with pytest.raises(ScheduleError, match=r"rank 1, action #2: bad action '1W0'"):
-        parse_schedule([["0F0", "0B0"], ["1F0", "1B0", "1W0"]])
+    with pytest.raises(ScheduleError, match=r"rank 1, action #2: bad action '1X0'"):
+        parse_schedule([["0F0", "0B0"], ["1F0", "1B0", "1X0"]])
 
 
 def test_parse_schedule_rejects_a_flat_list():
@@ -117,3 +117,37 @@ def test_validate_is_a_value_error():
 
 def test_format_schedule():
     assert format_schedule(GPIPE_2x2).splitlines()[1] == "rank 1: 1F0 1F1 1B0 1B1"
+
+
+# ---------------------------------------------- zero-bubble: W actions (weight gradient)
+ZB_2x1 = [["0F0", "0B0", "0W0"], ["1F0", "1B0", "1W0"]]
+
+
+def test_weight_gradient_before_backward_rejected():
+    with pytest.raises(ScheduleError, match=r"rank 1, action 1W0: weight gradient before backward"):
+        check_schedule([["0F0", "0B0"], ["1F0", "1W0", "1B0"]])
+
+
+def test_simulate_split_backward_exact_spans():
+    sim = simulate(ZB_2x1, t_f=1, t_b=2, t_w=1)  # B = t_b - t_w, W = t_w
+    spans = [[(s, e, str(a)) for s, e, a in rank] for rank in sim.spans]
+    assert spans[1] == [(1, 2, "1F0"), (2, 3, "1B0"), (3, 4, "1W0")]
+    assert spans[0] == [(0, 1, "0F0"), (3, 4, "0B0"), (4, 5, "0W0")]  # 0B0 needs only 1B0, not 1W0
+    assert sim.makespan == 5 and sim.peak_inflight == [1, 1]
+
+
+def test_split_backward_holds_activations_until_w():
+    late_w = [["0F0", "0F1", "0B0", "0B1", "0W0", "0W1"], ["1F0", "1B0", "1W0", "1F1", "1B1", "1W1"]]
+    assert simulate(late_w).peak_inflight == [2, 1]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+def test_zero_bubble_schedule_memory_and_idle_time(p):
+    for m in range(p, p + 8):
+        schedule = zero_bubble_schedule(p, m)
+        validate(schedule)
+        sim = simulate(schedule, t_f=1, t_b=2, t_w=1)
+        assert sim.peak_inflight == [p - r for r in range(p)], f"p={p} m={m}: 1F1B's memory"
+        assert sim.makespan - 3 * m == 2 * (p - 1), f"p={p} m={m}: idle 2(p-1), 1F1B's is 3(p-1)"
+        relaxed = simulate(zero_bubble_schedule(p, m, max_inflight=m), t_f=1, t_b=2, t_w=1)
+        assert relaxed.makespan - 3 * m == p - 1, f"p={p} m={m}: every W deferred"
