@@ -38,7 +38,8 @@ MODES = ("flat", "bucketed", "ddp")
 
 
 def _device(rank):
-    return torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
+    # launch picks nccl when every rank can have its own GPU, else gloo on the CPU
+    return torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _sync(device):

@@ -1,6 +1,6 @@
 # GENERATED from solutions/data_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/04_data_parallel.ipynb.
-# untouched-stub fingerprint: 24ee850c138ab1c6
+# untouched-stub fingerprint: a98ac95f35ff5388
 """Data parallelism by hand (notebook 04_data_parallel).
 
 Every rank holds an identical copy of the model, reads a different slice of the
@@ -158,9 +158,11 @@ def check_replicas(model: nn.Module, group=None) -> None:
     the lowest rank of the group. Cheap enough to call at start-up and now and then.
     """
     names, sums = _checksums(model)
+    if dist.get_backend(group) == "nccl":  # nccl only moves GPU tensors
+        sums = sums.to(torch.device("cuda", torch.cuda.current_device()))
     gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, sums, group=group)
-    table = torch.stack(gathered)  # [ranks, tensors]
+    table = torch.stack(gathered).cpu()  # [ranks, tensors]
     differs = (table != table[0]).any(dim=0)
     if differs.any():
         first = int(differs.nonzero()[0])

@@ -259,9 +259,11 @@ def check_replicas(model: nn.Module, group=None) -> None:
     the lowest rank of the group. Cheap enough to call at start-up and now and then.
     """
     names, sums = _checksums(model)
+    if dist.get_backend(group) == "nccl":  # nccl only moves GPU tensors
+        sums = sums.to(torch.device("cuda", torch.cuda.current_device()))
     gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, sums, group=group)
-    table = torch.stack(gathered)  # [ranks, tensors]
+    table = torch.stack(gathered).cpu()  # [ranks, tensors]
     differs = (table != table[0]).any(dim=0)
     if differs.any():
         first = int(differs.nonzero()[0])
