@@ -113,6 +113,8 @@ def shard_for_rank(batch, rank: int, world_size: int):
     """
     ### BEGIN SOLUTION
     tensors = list(batch) if isinstance(batch, (tuple, list)) else [batch]
+    if not tensors:
+        raise ValueError("the batch holds no tensors: pass a tensor or a tuple such as (x, y)")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, {world_size})")
     sizes = {t.shape[0] for t in tensors}
@@ -124,6 +126,8 @@ def shard_for_rank(batch, rank: int, world_size: int):
                          f"use a global batch size that is a multiple of {world_size}")
     b = size // world_size
     shards = [t[rank * b:(rank + 1) * b] for t in tensors]
+    if hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*shards)
     if isinstance(batch, (tuple, list)):
         return type(batch)(shards)
     return shards[0]

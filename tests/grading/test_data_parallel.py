@@ -337,12 +337,16 @@ def test_shard_for_rank_rows_cover_global_batch_once():
 
 
 @pytest.mark.exercise("shard_for_rank")
-def test_shard_for_rank_global_batch_not_splitting_raises_value_error():
+def test_shard_for_rank_bad_input_global_batch_not_splitting_raises_value_error():
     x, y = torch.zeros(6, T), torch.zeros(6, T)
     with pytest.raises(ValueError, match="multiple of 4"):
         dp().shard_for_rank((x, y), 0, 4)
     with pytest.raises(ValueError, match="first dimension"):
         dp().shard_for_rank((x, y[:4]), 0, 2)
+    with pytest.raises(ValueError, match="no tensors"):
+        dp().shard_for_rank((), 0, 2)
+    with pytest.raises(ValueError, match="rank 2"):
+        dp().shard_for_rank((x, y), 2, 2)
 
 
 # --- checkpointing ----------------------------------------------------------------------
