@@ -5,7 +5,7 @@ b rows each must end with the same weights as one process with N x b rows.
 OddNet carries the awkward cases: a frozen layer, a layer never used (grad None
 everywhere), a layer used only when the batch holds token RARE (grad None on the
 ranks whose rows lack it) and an output head tied to the embedding.
-The whole file takes about 10-20 s on 2 cores.
+The whole file: about 12 s of CPU, 30-50 s of wall time on 2 busy shared cores.
 """
 import pytest
 import torch
