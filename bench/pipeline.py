@@ -12,7 +12,8 @@ step is the median by bubble (the lower median for an even count). Columns:
 
     bubble      measured idle fraction of the step (labkit.timeline.bubble_fraction)
     theory      (p-1)/(m+p-1), or (p-1)/(vm+p-1) for interleaved 1F1B with v = 2 stages
-                per rank (each t_F/2 + t_B/2 long); abs.err = measured - theory (percentage points),
+                per rank (each t_F/2 + t_B/2 long), or for ZB (labkit.schedules.
+                zero_bubble_schedule, B and W t_B/2 each) its unit-time simulation; abs.err = measured - theory (percentage points),
                 rel.err = measured / theory - 1
     step        measured step time; ideal = (m+p-1)(t_F+t_B), interleaved (vm+p-1)(t_F+t_B)/v
     in-flight   peak micro-batches whose activations a rank holds (rank 0, the most;
@@ -38,13 +39,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 P, MS, BATCH, SEQ, D_MODEL = 4, (4, 8, 16), 16, 64, 288
-SCHEDULES = {"GPipe": "gpipe_schedule", "1F1B": "one_f_one_b_schedule", "interl.2": "interleaved_schedule"}
+SCHEDULES = {"GPipe": "gpipe_schedule", "1F1B": "one_f_one_b_schedule", "interl.2": "interleaved_schedule",
+             "ZB": "zero_bubble_schedule"}
 V = 2  # stages per rank of the interleaved schedule, each t_F / V long
 
 
 def run_rank(rank, world_size, t_f, steps):
     import torch
 
+    from labkit import schedules
     from labkit.grading import impl
     from labkit.timeline import Timeline
 
@@ -54,15 +57,20 @@ def run_rank(rank, world_size, t_f, steps):
         for m in MS:
             act = pl.activation_shape(type("Cfg", (), {"d_model": D_MODEL}), BATCH, SEQ, m)
             v = V if fn == "interleaved_schedule" else 1
-            schedule = pl.interleaved_schedule(world_size, v, m) if v > 1 else getattr(pl, fn)(world_size, m)
+            if fn == "zero_bubble_schedule":
+                schedule = schedules.zero_bubble_schedule(world_size, m)
+            else:
+                schedule = pl.interleaved_schedule(world_size, v, m) if v > 1 else getattr(pl, fn)(world_size, m)
             tokens = torch.zeros(BATCH, SEQ, dtype=torch.long)
+            # floating-point inputs give stage 0's zero-bubble B an input gradient to compute
+            inputs = torch.zeros(BATCH, SEQ, D_MODEL) if fn == "zero_bubble_schedule" else tokens
             runs = []
             for _ in range(1 + steps):  # the first is a warm-up, dropped below
                 stage = {c * world_size + rank: pl.SyntheticStage(c * world_size + rank, world_size * v, act, t_f=t_f / v)
                          for c in range(v)}
                 stats = {}
                 tl.sync()
-                pl.run_schedule(stage, schedule, tokens, tokens, stage=rank, act_shape=act, timeline=tl, stats=stats)
+                pl.run_schedule(stage, schedule, inputs, tokens, stage=rank, act_shape=act, timeline=tl, stats=stats)
                 runs.append((tl.gather(), stats))
             out[label, m] = runs[1:]
     return out
@@ -80,7 +88,7 @@ def main():
     import warnings
 
     from labkit.launch import OversubscriptionWarning, launch
-    from labkit.schedules import theoretical_bubble
+    from labkit.schedules import simulate, theoretical_bubble, zero_bubble_schedule
     from labkit.timeline import bubble_fraction, window
 
     warnings.simplefilter("ignore", OversubscriptionWarning)  # the stages sleep: cores are not the limit
@@ -100,9 +108,12 @@ def main():
             stats0 = results[0][label, m][i][1]
             v = V if label.startswith("interl") else 1
             theory = theoretical_bubble(P, m, v)
+            if label == "ZB":  # no closed form: the unit-time simulation's ideal (F = B = W)
+                theory = simulate(zero_bubble_schedule(P, m), 1.0, 2.0).bubble
             rows.append({"schedule": label, "m": m, "bubble": round(bubble, 4), "theory": round(theory, 4),
                          "abs_error_pp": round(100 * (bubble - theory), 2), "rel_error": round(bubble / theory - 1, 4), "step_ms": round(step_s * 1e3, 1),
-                         "ideal_step_ms": round((v * m + P - 1) * 3 * t_f / v * 1e3, 1),
+                         "ideal_step_ms": round((v * m + P - 1) * 3 * t_f / v * 1e3 if label != "ZB"
+                                         else simulate(zero_bubble_schedule(P, m), t_f, 2 * t_f).makespan * 1e3, 1),
                          "peak_inflight_rank0": stats0["peak_inflight"],
                          "peak_act_mib_rank0": round(stats0["peak_activation_bytes"] / 2**20, 3),
                          "peak_inflight_per_rank": [results[r][label, m][i][1]["peak_inflight"] for r in range(P)]})
