@@ -2,9 +2,10 @@
 
     python bench/pipeline.py [--quick] [--impl solutions|exercises] [--t-f SECONDS]
 
-4 ranks (labkit.launch), one stage each (two for interleaved 1F1B). Every stage is a `SyntheticStage`: its forward
-sleeps t_F and its backward t_B = 2 t_F, so the ranks do not compete for CPU cores and
-what is measured is the schedule plus the messages. For GPipe and 1F1B and m in
+4 ranks (labkit.launch), one stage each (two for interleaved 1F1B). Every stage is a
+`SyntheticStage`: its forward sleeps t_F and its backward t_B = 2 t_F, so the ranks do
+not compete for CPU cores and what is measured is the schedule plus the messages. For
+GPipe, 1F1B, interleaved 1F1B (v = 2) and the greedy zero-bubble schedule, and m in
 {4, 8, 16} micro-batches of one global batch (16 rows x 64 positions x d_model 288, the
 seed model's width, so a micro-batch is 16/m rows), each configuration runs one warm-up
 step (it also opens the gloo connections) and then a few measured steps; the reported
