@@ -9,6 +9,15 @@ from labkit.model import (ModelConfig, Transformer, build_model, get_config, mak
                           split_layers)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Ops this small gain nothing from threads, and spinning threads are slow on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _batch(cfg, B=2, T=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g)
@@ -241,11 +250,6 @@ def test_short_training_run_brings_the_loss_well_below_ln_vocab():
     from labkit.train_loop import TrainConfig, train
 
     cfg = TrainConfig.quick(steps=30, batch_size=8, seq_len=32, warmup=5)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # ops this small only lose from threads, badly so on a busy machine
-    try:
-        history = train(build_model("tiny"), load_tokens(), cfg, progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    history = train(build_model("tiny"), load_tokens(), cfg, progress=False)
     assert abs(history["loss"][0] - math.log(4096)) < 0.1
     assert sum(history["loss"][-5:]) / 5 < 6.5
