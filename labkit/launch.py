@@ -8,7 +8,7 @@
 How it works, in the order things happen:
 
 1. The parent checks the arguments, picks the backend (gloo on CPU, nccl when every
-   rank can have its own GPU) and a free TCP port.
+   rank can have its own GPU) and a free TCP port for rank 0's rendezvous store.
 2. It *forks* one child per rank. Forking (not spawning) is what lets a function
    defined in a notebook cell run in the children without pickling, and it costs
    milliseconds instead of the seconds a fresh interpreter needs to import torch.
@@ -167,6 +167,9 @@ def _choose_backend(backend: str, world_size: int) -> str:
 
 
 def _free_port() -> int:
+    # A port no socket is bound to right now. (Serving the store from the parent instead
+    # would remove the small window before rank 0 binds it, but a store thread in the
+    # parent at fork time made ranks hang in init_process_group now and then.)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -208,13 +211,13 @@ def _child_main(rank, world_size, fn, args, kwargs, backend, port, pg_timeout,
                             f"({error}); return plain data or CPU tensors") from None
         result_w.send_bytes(payload)
         ok = True
-        # Rank 0 hosts the rendezvous store, so it must outlive everyone's use of it. A barrier
-        # would do, but it could complete a collective that a learner's rank skipped; the store
-        # keys below cannot be mistaken for the learner's communication.
+        # Leave together: a rank that exits while a peer is still connecting to it (gloo sets up
+        # its connections pair by pair) makes that peer fail. A barrier would do, but it could
+        # complete a collective that a learner's rank skipped; the store keys cannot. Rank 0
+        # hosts the store, so it is also the last to leave.
         store = dist.distributed_c10d._get_default_store()
         store.set(f"labkit/done/{rank}", "1")
-        if rank == 0:
-            store.wait([f"labkit/done/{r}" for r in range(world_size)])
+        store.wait([f"labkit/done/{r}" for r in range(world_size)])
         dist.destroy_process_group()
     except BaseException as error:  # noqa: BLE001 - everything goes back to the parent
         if not ok:
