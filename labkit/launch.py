@@ -108,7 +108,24 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, **kwargs) -> li
         warnings.warn(f"{world_size} ranks on {cores} CPU cores: the ranks take turns on the cores "
                       "(oversubscription), so they run, but slower than they would on their own cores.",
                       OversubscriptionWarning, stacklevel=2)
+    _prewarm()
     return _Launcher(fn, world_size, args, kwargs, backend, float(timeout)).run()
+
+
+_prewarmed = False
+
+
+def _prewarm():
+    """Import, once, in the parent what every rank would otherwise import for itself.
+
+    The first torch.optim optimizer a process builds imports torch._dynamo (seconds on a
+    laptop). Imported here, before the fork, the ranks inherit it for free.
+    """
+    global _prewarmed
+    if not _prewarmed:
+        import torch._dynamo  # noqa: F401
+
+        _prewarmed = True
 
 
 def rank_device():
