@@ -14,7 +14,7 @@ Corpora (`name`):
 Sources (`source`, TinyStories only): "local" (default, offline: the shipped file),
 "datasets-local" (the shipped file read through `datasets.load_dataset("text", ...)`, the
 code path of the hub, offline), "hub" (`datasets.load_dataset("roneneldan/TinyStories")`,
-needs the internet; pass max_stories to keep it small).
+needs the internet; with max_stories it streams only those rows).
 
 Batches and sharding: the seed rule
 -----------------------------------
@@ -101,9 +101,12 @@ def load_stories(source: str = "local", split: str = "train", max_stories: int |
     else:
         import datasets
 
-        spec = split if max_stories is None else f"{split}[:{max_stories}]"
-        ds = datasets.load_dataset(HUB_DATASET, split=spec, cache_dir=cache_dir)
-        stories = ds["text"]  # paragraphs separated by a blank line here, by "\n" in the .txt file
+        if max_stories is None:  # the whole split: about 2 GB to download the first time
+            stories = datasets.load_dataset(HUB_DATASET, split=split, cache_dir=cache_dir)["text"]
+        else:  # stream: only the first max_stories rows travel
+            stream = datasets.load_dataset(HUB_DATASET, split=split, streaming=True)
+            stories = [row["text"] for row in stream.take(max_stories)]
+        # (the hub separates paragraphs with a blank line, the .txt file with one "\n": normalised below)
     stories = [s for s in map(_normalise, stories) if s]
     if max_stories is not None:
         stories = stories[:max_stories]

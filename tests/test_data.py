@@ -48,18 +48,23 @@ def test_datasets_code_path_offline_reads_the_same_stories(tmp_path, monkeypatch
     assert any((tmp_path / "hf").iterdir())  # the arrow cache went where we asked
 
 
-def test_hub_source_asks_datasets_for_roneneldan_tinystories_and_normalises_paragraphs(monkeypatch):
+def test_hub_source_asks_datasets_for_roneneldan_tinystories_streams_max_stories_and_normalises(monkeypatch):
     import datasets
 
-    calls = []
+    calls, rows = [], ["Tom had a ball.\n\nHe played.  ", "Sue ran.", "Not asked for."]
 
-    def fake_load_dataset(path, split=None, cache_dir=None):
-        calls.append((path, split))
-        return {"text": ["Tom had a ball.\n\nHe played.  ", "Sue ran."]}
+    class FakeStream:
+        def take(self, n):
+            return [{"text": t} for t in rows[:n]]
+
+    def fake_load_dataset(path, split=None, cache_dir=None, streaming=False):
+        calls.append((path, split, streaming))
+        return FakeStream() if streaming else {"text": rows}
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     assert load_stories("hub", split="validation", max_stories=2) == ["Tom had a ball.\nHe played.", "Sue ran."]
-    assert calls == [("roneneldan/TinyStories", "validation[:2]")]
+    assert len(load_stories("hub")) == 3
+    assert calls == [("roneneldan/TinyStories", "validation", True), ("roneneldan/TinyStories", "train", False)]
 
 
 def test_unknown_source_corpus_or_local_validation_split_raises():
