@@ -194,6 +194,7 @@ def check_seq_len(config, seq_len: int) -> None:
 # Token streams
 
 _TOKENS: dict = {}  # in-memory cache; forked ranks inherit it
+CACHE_VERSION = 1  # bump when the encoding rule (normalisation, BOS) changes: old cache files are then ignored
 
 
 def _file_digest(*paths: Path) -> str:
@@ -232,7 +233,7 @@ def load_tokens(name: str = "tinystories", source: str = "local", max_stories: i
     path = None
     if source == "local":
         digest = _file_digest(FILES[name], *([TOKENIZER_PATH] if name == "tinystories" else []))
-        path = cache_dir() / f"{name}-{max_stories or 'all'}-{digest}.npy"
+        path = cache_dir() / f"{name}-v{CACHE_VERSION}-{max_stories or 'all'}-{digest}.npy"
     if path is not None and path.exists():
         tokens = torch.from_numpy(np.load(path).astype(np.int64))
     else:
