@@ -6,6 +6,9 @@
 #   make setup    set up only
 
 SHELL  := /bin/bash
+# OpenMP threads that spin while waiting make torch up to 10x slower when the cores are shared
+# (several ranks, a busy laptop); sleeping threads cost nothing on an idle machine.
+export OMP_WAIT_POLICY ?= PASSIVE
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
