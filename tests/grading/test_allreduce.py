@@ -10,14 +10,12 @@ every case of every function; each test below then reads its case's outcome.
 About 10 s on 2 cores.
 """
 import functools
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from labkit.grading import impl
-from labkit.launch import launch
+from labkit.grading import expect_case, impl, launch_cases, run_cases
 
 FUNCTIONS = ("ring_allreduce", "naive_allreduce", "pipelined_ring_allreduce", "tree_allreduce")
 # The pipelined ring runs with tiny segments (2-4 elements) so that every case crosses
@@ -122,43 +120,19 @@ def run_all(rank, world_size):
     groups = []
     if world_size == 4:  # new_group is collective: every rank creates every group
         groups = [(ranks, dist.new_group(list(ranks))) for ranks in [(1, 3), (0, 2, 3)]]
-    results = {}
+    todo = {}
     for fn_name in FUNCTIONS:
         fn = getattr(module, fn_name)
         if fn_name == "pipelined_ring_allreduce":
             fn = functools.partial(fn, segment_bytes=SMALL_SEGMENTS)
         for case, body in {**cases(world_size), **subgroup_cases(groups)}.items():
-            try:
-                body(fn, rank, world_size)
-                results[fn_name, case] = ("ok", "")
-            except NotImplementedError as e:
-                results[fn_name, case] = ("not implemented", str(e))
-            except Exception:
-                results[fn_name, case] = ("failed", f"rank {rank}: {traceback.format_exc()}")
-    return results
-
-
-@functools.lru_cache(maxsize=None)
-def outcomes(world_size):
-    """Every case's outcome on every rank, or the launch's error (raised again by each test)."""
-    # The first assert_close in a process imports for seconds: pay it once here, so that the
-    # forked ranks inherit it instead of each paying it again.
-    torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
-    try:
-        return launch(run_all, world_size, timeout=60)
-    except Exception as error:  # a hang or crash: every test of this world size reports it
-        return error
+            todo[fn_name, case] = functools.partial(body, fn, rank, world_size)
+    return run_cases(todo)
 
 
 def expect_ok(fn_name, case, world_size):
-    per_rank = outcomes(world_size)
-    if isinstance(per_rank, Exception):
-        raise per_rank
-    for status, detail in (ranks[fn_name, case] for ranks in per_rank):
-        if status == "not implemented":
-            raise NotImplementedError(detail)
-        if status != "ok":
-            pytest.fail(f"{fn_name} on {world_size} ranks, case {case}:\n{detail}", pytrace=False)
+    expect_case(launch_cases(run_all, world_size), (fn_name, case),
+                f"{fn_name} on {world_size} ranks, case {case}")
 
 
 def each_function(test):
