@@ -275,12 +275,14 @@ def test_under_torchrun_the_process_is_its_rank(tmp_path):
             t = torch.tensor([rank + 1.0]); dist.all_reduce(t)
             return (rank, world_size, os.getpid(), t.item())
         results = labkit.launch(work, 2, timeout=60)
-        if int(os.environ["RANK"]) == 0:
-            print("RESULTS", results, os.getpid())
         try:
             labkit.launch(work, 3)
+            mismatch = "no error"
         except labkit.LaunchError as e:
-            print("MISMATCH", str(e)[:60])
+            mismatch = str(e)[:60]
+        if int(os.environ["RANK"]) == 0:  # one printer: torchrun interleaves the ranks' output
+            print("RESULTS", results, os.getpid(), flush=True)
+            print("MISMATCH", mismatch, flush=True)
     """))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
