@@ -564,10 +564,33 @@ def _run_as_scheduled_rank(scheduler, fn, world_size, args, kwargs, backend):
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend, rank=rank, world_size=size)
+        import atexit
+
+        atexit.register(_leave_together, rank, size)
     result = fn(rank, size, *args, **kwargs)
     gathered = [None] * size
     dist.all_gather_object(gathered, _to_cpu(result))
     return gathered
+
+
+def _leave_together(rank: int, size: int):
+    """At exit: wait until every rank is done, then tear the group down.
+
+    A process that exits while its peers still hold connections to it can make them abort
+    (gloo tears pairs down in C++ destructors). Store keys, not a barrier, for the same
+    reason as in the forked ranks.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"labkit/exit/{rank}", "1")
+        store.wait([f"labkit/exit/{r}" for r in range(size)], timedelta(seconds=60))
+        dist.destroy_process_group()
+    except Exception:
+        pass
 
 
 def _first_host() -> str:

@@ -288,7 +288,7 @@ def test_under_torchrun_the_process_is_its_rank(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     out = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
                          capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     line = next(line for line in out.stdout.splitlines() if line.startswith("RESULTS"))
     results, parent_pid = eval(line[len("RESULTS "):].rsplit(" ", 1)[0]), int(line.rsplit(" ", 1)[1])
     assert [r[:2] for r in results] == [(0, 2), (1, 2)]
