@@ -43,7 +43,7 @@ test: setup
 		--nbval-cell-timeout=600 --durations=15 $(PYTEST_ARGS)
 
 grade: setup
-	$(BIN)/python -m pytest tests/grading --impl=exercises --grade -q $(PYTEST_ARGS) || true
+	$(BIN)/python -m pytest tests/grading --impl=exercises --grade -q --tb=no -rN $(PYTEST_ARGS) || true
 
 bench: setup
 	@for script in bench/*.py; do echo "== $$script --quick"; LABKIT_QUICK=1 $(BIN)/python $$script --quick || exit 1; done
