@@ -55,7 +55,7 @@ def _status(report) -> str:
     text = report.longreprtext
     if "NotImplementedError" in text or "StubNotImplemented" in text:
         return NOT_IMPLEMENTED
-    if "Timeout >" in text or "timed out after" in text:
+    if "from pytest-timeout" in text or "Timeout (>" in text or "timed out after" in text:
         return TIMED_OUT
     return FAILED
 
@@ -69,9 +69,9 @@ def pytest_runtest_makereport(item, call):
         return
     status = _status(report)
     if status == TIMED_OUT:
-        report.sections.append(("labkit", f"{item.nodeid} did not finish in time: look for an infinite "
-                                          "loop, or ranks waiting for each other (a skipped collective, "
-                                          "a recv without a send)."))
+        hint = (f"{item.nodeid} did not finish in time: your implementation may loop forever, or its "
+                "ranks wait for each other (a skipped collective, a recv without a matching send).")
+        report.longrepr = f"{hint}\n\n{report.longreprtext}"
     outcomes = item.config._labkit_outcomes
     previous = outcomes.get(item.nodeid)
     if previous is None or previous["status"] == PASSED:  # a setup/teardown failure wins

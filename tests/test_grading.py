@@ -161,3 +161,36 @@ def test_every_exercise_has_grading_tests_and_appears_in_the_table(stub_run):
     for exercise in exercises():
         assert any(line.split()[:1] == [exercise.name] and "not implemented yet" in line
                    for line in out.stdout.splitlines()), f"{exercise.name} missing from the grade table"
+
+
+def test_grade_table_reports_passed_not_implemented_failed_and_timed_out(tmp_path):
+    (tmp_path / "test_fake.py").write_text(textwrap.dedent('''
+        import pytest
+
+        @pytest.mark.exercise("ex_pass")
+        def test_ok():
+            assert 1 + 1 == 2
+
+        @pytest.mark.exercise("ex_stub")
+        def test_stub():
+            raise NotImplementedError("exercise ex_stub is not implemented yet")
+
+        @pytest.mark.exercise("ex_wrong")
+        def test_wrong():
+            assert 1 + 1 == 3
+
+        @pytest.mark.exercise("ex_hang")
+        @pytest.mark.timeout(1)
+        def test_hang():
+            while True:
+                pass
+    '''))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "labkit.pytest_plugin", "--grade", "-q",
+                          "-p", "no:cacheprovider", "test_fake.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120).stdout
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("ex_")}
+    assert "passed (1 tests)" in rows["ex_pass"]
+    assert "not implemented yet" in rows["ex_stub"]
+    assert "failed (1 of 1 tests)" in rows["ex_wrong"]
+    assert "timed out (1 of 1 tests)" in rows["ex_hang"]
+    assert "did not finish in time: your implementation may loop forever" in out
