@@ -9,13 +9,7 @@ from labkit.model import (ModelConfig, Transformer, build_model, get_config, mak
                           split_layers)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Ops this small gain nothing from threads, and spinning threads are slow on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _batch(cfg, B=2, T=16, seed=0):

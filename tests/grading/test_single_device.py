@@ -13,13 +13,7 @@ from labkit.model import build_model
 B, T = 8, 16
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Ops this small gain nothing from threads, and spinning threads are slow on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def sd():
