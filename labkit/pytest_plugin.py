@@ -79,7 +79,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def _rows(outcomes):
-    from labkit.grading import exercises
+    from labkit.registry import exercises
 
     known = {e.name: e for e in exercises()}
     by_exercise: dict[str, list[str]] = {}

@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from .grading import BEGIN, END, REPO_ROOT, exercise_blocks, not_implemented_message, notebook_of
+from .grading import REPO_ROOT
+from .registry import BEGIN, END, exercise_blocks, not_implemented_message, notebook_of
 
 HEADER = ("# GENERATED from solutions/{topic}.py by `python -m labkit.stubgen`: this file is yours to edit.\n"
           "# Fill in every `raise NotImplementedError(...)`; see notebooks/{notebook}.ipynb.\n"

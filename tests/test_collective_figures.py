@@ -1,4 +1,4 @@
-"""labkit.collective_figures and labkit.bandwidth: the recorded moves are the ring's, the
+"""labkit.apps.collective_figures and labkit.bandwidth: the recorded moves are the ring's, the
 formulas are nccl-tests'. One 4-rank launch per recorded function (about 3 s on 2 cores)."""
 import os
 
@@ -7,7 +7,8 @@ import pytest
 
 matplotlib.use("Agg")
 
-from labkit import bandwidth, collective_figures  # noqa: E402
+from labkit import bandwidth  # noqa: E402
+from labkit.apps import collective_figures  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import textwrap
 import pytest
 
 from labkit import stubgen
-from labkit.grading import REPO_ROOT, current_impl, exercise_blocks, exercises, impl
+from labkit.grading import REPO_ROOT, current_impl, impl
+from labkit.registry import exercise_blocks, exercises
 
 SOLUTION = textwrap.dedent('''\
     """A topic."""

@@ -1,4 +1,4 @@
-"""`python -m labkit.train` under real launchers equals single-process training.
+"""`python -m labkit.apps.train` under real launchers equals single-process training.
 
 Each distributed strategy (dp, pp, hybrid) runs as a separate job under `torchrun
 --standalone` on CPU (gloo), as a learner would start it, and its final weights (saved
@@ -24,7 +24,7 @@ import torch
 
 from labkit.data import load_tokens
 from labkit.model import build_model
-from labkit.train import main, parse_args, train_config
+from labkit.apps.train import main, parse_args, train_config
 from labkit.train_loop import train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,7 +113,7 @@ def test_train_single_in_process_equals_train_loop(reference, tmp_path, monkeypa
 def test_train_under_torchrun_standalone_equals_single_process(strategy, nproc, extra, reference, tmp_path):
     saved = tmp_path / "weights.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "labkit.train", "--strategy", strategy, *extra, *COMMON, "--save", str(saved)]
+           "-m", "labkit.apps.train", "--strategy", strategy, *extra, *COMMON, "--save", str(saved)]
     (output,) = _run([(cmd, _env())])
     _check(_report(output), saved, reference, strategy, nproc)
 
@@ -135,7 +135,7 @@ def test_train_dp_with_scheduler_variables_equals_single_process(launcher, refer
             ids = dict(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_STEP_ID="0")
         else:
             ids = dict(PMI_RANK=str(rank), PMI_SIZE="2", MPI_LOCALRANKID=str(rank))
-        cmd = [sys.executable, "-m", "labkit.train", "--strategy", "dp", *COMMON, "--save", str(saved)]
+        cmd = [sys.executable, "-m", "labkit.apps.train", "--strategy", "dp", *COMMON, "--save", str(saved)]
         jobs.append((cmd, _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **ids)))
     outputs = _run(jobs)
     _check(_report(outputs[0]), saved, reference, "dp", 2)
@@ -143,7 +143,7 @@ def test_train_dp_with_scheduler_variables_equals_single_process(launcher, refer
 
 def test_train_wrong_process_count_says_what_to_change():
     # hybrid dp=2 x pp=2 needs 4 processes; started by a launcher with 2 it must say so
-    cmd = [sys.executable, "-m", "labkit.train", "--strategy", "hybrid", "--dp", "2", "--pp", "2", *COMMON]
+    cmd = [sys.executable, "-m", "labkit.apps.train", "--strategy", "hybrid", "--dp", "2", "--pp", "2", *COMMON]
     env = _env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode != 0

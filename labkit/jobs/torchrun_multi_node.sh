@@ -23,4 +23,4 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 "${PYTHON:-python}" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" \
     --rdzv-backend c10d --rdzv-endpoint "$HEAD:$PORT" --rdzv-id "$JOB_ID" \
-    -m labkit.train --model "${MODEL:-seed}" --steps "${STEPS:-200}" "$@"
+    -m labkit.apps.train --model "${MODEL:-seed}" --steps "${STEPS:-200}" "$@"

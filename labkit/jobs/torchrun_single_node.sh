@@ -15,4 +15,4 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # torchrun's default too: one thr
 
 # --standalone: a private rendezvous on this machine, on a free port (no MASTER_* to set)
 "${PYTHON:-python}" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-    -m labkit.train --strategy "$STRATEGY" --model "$MODEL" --steps "$STEPS" "$@"
+    -m labkit.apps.train --strategy "$STRATEGY" --model "$MODEL" --steps "$STEPS" "$@"

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit.grading import expect_case, impl, launch_cases, run_cases
+from labkit.cases import expect_case, launch_cases, run_cases
+from labkit.grading import impl
 
 FUNCTIONS = ("broadcast", "reduce", "all_gather", "scatter", "reduce_scatter")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}

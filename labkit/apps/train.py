@@ -1,12 +1,12 @@
 """One training entry point for every strategy, in a notebook, under torchrun, Slurm or mpiexec.
 
-    python -m labkit.train --strategy single --steps 20
-    python -m labkit.train --strategy dp --dp 2                   # forks 2 ranks (labkit.launch)
-    torchrun --standalone --nproc-per-node 4 -m labkit.train --strategy hybrid --dp 2 --pp 2
-    srun python -m labkit.train --strategy pp        # Slurm: one task per rank (labkit/jobs/)
-    mpiexec -n 8 python -m labkit.train --strategy hybrid --dp 2 --pp 4   # PBS / MPI
+    python -m labkit.apps.train --strategy single --steps 20
+    python -m labkit.apps.train --strategy dp --dp 2                   # forks 2 ranks (labkit.launch)
+    torchrun --standalone --nproc-per-node 4 -m labkit.apps.train --strategy hybrid --dp 2 --pp 2
+    srun python -m labkit.apps.train --strategy pp        # Slurm: one task per rank (labkit/jobs/)
+    mpiexec -n 8 python -m labkit.apps.train --strategy hybrid --dp 2 --pp 4   # PBS / MPI
 
-    from labkit.train import main                   # in a notebook: the same, forked
+    from labkit.apps.train import main                   # in a notebook: the same, forked
     report = main(["--strategy", "hybrid", "--dp", "2", "--pp", "2", "--steps", "5"])
 
 Strategies, as (dp, pp) meshes of notebook 07 (world size = dp x pp):
@@ -40,7 +40,7 @@ STRATEGIES = ("single", "dp", "pp", "hybrid")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m labkit.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m labkit.apps.train", description=__doc__.split("\n")[0])
     p.add_argument("--strategy", choices=STRATEGIES, default="single")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (dp, hybrid)")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (pp, hybrid)")

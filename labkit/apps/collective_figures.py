@@ -1,6 +1,6 @@
 """Figures for notebooks 02 and 03: what each collective does, and the ring's actual moves.
 
-    python -m labkit.collective_figures        # rewrites the PNGs in imgs/
+    python -m labkit.apps.collective_figures        # rewrites the PNGs in imgs/
 
 - `draw_collective(name)`: every rank's data before and after one collective, from
   the collective's definition (`COLLECTIVES`). Cell labels name the data's origin:
