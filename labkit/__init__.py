@@ -3,11 +3,14 @@
 - `launch`: run a function on N ranks (fork, or torchrun/Slurm/mpiexec), never hang silently.
 - `%load_ext labkit` then `%%ranks N`: run a notebook cell on N ranks.
 - `labkit.grading.impl(topic)`: your exercise module or the reference one.
+- `labkit.mesh.Mesh`: the N-D device mesh (dp, pp, ep, cp, tp); `labkit.needs_exercise()`: a cell that
+  needs an unwritten exercise prints one line and the notebook goes on.
 - `labkit.model`, `labkit.data`, `labkit.timeline`, `labkit.viz`: the model, the data, timelines and plots.
 """
 from .launch import LaunchError, StubNotImplemented, launch, rank_device
 from .magic import load_ipython_extension
+from .notebook import needs_exercise, not_yet
 from .settings import quick
 
 __all__ = ["launch", "LaunchError", "StubNotImplemented", "rank_device", "quick",
-           "load_ipython_extension"]
+           "load_ipython_extension", "needs_exercise", "not_yet"]
