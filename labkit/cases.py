@@ -28,12 +28,8 @@ def run_cases(cases: dict) -> dict:
 @functools.lru_cache(maxsize=None)
 def launch_cases(run_all, world_size: int, timeout: float = 60):
     """``launch(run_all, world_size)``, once per (function, world size); a launch error is returned."""
-    import torch
-
     from .launch import launch
 
-    # The first assert_close in a process imports for seconds: paid once here, inherited by the ranks.
-    torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
     try:
         return launch(run_all, world_size, timeout=timeout)
     except Exception as error:  # a hang or a crash: every test of this world size reports it

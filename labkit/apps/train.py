@@ -61,10 +61,10 @@ def parse_args(argv=None):
 
 def scheduled_world_size() -> int | None:
     """The world size a launcher (torchrun, srun, mpiexec) set for this process, else None."""
-    from labkit.launch import _scheduler, SCHEDULER_VARS
+    from labkit.scheduled import scheduled_world
 
-    name = _scheduler()
-    return None if name is None else int(os.environ[SCHEDULER_VARS[name][1]])
+    world = scheduled_world()
+    return None if world is None else world["world_size"]
 
 
 def resolve_mesh(strategy: str, dp: int | None, pp: int | None, world_size: int | None):
@@ -231,20 +231,6 @@ def report(results, args, world_size: int) -> dict:
     }, weights
 
 
-def _warm_up() -> None:
-    """Import, once in this process, what every rank needs, so forked ranks inherit it.
-
-    The first optimizer built in a process imports torch's compiler stack (seconds; tens of
-    seconds on a busy machine), and each forked rank would pay for it again."""
-    import torch
-
-    import labkit.data  # noqa: F401
-    import labkit.model  # noqa: F401
-    import labkit.train_loop  # noqa: F401
-
-    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
-
-
 def main(argv=None) -> dict:
     """Parse ``argv``, run every rank (forked, or this process under a launcher), report.
 
@@ -267,7 +253,7 @@ def main(argv=None) -> dict:
 
     from labkit.launch import launch
 
-    _warm_up()
+    import labkit.data, labkit.model, labkit.train_loop  # noqa: E401,F401 - imported once, inherited by forked ranks
     results = launch(train_rank, world_size, args, timeout=args.timeout)
     out, weights = report(results, args, world_size)
     leader = not dist.is_initialized() or dist.get_rank() == 0
