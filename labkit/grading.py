@@ -14,7 +14,9 @@ the applications (`labkit.apps`), the solutions, tests, notebooks and benchmarks
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -34,8 +36,17 @@ def current_impl() -> str:
     return name
 
 
+_stamps: dict[str, tuple] = {}  # module name -> (path, hash of its source when last loaded)
+
+
 def impl(topic: str, which: str | None = None):
-    """Return the module ``<which>.<topic>``, ``which`` defaulting to `current_impl()`."""
+    """Return the module ``<which>.<topic>``, ``which`` defaulting to `current_impl()`.
+
+    The module is always the file's current code: when ``exercises/<topic>.py`` changed
+    since it was loaded, it is reloaded (in place: a notebook's ``pl = impl("pipeline")``
+    sees the new functions), so a learner never needs to restart the kernel after an edit.
+    Every `labkit.launch` also reloads changed modules just before it forks the ranks.
+    """
     which = which or current_impl()
     if which not in IMPLEMENTATIONS:
         raise ValueError(f"which={which!r} must be one of {IMPLEMENTATIONS}")
@@ -45,4 +56,43 @@ def impl(topic: str, which: str | None = None):
     if not path.exists():
         known = sorted(p.stem for p in (REPO_ROOT / "solutions").glob("*.py") if p.stem != "__init__")
         raise ValueError(f"no exercise module {which}/{topic}.py; known topics: {known}")
-    return importlib.import_module(f"{which}.{topic}")
+    name = f"{which}.{topic}"
+    module = sys.modules.get(name)
+    if module is None:
+        module = importlib.import_module(name)
+    elif _stamps.get(name, (None, None))[1] != _source_hash(path):
+        module = _reload(module, path)
+    _stamps[name] = (path, _source_hash(path))
+    _register_refresh()
+    return module
+
+
+def refresh_changed() -> list[str]:
+    """Reload every module `impl` returned whose file changed since; return their names."""
+    changed = []
+    for name, (path, digest) in list(_stamps.items()):
+        module = sys.modules.get(name)
+        if module is not None and path.exists() and _source_hash(path) != digest:
+            _reload(module, path)
+            _stamps[name] = (path, _source_hash(path))
+            changed.append(name)
+    return changed
+
+
+def _source_hash(path: Path) -> str:
+    return hashlib.sha1(path.read_bytes()).hexdigest()
+
+
+def _reload(module, path: Path):
+    # Python trusts a cached .pyc whose recorded mtime (whole seconds) and size match the
+    # source: two edits within a second, of equal length, would reload stale bytecode.
+    cached = Path(importlib.util.cache_from_source(str(path)))
+    cached.unlink(missing_ok=True)
+    importlib.invalidate_caches()
+    return importlib.reload(module)
+
+
+def _register_refresh():
+    hooks = importlib.import_module("labkit.launch").BEFORE_FORK  # (labkit.launch is also the function)
+    if refresh_changed not in hooks:  # the core offers the hook; it never calls impl() itself
+        hooks.append(refresh_changed)

@@ -26,6 +26,7 @@ from .forked import ForkLauncher
 from .scheduled import run_as_scheduled_rank, scheduled_world
 
 BACKENDS = ("auto", "gloo", "nccl")
+BEFORE_FORK: list = []  # callables run in the parent just before the ranks are forked
 _warned = False
 
 
@@ -50,6 +51,8 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, **kwargs) -> li
     backend = choose_backend(backend, world_size)
     _note_oversubscription(world_size)
     prewarm()
+    for hook in BEFORE_FORK:  # e.g. labkit.grading reloads the exercises a learner just edited
+        hook()
     return ForkLauncher(fn, world_size, args, kwargs, backend, float(timeout)).run()
 
 

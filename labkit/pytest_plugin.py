@@ -49,13 +49,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(GRADING_TIMEOUT))
 
 
-def _status(report) -> str:
+def _status(report, excinfo=None) -> str:
+    """passed / not implemented / timed out / failed, decided by the exception's TYPE, never its text.
+
+    Only a `NotImplementedError` (an unwritten stub; `StubNotImplemented` is one) means "not
+    implemented": a traceback that merely mentions the word (every `LaunchError` shows
+    labkit's source) is a failure of written code. A hang is a `LaunchError` whose failures
+    are all timeouts, or pytest-timeout's own failure.
+    """
     if report.passed:
         return PASSED
-    text = report.longreprtext
-    if "NotImplementedError" in text or "StubNotImplemented" in text:
-        return NOT_IMPLEMENTED
-    if "from pytest-timeout" in text or "Timeout (>" in text or "timed out after" in text:
+    if excinfo is not None:
+        error = excinfo.value
+        if isinstance(error, NotImplementedError):
+            return NOT_IMPLEMENTED
+        failures = getattr(error, "failures", None)
+        if failures and all(getattr(f, "kind", None) == "timeout" for f in failures):
+            return TIMED_OUT
+        if "Timeout" in excinfo.typename or "from pytest-timeout" in str(error)[:200]:
+            return TIMED_OUT
+    if "Timeout (>" in str(report.longrepr)[-3000:] and excinfo is None:  # pytest-timeout's own report
         return TIMED_OUT
     return FAILED
 
@@ -67,7 +80,7 @@ def pytest_runtest_makereport(item, call):
     marker = item.get_closest_marker("exercise")
     if marker is None or (report.when != "call" and not report.failed):
         return
-    status = _status(report)
+    status = _status(report, call.excinfo)
     if status == TIMED_OUT:
         hint = (f"{item.nodeid} did not finish in time: your implementation may loop forever, or its "
                 "ranks wait for each other (a skipped collective, a recv without a matching send).")

@@ -164,9 +164,37 @@ def test_every_exercise_has_grading_tests_and_appears_in_the_table(stub_run):
                    for line in out.stdout.splitlines()), f"{exercise.name} missing from the grade table"
 
 
-def test_grade_table_reports_passed_not_implemented_failed_and_timed_out(tmp_path):
+@pytest.mark.parametrize("tb", ["long", "no"])
+def test_grade_table_reports_passed_not_implemented_failed_and_timed_out(tmp_path, tb):
+    """Every output mode (tracebacks or not, the JSON file) files each test by its exception's type:
+    written-but-wrong code in launched ranks is "failed", whatever its traceback mentions."""
     (tmp_path / "test_fake.py").write_text(textwrap.dedent('''
         import pytest
+        import labkit
+        import torch.distributed as dist
+
+        def _wrong_in_ranks(rank, world_size):
+            # mentions the word, as a learner's message or labkit's source may: still just wrong
+            raise AssertionError("replicas differ (NotImplementedError is not the issue here)")
+
+        def _stuck_in_ranks(rank, world_size):
+            if rank == 1:
+                dist.barrier()
+
+        def _stub_in_ranks(rank, world_size):
+            raise NotImplementedError("exercise ex_launch_stub is not implemented yet")
+
+        @pytest.mark.exercise("ex_launch_wrong")
+        def test_launch_wrong():
+            labkit.launch(_wrong_in_ranks, 2, timeout=30)
+
+        @pytest.mark.exercise("ex_launch_hang")
+        def test_launch_hang():
+            labkit.launch(_stuck_in_ranks, 2, timeout=2)
+
+        @pytest.mark.exercise("ex_launch_stub")
+        def test_launch_stub():
+            labkit.launch(_stub_in_ranks, 2, timeout=30)
 
         @pytest.mark.exercise("ex_pass")
         def test_ok():
@@ -187,11 +215,42 @@ def test_grade_table_reports_passed_not_implemented_failed_and_timed_out(tmp_pat
                 pass
     '''))
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "labkit.pytest_plugin", "--grade", "-q",
-                          "-p", "no:cacheprovider", "test_fake.py"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=120).stdout
+                          f"--tb={tb}", "--grade-json", "grade.json", "-p", "no:cacheprovider", "test_fake.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=180).stdout
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("ex_")}
-    assert "passed (1 tests)" in rows["ex_pass"]
-    assert "not implemented yet" in rows["ex_stub"]
-    assert "failed (1 of 1 tests)" in rows["ex_wrong"]
-    assert "timed out (1 of 1 tests)" in rows["ex_hang"]
-    assert "did not finish in time: your implementation may loop forever" in out
+    expected = {"ex_pass": "passed (1 tests)", "ex_stub": "not implemented yet",
+                "ex_wrong": "failed (1 of 1 tests)", "ex_hang": "timed out (1 of 1 tests)",
+                "ex_launch_wrong": "failed (1 of 1 tests)", "ex_launch_hang": "timed out (1 of 1 tests)",
+                "ex_launch_stub": "not implemented yet"}
+    for name, status in expected.items():
+        assert status in rows[name], f"--tb={tb}: {rows[name]!r} should say {status!r}"
+    outcomes = json.loads((tmp_path / "grade.json").read_text())
+    by_name = {o["exercises"][0]: o["status"] for o in outcomes.values()}
+    for name, status in expected.items():
+        assert status.startswith(by_name[name]), f"--grade-json: {name} is {by_name[name]!r}, not {status!r}"
+    if tb != "no":
+        assert "did not finish in time: your implementation may loop forever" in out
+
+
+def _probe_value(rank, world_size, module):
+    return module.value()
+
+
+def test_an_edited_exercise_is_picked_up_without_a_restart_in_the_kernel_and_in_launched_ranks():
+    """impl() returns the file's current code; a launch reloads changed modules before it forks."""
+    import labkit
+
+    name = f"_reload_probe_{os.getpid()}"
+    path = REPO_ROOT / "exercises" / f"{name}.py"
+    try:
+        path.write_text("def value():\n    return 1\n")
+        module = impl(name, "exercises")
+        assert module.value() == 1
+        path.write_text("def value():\n    return 2\n")  # same length, same second: no stale .pyc
+        assert impl(name, "exercises") is module and module.value() == 2  # reloaded in place
+        path.write_text("def value():\n    return 3\n")  # edited again, impl() not called again
+        assert labkit.launch(_probe_value, 2, module, timeout=60) == [3, 3]
+        assert module.value() == 3  # the kernel's module object was refreshed too
+    finally:
+        path.unlink(missing_ok=True)
+        sys.modules.pop(f"exercises.{name}", None)
