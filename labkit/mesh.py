@@ -146,6 +146,8 @@ class Mesh:
         every = self.all_ranks(axes)
         if len(every) == 1:  # the axis spans the world: no new group needed
             return dist.group.WORLD
+        if len(every[0]) == 1:  # a group of one per rank: each rank makes its own, no rendezvous
+            return dist.new_group([self.rank], use_local_synchronization=True)
         mine = None
         for ranks in every:  # collective: all ranks, all groups, same order
             group = dist.new_group(ranks)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.grading import impl
+from labkit.mesh import shard_rows
 from labkit.timeline import NullTimeline
 
 NOTEBOOK = "07_hybrid"
@@ -125,12 +126,12 @@ def make_mesh(world_size: int, dp: int, pp: int, rank: int | None = None) -> Mes
 
 
 def replica_rows(x, mesh: Mesh):
-    """This replica's rows of a global batch tensor: rows dp_rank*b:(dp_rank+1)*b, b = B // dp."""
-    if x.shape[0] % mesh.dp:
-        raise ValueError(f"global batch of {x.shape[0]} rows does not split over dp={mesh.dp} "
-                         f"replicas: use a multiple of {mesh.dp}")
-    b = x.shape[0] // mesh.dp
-    return x[mesh.dp_rank * b:(mesh.dp_rank + 1) * b]
+    """This replica's rows of a global batch tensor: rows dp_rank*b:(dp_rank+1)*b, b = B // dp.
+
+    The lab's one sharding rule (`labkit.mesh.shard_rows`, the same as notebook 04's
+    ``shard_for_rank``), with the replica's index and count taken from the mesh.
+    """
+    return shard_rows(x, mesh.dp_rank, mesh.dp)
 
 
 def hybrid_step(stage_module, mesh: Mesh, x, y, n_microbatches: int, optimizer=None, *,

@@ -115,15 +115,23 @@ def train_config(args):
                              lr=args.lr, min_lr=args.lr / 10, warmup=max(1, args.steps // 10), seed=args.seed)
 
 
-def _one_axis_mesh(rank: int, dp: int, pp: int):
-    """The mesh of pure DP (pp = 1) or pure PP (dp = 1) without groups: the world is the group."""
-    from types import SimpleNamespace
+def make_mesh(world_size: int, dp: int, pp: int):
+    """This rank's place in labkit's N-D mesh (dp x pp), in the shape notebook 07's ``hybrid_step`` takes.
 
-    dp_rank, pp_rank = (rank, 0) if pp == 1 else (0, rank)
-    return SimpleNamespace(dp=dp, pp=pp, dp_rank=dp_rank, pp_rank=pp_rank, dp_group=None, pp_group=None,
-                           prev_rank=rank - 1 if pp_rank > 0 else None,
-                           next_rank=rank + 1 if pp_rank < pp - 1 else None,
-                           is_first_stage=pp_rank == 0, is_last_stage=pp_rank == pp - 1)
+    The groups come from `labkit.mesh.Mesh`; the learner's own ``make_mesh`` (notebook 07)
+    builds the same layout by hand.
+    """
+    from labkit.mesh import Mesh
+    from solutions.hybrid import Mesh as HybridMesh  # a plain dataclass outside the exercise
+
+    mesh = Mesh(world_size, dp=dp, pp=pp)
+    pipeline, replicas = tuple(mesh.ranks("pp")), tuple(mesh.ranks("dp"))
+    stage = mesh.index("pp")
+    return HybridMesh(rank=mesh.rank, world_size=world_size, dp=dp, pp=pp, dp_rank=mesh.index("dp"),
+                      pp_rank=stage, pipeline_ranks=pipeline, dp_ranks=replicas,
+                      prev_rank=pipeline[stage - 1] if stage > 0 else None,
+                      next_rank=pipeline[stage + 1] if stage < pp - 1 else None,
+                      pp_group=mesh.group("pp"), dp_group=mesh.group("dp"))
 
 
 def train_rank(rank: int, world_size: int, args) -> dict:
@@ -133,6 +141,7 @@ def train_rank(rank: int, world_size: int, args) -> dict:
     from labkit.data import get_batch, load_tokens
     from labkit.grading import impl
     from labkit.launch import rank_device
+    from labkit.mesh import shard_rows
     from labkit.model import build_model, make_stage
     from labkit.train_loop import lr_at, make_optimizer
 
@@ -140,11 +149,9 @@ def train_rank(rank: int, world_size: int, args) -> dict:
     cfg = train_config(args)
     tokens = load_tokens("tinystories")
     model = build_model(args.model, seed=args.seed, device=device)
+    mesh = make_mesh(world_size, args.dp, args.pp)
     if args.strategy == "hybrid":
         hybrid = impl("hybrid")
-        mesh = hybrid.make_mesh(world_size, args.dp, args.pp)
-    else:  # one axis only: the whole world is the data-parallel group or the pipeline
-        mesh = _one_axis_mesh(rank, args.dp, args.pp)
     m = args.microbatches
     if args.strategy in ("single", "dp"):
         module = model
@@ -170,7 +177,7 @@ def train_rank(rank: int, world_size: int, args) -> dict:
             loss = module(x, y)
             loss.backward()
         elif args.strategy == "dp":
-            xs, ys = impl("data_parallel").shard_for_rank((x, y), mesh.dp_rank, mesh.dp)
+            xs, ys = shard_rows((x, y), mesh.dp_rank, mesh.dp)
             loss = module(xs, ys)
             loss.backward()
             impl("data_parallel").allreduce_gradients(module, group=mesh.dp_group)
