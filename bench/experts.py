@@ -70,7 +70,7 @@ def step_rank(rank, world_size, batch, seq, iters):
 
         def step():
             model(xs, xs).backward()
-            ep.allreduce_gradients(model, mesh)
+            ep.allreduce_ep_gradients(model, mesh)
     times = []
     for i in range(iters + 1):
         if world_size > 1:

@@ -1,6 +1,6 @@
 # GENERATED from solutions/expert_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/12_experts.ipynb.
-# untouched-stub fingerprint: 31f88390851a21d3
+# untouched-stub fingerprint: 980dbc5213f63895
 """Expert parallelism (EP), and EP x DP (notebook 12_experts).
 
 The E experts of each MoE layer are split over the `ep` ranks of an EP group: rank r
@@ -212,13 +212,13 @@ def gradient_groups(model: nn.Module) -> dict:
     return {name: ("dp",) if is_expert_parameter(name) else ("dp", "ep") for name, _ in model.named_parameters()}
 
 
-def allreduce_gradients(model: nn.Module, mesh) -> None:
+def allreduce_ep_gradients(model: nn.Module, mesh) -> None:
     """Average the gradients of an EP x DP model, each over its group (`gradient_groups`).
 
     Sum over the group, divide by mesh.world_size (each rank's loss is the mean over 1/world
     of the batch). Collective over the whole mesh; a parameter without gradient counts as 0.
     """
-    raise NotImplementedError("exercise allreduce_gradients is not implemented yet: edit exercises/expert_parallel.py, see notebooks/12_experts.ipynb")
+    raise NotImplementedError("exercise allreduce_ep_gradients is not implemented yet: edit exercises/expert_parallel.py, see notebooks/12_experts.ipynb")
 
 
 def build_ep_model(config, mesh, seed: int = 0, dtype=None, timeline=None) -> nn.Module:

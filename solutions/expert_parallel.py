@@ -132,8 +132,9 @@ def compute_experts(experts, received: torch.Tensor, recv_counts: torch.Tensor) 
     ep, L = recv_counts.shape
     starts = torch.cumsum(recv_counts.flatten(), 0) - recv_counts.flatten()  # block (s, e) starts here
     starts, counts = starts.view(ep, L).tolist(), recv_counts.tolist()
-    order = [torch.arange(starts[s][e], starts[s][e] + counts[s][e]) for e in range(L) for s in range(ep)]
-    order = torch.cat(order) if order else torch.zeros(0, dtype=torch.long)  # expert-major row order
+    order = [torch.arange(starts[s][e], starts[s][e] + counts[s][e], device=received.device)
+             for e in range(L) for s in range(ep)]
+    order = torch.cat(order)  # expert-major row order
     per_expert = recv_counts.sum(0).tolist()
     outputs = moe_lib.run_experts(experts, received[order], per_expert)
     return outputs[torch.argsort(order)]  # back to the received order
@@ -229,7 +230,7 @@ def gradient_groups(model: nn.Module) -> dict:
     return {name: ("dp",) if is_expert_parameter(name) else ("dp", "ep") for name, _ in model.named_parameters()}
 
 
-def allreduce_gradients(model: nn.Module, mesh) -> None:
+def allreduce_ep_gradients(model: nn.Module, mesh) -> None:
     """Average the gradients of an EP x DP model, each over its group (`gradient_groups`).
 
     Sum over the group, divide by mesh.world_size (each rank's loss is the mean over 1/world

@@ -1,5 +1,5 @@
 """Grading tests for notebook 12_experts: expert parallelism (dispatch, compute_experts,
-combine) and EP x DP (allreduce_gradients).
+combine) and EP x DP (allreduce_ep_gradients).
 
 Run: pytest tests/grading/test_expert_parallel.py   (add --impl=solutions for the reference)
 
@@ -142,7 +142,7 @@ def ep_dp_training_case(r, n, steps=3):
         opt_ref.zero_grad()
         loss = model(*shard_rows((x, y), mesh.index(("dp", "ep")), n))
         loss.backward()
-        ep.allreduce_gradients(model, mesh)
+        ep.allreduce_ep_gradients(model, mesh)
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -228,7 +228,7 @@ def test_expert_parallel_equals_single_device_same_drops_logits_every_gradient(e
     expect_ok(f"model_E{E}", ep)
 
 
-@pytest.mark.exercise("allreduce_gradients", "dispatch", "compute_experts", "combine", "all_to_all_single")
+@pytest.mark.exercise("allreduce_ep_gradients", "dispatch", "compute_experts", "combine", "all_to_all_single")
 def test_ep_x_dp_k_adamw_steps_equal_one_process():
     expect_ok("ep_dp_training", 4)
 
