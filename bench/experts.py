@@ -8,8 +8,12 @@
    busbw = algbw x (N-1)/N (nccl-tests: each rank keeps 1/N of its data).
 2. One training step (forward, backward, gradient all-reduce) of tiny-moe with its experts
    sharded over 4 ranks (ep=4, each rank B/4 rows) against the single-device model on the
-   same B rows (one process). On a 2-core laptop the 4 ranks share 2 cores: the ratio
-   shows the cost of the all-to-alls and of oversubscription, not a speed-up.
+   same B rows (one process). Every launched rank runs one torch thread, so the single
+   device uses one core while the 4 EP ranks share all the machine's cores (2 on a laptop):
+   the ratio mixes that parallelism with the cost of the all-to-alls. On a GPU node each
+   rank has its own GPU and the ratio is the EP overhead at equal work per rank.
+The hand-written all-to-all first exchanges the split sizes (one small all-gather, so that
+bad sizes raise instead of hanging): that fixed cost dominates small messages.
 Prints a table, then as its last line one JSON object (ratio = hand / torch busbw at the
 largest size).
 """

@@ -1,6 +1,6 @@
 # GENERATED from solutions/expert_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/12_experts.ipynb.
-# untouched-stub fingerprint: 980dbc5213f63895
+# untouched-stub fingerprint: df77182756a41a2a
 """Expert parallelism (EP), and EP x DP (notebook 12_experts).
 
 The E experts of each MoE layer are split over the `ep` ranks of an EP group: rank r
@@ -108,7 +108,9 @@ def dispatch(x: torch.Tensor, routing, group=None):
     Returns (received [R, D], plan). The received rows come grouped by source rank
     (group rank 0 first) and, inside, by local expert; plan.recv_counts [ep, L] says how
     many: rows of rank s for local expert e. Expert e lives on group rank e // L.
-    Collective over `group` (the EP group).
+    Collective over `group` (the EP group). Hint: exchange the counts with
+    `impl("all_to_all").all_to_all_single` (one row of L counts per rank), then move the
+    rows with this module's `all_to_all` (differentiable; its sizes are Python lists).
     """
     ep = dist.get_world_size(group)
     tokens, picks, counts = moe_lib.sort_by_expert(routing)
@@ -123,6 +125,8 @@ def compute_experts(experts, received: torch.Tensor, recv_counts: torch.Tensor) 
     received: rows grouped by source rank, then local expert (recv_counts [ep, L] rows each).
     Each expert runs once, on its rows from all ranks, source rank 0 first (so with the
     batch split in rank order it sees its tokens in the single-device order).
+    Hint: gather the rows expert by expert, `labkit.moe.run_experts(experts, rows, counts)`
+    runs experts[e] on counts[e] consecutive rows, then put the outputs back in place.
     """
     raise NotImplementedError("exercise compute_experts is not implemented yet: edit exercises/expert_parallel.py, see notebooks/12_experts.ipynb")
 
@@ -132,7 +136,8 @@ def combine(rows: torch.Tensor, plan: Plan, routing, group=None) -> torch.Tensor
 
     rows: compute_experts's output (the received order). Returns y [N, D], N = this
     rank's tokens: y[n] = sum of gate x expert output over n's kept picks (0 if none).
-    Collective over `group`.
+    Collective over `group`. Hint: `all_to_all` (differentiable) with dispatch's sizes
+    swapped, then `labkit.moe.unpermute(rows, plan.tokens, gates, N)`.
     """
     raise NotImplementedError("exercise combine is not implemented yet: edit exercises/expert_parallel.py, see notebooks/12_experts.ipynb")
 

@@ -105,7 +105,9 @@ def dispatch(x: torch.Tensor, routing, group=None):
     Returns (received [R, D], plan). The received rows come grouped by source rank
     (group rank 0 first) and, inside, by local expert; plan.recv_counts [ep, L] says how
     many: rows of rank s for local expert e. Expert e lives on group rank e // L.
-    Collective over `group` (the EP group).
+    Collective over `group` (the EP group). Hint: exchange the counts with
+    `impl("all_to_all").all_to_all_single` (one row of L counts per rank), then move the
+    rows with this module's `all_to_all` (differentiable; its sizes are Python lists).
     """
     ep = dist.get_world_size(group)
     tokens, picks, counts = moe_lib.sort_by_expert(routing)
@@ -127,6 +129,8 @@ def compute_experts(experts, received: torch.Tensor, recv_counts: torch.Tensor) 
     received: rows grouped by source rank, then local expert (recv_counts [ep, L] rows each).
     Each expert runs once, on its rows from all ranks, source rank 0 first (so with the
     batch split in rank order it sees its tokens in the single-device order).
+    Hint: gather the rows expert by expert, `labkit.moe.run_experts(experts, rows, counts)`
+    runs experts[e] on counts[e] consecutive rows, then put the outputs back in place.
     """
     ### BEGIN SOLUTION
     ep, L = recv_counts.shape
@@ -146,7 +150,8 @@ def combine(rows: torch.Tensor, plan: Plan, routing, group=None) -> torch.Tensor
 
     rows: compute_experts's output (the received order). Returns y [N, D], N = this
     rank's tokens: y[n] = sum of gate x expert output over n's kept picks (0 if none).
-    Collective over `group`.
+    Collective over `group`. Hint: `all_to_all` (differentiable) with dispatch's sizes
+    swapped, then `labkit.moe.unpermute(rows, plan.tokens, gates, N)`.
     """
     ### BEGIN SOLUTION
     back = all_to_all(rows, plan.send_splits, plan.recv_splits, group)  # sizes reversed
