@@ -15,6 +15,10 @@ first stage can own the embedding and its last stage the head with no shared wei
 Named configs (`get_config(name, **overrides)`), vocabulary = the shipped tokenizer's 4096:
     seed  d_model 288, 6 heads, 6 layers, context 256, hidden 768   (8.3M parameters)
     tiny  d_model  64, 4 heads, 4 layers, context 128, hidden 176   (0.73M parameters)
+    tiny-moe  d_model 64, 4 heads, 2 layers, context 128, 4 SwiGLU experts of hidden 64, top-2
+          (labkit.moe: n_experts > 0 swaps each block's MLP for a mixture of experts; the
+          load-balancing loss of every MoE layer, times aux_loss_coef, is added to the loss
+          that forward(tokens, targets) returns)
 """
 from __future__ import annotations
 
@@ -36,6 +40,11 @@ class ModelConfig:
     hidden_dim: int | None = None  # SwiGLU width; None: LLaMA's rule from d_model (see below)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # mixture of experts (labkit.moe); n_experts = 0: the dense SwiGLU MLP
+    n_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
 
     def __post_init__(self):
         if self.hidden_dim is None:
@@ -57,6 +66,7 @@ class ModelConfig:
 CONFIGS = {
     "seed": dict(d_model=288, n_heads=6, n_layers=6, context=256, hidden_dim=768),
     "tiny": dict(d_model=64, n_heads=4, n_layers=4, context=128, hidden_dim=176),
+    "tiny-moe": dict(d_model=64, n_heads=4, n_layers=2, context=128, hidden_dim=64, n_experts=4, top_k=2),
 }
 
 
@@ -89,7 +99,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        x32 = x.float()  # normalise in fp32 even when the model runs in bf16
+        x32 = x if x.dtype == torch.float64 else x.float()  # fp32 even in bf16; float64 proofs stay float64
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
@@ -146,7 +156,11 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.feed_forward = SwiGLU(cfg)
+        if cfg.n_experts:
+            from .moe import MoE  # imported here: labkit.moe does not import this module
+            self.feed_forward = MoE(cfg)
+        else:
+            self.feed_forward = SwiGLU(cfg)
 
     def forward(self, x, rope: Rotary):
         x = x + self.attention(self.attention_norm(x), rope)
@@ -172,7 +186,8 @@ def check_tokens(tokens: torch.Tensor, cfg: ModelConfig) -> None:
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over every position (targets == -100 are ignored)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    logits = logits if logits.dtype == torch.float64 else logits.float()  # fp32 even in bf16; float64 stays
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 class Transformer(nn.Module):
@@ -192,7 +207,13 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, self.rope)
         logits = self.output(self.norm(h))
-        return logits if targets is None else lm_loss(logits, targets)
+        if targets is None:
+            return logits
+        loss = lm_loss(logits, targets)
+        if self.config.n_experts:  # the MoE layers' load-balancing loss reaches the loss here
+            from .moe import aux_loss
+            loss = loss + self.config.aux_loss_coef * aux_loss(self)
+        return loss
 
     def init_weights(self, seed: int = 0) -> None:
         """Deterministic init from `seed` with a private generator (the global RNG is untouched).

@@ -1,0 +1,236 @@
+# GENERATED from solutions/expert_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
+# Fill in every `raise NotImplementedError(...)`; see notebooks/12_experts.ipynb.
+# untouched-stub fingerprint: df77182756a41a2a
+"""Expert parallelism (EP), and EP x DP (notebook 12_experts).
+
+The E experts of each MoE layer are split over the `ep` ranks of an EP group: rank r
+holds experts r*E/ep ... (r+1)*E/ep - 1; everything else (attention, norms, router,
+embeddings) is replicated. Every rank routes ITS OWN tokens, then one MoE layer is:
+
+    dispatch   sort the kept picks by expert (labkit.moe.sort_by_expert); exchange the
+               counts (how many rows each rank sends to each of my experts); all-to-all
+               the rows, so each rank receives the tokens of its own experts
+    compute    run each local expert on all the rows it received, from every rank
+    combine    all-to-all the outputs back (the same sizes, reversed), put every row back
+               at its token (unpermute) and weight it by its gate
+
+The all-to-all is differentiable: its backward is the all-to-all with the sizes swapped
+(the gradient of a row goes back where the row came from). Routing, capacity and drops
+are labkit.moe's, per sequence, so EP drops exactly the tokens one device drops, and the
+forward pass and every gradient equal the single-device MoE (solutions/all_to_all.py
+moves the rows).
+
+EP x DP: on a Mesh(world, dp=D, ep=P, combined=[("dp", "ep")]) every rank trains on its
+own rows of the batch. A rank's expert gradient already holds the contributions of all the
+tokens of its EP group (the all-to-all brought them); the ranks that hold the SAME
+experts are its "dp" group, so expert gradients are all-reduced over "dp". Every other
+parameter is replicated on all ranks: all-reduced over ("dp", "ep"), i.e. every rank.
+Both are then divided by the world size, because each rank's loss is the mean over its
+own rows (1/world of the batch). `gradient_groups` says which group each parameter uses.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labkit import moe as moe_lib
+from labkit.grading import impl
+from labkit.timeline import NullTimeline
+
+NOTEBOOK = "12_experts"
+
+# ---------------------------------------------------------------------------------------
+# The differentiable all-to-all, with an optional log of the bytes it sends to other ranks
+
+_traffic = None
+
+
+@contextlib.contextmanager
+def count_traffic():
+    """Log every all-to-all in the block: yields a list of bytes each sent to OTHER ranks."""
+    global _traffic
+    previous, _traffic = _traffic, []
+    try:
+        yield _traffic
+    finally:
+        _traffic = previous
+
+
+def _exchange(x, out_splits, in_splits, group):
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    impl("all_to_all").all_to_all_single(out, x, out_splits, in_splits, group=group)
+    if _traffic is not None:
+        me = dist.get_rank(group)
+        _traffic.append((sum(in_splits) - in_splits[me]) * x[0:1].numel() * x.element_size())
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all(x, out_splits: list, in_splits: list, group=None):
+    """Rows in_splits[j] of x to group rank j; returns the received rows. Differentiable."""
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+
+
+# ---------------------------------------------------------------------------------------
+# The three steps
+
+
+@dataclass
+class Plan:
+    """What dispatch did, for combine to undo. ep ranks, L = E / ep experts per rank."""
+    tokens: torch.Tensor       # [M] token (row of x.reshape(-1, D)) of each sorted kept pick
+    picks: torch.Tensor        # [M] index of each sorted pick in routing.gate.reshape(-1)
+    send_splits: list          # rows sent to each group rank
+    recv_splits: list          # rows received from each group rank
+    recv_counts: torch.Tensor  # [ep, L] rows received from rank s for local expert e
+
+
+def dispatch(x: torch.Tensor, routing, group=None):
+    """Send every kept pick's token row to the rank that holds its expert.
+
+    x [B, T, D] (or [N, D]): this rank's tokens; routing: their labkit.moe.Routing.
+    Returns (received [R, D], plan). The received rows come grouped by source rank
+    (group rank 0 first) and, inside, by local expert; plan.recv_counts [ep, L] says how
+    many: rows of rank s for local expert e. Expert e lives on group rank e // L.
+    Collective over `group` (the EP group). Hint: exchange the counts with
+    `impl("all_to_all").all_to_all_single` (one row of L counts per rank), then move the
+    rows with this module's `all_to_all` (differentiable; its sizes are Python lists).
+    """
+    ep = dist.get_world_size(group)
+    tokens, picks, counts = moe_lib.sort_by_expert(routing)
+    rows = x.reshape(-1, x.shape[-1])[tokens]
+    raise NotImplementedError("exercise dispatch is not implemented yet: edit exercises/expert_parallel.py, see notebooks/12_experts.ipynb")
+    return received, Plan(tokens, picks, send_splits, recv_splits, recv_counts)
+
+
+def compute_experts(experts, received: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+    """Run local expert e (experts[e]) on every row received for it; outputs in the SAME order as `received`.
+
+    received: rows grouped by source rank, then local expert (recv_counts [ep, L] rows each).
+    Each expert runs once, on its rows from all ranks, source rank 0 first (so with the
+    batch split in rank order it sees its tokens in the single-device order).
+    Hint: gather the rows expert by expert, `labkit.moe.run_experts(experts, rows, counts)`
+    runs experts[e] on counts[e] consecutive rows, then put the outputs back in place.
+    """
+    raise NotImplementedError("exercise compute_experts is not implemented yet: edit exercises/expert_parallel.py, see notebooks/12_experts.ipynb")
+
+
+def combine(rows: torch.Tensor, plan: Plan, routing, group=None) -> torch.Tensor:
+    """Send the expert outputs back, put each at its token, weighted by its gate.
+
+    rows: compute_experts's output (the received order). Returns y [N, D], N = this
+    rank's tokens: y[n] = sum of gate x expert output over n's kept picks (0 if none).
+    Collective over `group`. Hint: `all_to_all` (differentiable) with dispatch's sizes
+    swapped, then `labkit.moe.unpermute(rows, plan.tokens, gates, N)`.
+    """
+    raise NotImplementedError("exercise combine is not implemented yet: edit exercises/expert_parallel.py, see notebooks/12_experts.ipynb")
+
+
+# ---------------------------------------------------------------------------------------
+# The EP layer and the EP x DP model
+
+
+class EPMoE(nn.Module):
+    """A labkit.moe.MoE whose experts are split over `group`: this rank keeps experts
+    ep_rank*L ... (ep_rank+1)*L - 1 (in `.experts`, keyed by their global index, so parameter
+    names match the single-device model's) and the router. Same forward contract as MoE."""
+
+    def __init__(self, moe: moe_lib.MoE, group, ep_rank: int, ep_size: int, timeline=None, layer=None):
+        super().__init__()
+        local = moe.n_experts // ep_size
+        self.n_experts, self.top_k, self.capacity_factor = moe.n_experts, moe.top_k, moe.capacity_factor
+        self.group, self.layer = group, layer
+        self.router = moe.router
+        self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(ep_rank * local, (ep_rank + 1) * local)})
+        self.timeline = timeline or NullTimeline()
+        self.aux_loss, self.routing = None, None
+
+    def forward(self, x):
+        tl = self.timeline
+        routing = moe_lib.route(x, self.router.weight, self.top_k, self.capacity_factor)
+        self.aux_loss, self.routing = routing.aux_loss, routing
+        with tl.span("dispatch", stage=self.layer):
+            received, plan = dispatch(x, routing, self.group)
+        with tl.span("F", stage=self.layer):
+            rows = compute_experts(list(self.experts.values()), received, plan.recv_counts)
+        with tl.span("combine", stage=self.layer):
+            y = combine(rows, plan, routing, self.group)
+        return y.view_as(x)
+
+
+def check_mesh(mesh, n_experts: int) -> None:
+    """ValueError, with the fix, unless `mesh` is a labkit Mesh of this world with only dp and ep axes,
+    the ("dp", "ep") group, and n_experts divisible by ep."""
+    from labkit.mesh import Mesh
+
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"expected a labkit.mesh.Mesh, got {type(mesh).__name__}: "
+                         "use Mesh(world_size, dp=.., ep=.., combined=[('dp', 'ep')])")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if mesh.world_size != world:
+        raise ValueError(f"the mesh holds {mesh.world_size} ranks but {world} are running: build it with the world size")
+    others = {a: s for a, s in mesh.sizes.items() if a not in ("dp", "ep") and s > 1}
+    if others:
+        raise ValueError(f"EP x DP uses the dp and ep axes only, the mesh also has {others}: set them to 1")
+    if n_experts % mesh.sizes["ep"]:
+        raise ValueError(f"n_experts={n_experts} does not divide by ep={mesh.sizes['ep']}: every EP rank must hold "
+                         f"the same number of experts; choose ep among the divisors of {n_experts}")
+    try:
+        mesh.group(("dp", "ep"))
+    except ValueError as error:
+        raise ValueError(f"{error} (EP x DP all-reduces the replicated parameters over it)") from None
+
+
+def shard_experts(model: nn.Module, mesh, timeline=None) -> nn.Module:
+    """Replace every MoE layer of `model` (in place) by an EPMoE over mesh's "ep" group; returns model."""
+    check_mesh(mesh, model.config.n_experts)
+    for i, block in enumerate(model.layers):
+        if isinstance(block.feed_forward, moe_lib.MoE):
+            block.feed_forward = EPMoE(block.feed_forward, mesh.group("ep"), mesh.index("ep"),
+                                       mesh.sizes["ep"], timeline, layer=i)
+    return model
+
+
+def is_expert_parameter(name: str) -> bool:
+    return ".experts." in name
+
+
+def gradient_groups(model: nn.Module) -> dict:
+    """{parameter name: the mesh axes its gradient is all-reduced over}: ("dp",) for experts
+    (the ranks holding the same experts), ("dp", "ep") for everything else (every rank)."""
+    return {name: ("dp",) if is_expert_parameter(name) else ("dp", "ep") for name, _ in model.named_parameters()}
+
+
+def allreduce_ep_gradients(model: nn.Module, mesh) -> None:
+    """Average the gradients of an EP x DP model, each over its group (`gradient_groups`).
+
+    Sum over the group, divide by mesh.world_size (each rank's loss is the mean over 1/world
+    of the batch). Collective over the whole mesh; a parameter without gradient counts as 0.
+    """
+    raise NotImplementedError("exercise allreduce_ep_gradients is not implemented yet: edit exercises/expert_parallel.py, see notebooks/12_experts.ipynb")
+
+
+def build_ep_model(config, mesh, seed: int = 0, dtype=None, timeline=None) -> nn.Module:
+    """The model `labkit.model.build_model(config, seed)` (same weights on every rank) with its experts sharded."""
+    from labkit.model import build_model
+
+    model = build_model(config, seed=seed)
+    if dtype is not None:
+        model = model.to(dtype)
+    return shard_experts(model, mesh, timeline)
