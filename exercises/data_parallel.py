@@ -1,6 +1,6 @@
 # GENERATED from solutions/data_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/04_data_parallel.ipynb.
-# untouched-stub fingerprint: a98ac95f35ff5388
+# untouched-stub fingerprint: e0df57a7dc12c196
 """Data parallelism by hand (notebook 04_data_parallel).
 
 Every rank holds an identical copy of the model, reads a different slice of the
@@ -93,6 +93,9 @@ class BucketedDataParallel(nn.Module):
     backward goes on. Buckets are launched in bucket order on every rank (a
     bucket waits for the earlier ones), so the collectives always match.
 
+    Like torch's DDP, construction first broadcasts the parameters and buffers from the group's
+    first rank (`broadcast_parameters`), so every replica starts from the same weights.
+
     Usage, once per step:  loss = ddp(x, y); loss.backward(); ddp.finish(); opt.step()
     Attributes: `module` (the wrapped model), `world_size`, and `buckets`: a list of
     lists of Parameters, buckets[0] holding the LAST parameters of the model.
@@ -106,6 +109,8 @@ class BucketedDataParallel(nn.Module):
 
     def __init__(self, model: nn.Module, bucket_size_mb: float = 25.0, group=None):
         super().__init__()
+        first = dist.get_global_rank(group, 0) if group is not None else 0
+        broadcast_parameters(model, src=first, group=group)  # as DDP does: replicas start equal
         raise NotImplementedError("exercise BucketedDataParallel is not implemented yet: edit exercises/data_parallel.py, see notebooks/04_data_parallel.ipynb")
 
     def forward(self, *args, **kwargs):

@@ -145,6 +145,9 @@ class BucketedDataParallel(nn.Module):
     backward goes on. Buckets are launched in bucket order on every rank (a
     bucket waits for the earlier ones), so the collectives always match.
 
+    Like torch's DDP, construction first broadcasts the parameters and buffers from the group's
+    first rank (`broadcast_parameters`), so every replica starts from the same weights.
+
     Usage, once per step:  loss = ddp(x, y); loss.backward(); ddp.finish(); opt.step()
     Attributes: `module` (the wrapped model), `world_size`, and `buckets`: a list of
     lists of Parameters, buckets[0] holding the LAST parameters of the model.
@@ -158,6 +161,8 @@ class BucketedDataParallel(nn.Module):
 
     def __init__(self, model: nn.Module, bucket_size_mb: float = 25.0, group=None):
         super().__init__()
+        first = dist.get_global_rank(group, 0) if group is not None else 0
+        broadcast_parameters(model, src=first, group=group)  # as DDP does: replicas start equal
         ### BEGIN SOLUTION
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
