@@ -8,8 +8,9 @@ exactly for int64, with assert_close for floats (the order of the additions
 differs). To keep launches few, ONE launch per world size (1, 2, 3, 4) runs
 every case of every function; each test below then reads its case's outcome.
 The "bitmask" cases feed rank r the value 16**r (`labkit.diagnose.rank_tag`), so a wrong
-sum names the first wrong chunk, on which rank, and whose values it holds or misses.
-About 10 s on 2 cores.
+sum names the first wrong chunk, on which rank, and whose values it holds or misses; they
+have their own launch per world size (2, 3, 4), so that they report even when the other
+cases hang. About 15 s on 2 cores.
 """
 import functools
 
@@ -79,7 +80,6 @@ def check_bitmask(fn, r, n, ring, ranks=None, group=None, fn_name="ring_allreduc
 def cases(n, fn_name="ring_allreduce"):
     """{case name: body(fn, rank, n)} for world size n."""
     out = {}
-    out["bitmask"] = lambda fn, r, n: check_bitmask(fn, r, n, "ring" in fn_name, fn_name=fn_name)
     for name, dtype in DTYPES.items():
         out[f"matches_torch_{name}"] = lambda fn, r, n, dtype=dtype: [
             check_against_torch(fn, make_input(r, shape, dtype, seed=i))
@@ -145,15 +145,23 @@ def subgroup_cases(groups, fn_name="ring_allreduce"):
                 assert fn(y, group=group) is y
                 assert torch.equal(y, x), "a rank outside the group must not change its tensor"
         return body
-    out = {f"subgroup_{'_'.join(map(str, ranks))}": case(ranks, group) for ranks, group in groups}
+    return {f"subgroup_{'_'.join(map(str, ranks))}": case(ranks, group) for ranks, group in groups}
+
+
+def bitmask_cases(groups, fn_name):
+    """The bitmask cases: the whole world, then each subgroup. They call no collective besides the
+    function under test, so a wrong sum on some ranks cannot put the ranks out of step: they run
+    in a launch of their own (`run_bitmask`), which a hang or desync in another case cannot spoil."""
+    ring = "ring" in fn_name
+    out = {"bitmask": lambda fn, r, n: check_bitmask(fn, r, n, ring, fn_name=fn_name)}
     for ranks, group in groups:
         out[f"bitmask_subgroup_{'_'.join(map(str, ranks))}"] = functools.partial(
-            lambda fn, r, n, ranks, group: check_bitmask(fn, r, n, "ring" in fn_name, ranks, group, fn_name),
+            lambda fn, r, n, ranks, group: check_bitmask(fn, r, n, ring, ranks, group, fn_name),
             ranks=ranks, group=group)
     return out
 
 
-def run_all(rank, world_size):
+def _run(rank, world_size, bitmask):
     module = impl("allreduce")
     groups = []
     if world_size == 4:  # new_group is collective: every rank creates every group
@@ -163,13 +171,24 @@ def run_all(rank, world_size):
         fn = getattr(module, fn_name)
         if fn_name == "pipelined_ring_allreduce":
             fn = functools.partial(fn, segment_bytes=SMALL_SEGMENTS)
-        for case, body in {**cases(world_size, fn_name), **subgroup_cases(groups, fn_name)}.items():
+        chosen = bitmask_cases(groups, fn_name) if bitmask else {**cases(world_size, fn_name),
+                                                                  **subgroup_cases(groups, fn_name)}
+        for case, body in chosen.items():
             todo[fn_name, case] = functools.partial(body, fn, rank, world_size)
     return run_cases(todo)
 
 
+def run_all(rank, world_size):
+    return _run(rank, world_size, bitmask=False)
+
+
+def run_bitmask(rank, world_size):
+    return _run(rank, world_size, bitmask=True)
+
+
 def expect_ok(fn_name, case, world_size):
-    expect_case(launch_cases(run_all, world_size), (fn_name, case),
+    runner = run_bitmask if case.startswith("bitmask") else run_all
+    expect_case(launch_cases(runner, world_size), (fn_name, case),
                 f"{fn_name} on {world_size} ranks, case {case}")
 
 
