@@ -1,9 +1,11 @@
 """labkit.apps.collective_figures and labkit.bandwidth: the recorded moves are the ring's, the
-formulas are nccl-tests'. One 4-rank launch per recorded function (about 3 s on 2 cores)."""
+formulas are nccl-tests'; a wrong ring is drawn, its first wrong message marked. One 4-rank launch
+per recorded function (about 3 s on 2 cores)."""
 import os
 
 import matplotlib
 import pytest
+import torch
 
 matplotlib.use("Agg")
 
@@ -35,7 +37,14 @@ def test_recorded_ring_moves_follow_the_textbook_schedule(solutions_impl):
     for m in moves:
         assert len(m["ranks"]) == (m["step"] + 1 if m["step"] < n - 1 else n)
     final = collective_figures.ring_states(moves, n)[-1]
-    assert all(cell == frozenset(range(n)) for row in final for cell in row)
+    assert all(cell == tuple(range(n)) for row in final for cell in row)
+    # the recorded states are the replayed ones: the model of notebook 03 is what the ranks did
+    replayed = collective_figures.ring_states([{k: v for k, v in m.items() if k != "held"} for m in moves], n)
+    assert replayed == collective_figures.ring_states(moves, n)
+    assert collective_figures.ring_errors(moves, n) == []
+    fig = collective_figures.draw_ring(moves, n)
+    assert fig.first_wrong is None and fig.marked is None
+    matplotlib.pyplot.close(fig)
     sent, received = collective_figures.traffic(moves, n)
     assert all(received[(r + 1) % n] == sent[r] for r in range(n))  # only to the right neighbour
     assert sum(sent) == 2 * (n - 1) * numel * 8  # about 2(N-1)/N x S each (chunks differ by one)
@@ -51,10 +60,93 @@ def test_recorded_naive_root_carries_n_minus_1_tensors_each_way(solutions_impl):
     assert received == sent
 
 
-def test_ring_states_rejects_moves_that_do_not_match_the_sender():
+def test_ring_errors_name_a_message_that_does_not_match_the_ring():
     bogus = [dict(step=0, src=0, dst=1, chunk=0, ranks=[0, 1], bytes=8)]  # rank 0 holds only its own
-    with pytest.raises(AssertionError, match="does not match"):
-        collective_figures.ring_states(bogus, 2)
+    errors = collective_figures.ring_errors(bogus, 2)
+    assert errors[0]["move"] is bogus[0]
+    assert errors[0]["reason"] == "reduce-scatter step 1 of 1: rank 0 sent holding A+B instead of A"
+    assert "rank 1 sent nothing" in errors[1]["reason"]  # and the other messages the ring sends
+
+
+def _ring_one_allgather_step_short(tensor, group=None):
+    """A WRONG ring (a learner's off-by-one): the all-gather stops one step early."""
+    import torch.distributed as dist
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    flat = tensor.view(-1)
+    size = flat.numel() // n  # numel is a multiple of n here
+
+    def chunk(i):
+        i %= n
+        return flat[i * size:(i + 1) * size]
+
+    def step(send, recv):
+        works = [dist.isend(send, (r + 1) % n), dist.irecv(recv, (r - 1) % n)]
+        for work in works:
+            work.wait()
+
+    incoming = torch.empty(size, dtype=flat.dtype)
+    for s in range(n - 1):
+        step(chunk(r - s), incoming)
+        chunk(r - s - 1).add_(incoming)
+    for s in range(n - 2):  # BUG: range(n - 1)
+        step(chunk(r + 1 - s), chunk(r - s))
+    return tensor
+
+
+def test_draw_ring_draws_a_wrong_ring_and_marks_its_first_wrong_message(solutions_impl):
+    n, numel = 4, 8
+    moves = collective_figures.record_moves(n, numel=numel, fn=_ring_one_allgather_step_short, timeout=60)
+    assert len(moves) == n * (2 * (n - 1) - 1)  # recorded as it ran, nothing refused
+    # the end state, read off the real tensors: rank r's chunk r+2 misses rank r+1's value
+    for r in range(n):
+        for c in range(n):
+            want = tuple(sorted(set(range(n)) - {(r + 1) % n})) if c == (r + 2) % n else tuple(range(n))
+            assert moves.final[r][c] == want, (r, c)
+    fig = collective_figures.draw_ring(moves, n)
+    # the first wrong "message" is the one never sent: the last all-gather step, rank 0
+    assert fig.marked == (2 * (n - 1) - 1, 0, 3)  # the chunk it should have sent
+    assert fig.first_wrong["reason"] == ("all-gather step 3 of 3: rank 0 sent nothing; the ring sends "
+                                         "chunk 3 (A+B+C+D) to rank 1")
+    red = [p for ax in fig.axes for p in ax.patches if p.get_gid() == "first-wrong"]
+    assert len(red) == 1 and red[0].axes is fig.axes[2 * (n - 1) - 1]  # in the panel of that step
+    assert "first wrong message" in " ".join(t.get_text() for t in fig.texts)
+    assert fig.axes[2 * (n - 1)].get_title() == "done: 4 of 16 chunks are NOT the full sum"
+    matplotlib.pyplot.close(fig)
+
+
+def _ring_adds_into_the_chunk_it_sent(tensor, group=None):
+    """A WRONG ring: at reduce-scatter step s rank r adds the incoming chunk into chunk r-s
+    (the one it just sent) instead of chunk r-s-1: a wrong chunk index."""
+    import torch.distributed as dist
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    flat = tensor.view(-1)
+    size = flat.numel() // n
+    chunk = lambda i: flat[(i % n) * size:(i % n + 1) * size]  # noqa: E731
+    incoming = torch.empty(size, dtype=flat.dtype)
+    for s in range(n - 1):
+        works = [dist.isend(chunk(r - s), (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]
+        for work in works:
+            work.wait()
+        chunk(r - s).add_(incoming)  # BUG: chunk(r - s - 1)
+    for s in range(n - 1):
+        works = [dist.isend(chunk(r + 1 - s), (r + 1) % n), dist.irecv(chunk(r - s), (r - 1) % n)]
+        for work in works:
+            work.wait()
+    return tensor
+
+
+def test_draw_ring_marks_the_first_message_carrying_the_wrong_sum(solutions_impl):
+    n = 4
+    moves = collective_figures.record_moves(n, numel=8, fn=_ring_adds_into_the_chunk_it_sent, timeout=60)
+    fig = collective_figures.draw_ring(moves, n)
+    # step 0 is right (each rank sends its own chunk r); at step 1 rank 0 sends chunk 3, which
+    # it never added into (it added into chunk 0): it holds only A, where the ring carries D+A
+    assert fig.marked == (1, 0, 3)
+    assert fig.first_wrong["reason"] == ("reduce-scatter step 2 of 3: rank 0 sent holding A instead of A+D, "
+                                         "missing D")
+    matplotlib.pyplot.close(fig)
 
 
 @pytest.mark.parametrize("name", list(collective_figures.COLLECTIVES))

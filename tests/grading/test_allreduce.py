@@ -7,7 +7,10 @@ Every case is compared with torch's own `dist.all_reduce` on the same inputs:
 exactly for int64, with assert_close for floats (the order of the additions
 differs). To keep launches few, ONE launch per world size (1, 2, 3, 4) runs
 every case of every function; each test below then reads its case's outcome.
-About 10 s on 2 cores.
+The "bitmask" cases feed rank r the value 16**r (`labkit.diagnose.rank_tag`), so a wrong
+sum names the first wrong chunk, on which rank, and whose values it holds or misses; they
+have their own launch per world size (2, 3, 4), so that they report even when the other
+cases hang. About 15 s on 2 cores.
 """
 import functools
 
@@ -15,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from labkit import diagnose
 from labkit.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
 
@@ -40,12 +44,40 @@ def check_against_torch(fn, x, group=None):
     out = fn(got, group=group)
     assert out is got, "must return the tensor it was given (summed in place)"
     if got.dtype.is_floating_point:
-        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(got, expected, msg=lambda m: f"{m}\n{BITMASK_HINT}")
     else:
-        assert torch.equal(got, expected), "int64 sums must be exact"
+        assert torch.equal(got, expected), f"int64 sums must be exact.\n{BITMASK_HINT}"
 
 
-def cases(n):
+BITMASK_HINT = ("Where it goes wrong: see this function's test_allreduce_bitmask_* result (which chunk, "
+                "which rank, whose values are missing).")
+RING_HINT = ("To see the step where it goes wrong: collective_figures.draw_ring(collective_figures"
+             ".record_moves(4, FUNCTION), 4) draws every message and marks the first wrong one "
+             "(from labkit.apps import collective_figures).")
+
+
+def check_bitmask(fn, r, n, ring, ranks=None, group=None, fn_name="ring_allreduce"):
+    """Rank r contributes 16**r (a hexadecimal digit of its own): every element of the result
+    must hold each member's digit once. Otherwise fail naming the first wrong place, with
+    chunks as the ring cuts the tensor (`chunk_bounds`) for the ring functions."""
+    members = list(range(n)) if ranks is None else list(ranks)
+    numel = 3 * len(members)  # equal chunks: a wrong chunk index cannot turn into a size mismatch
+    x = diagnose.tagged(r, numel)
+    before = x.clone()
+    out = fn(x, group=group)
+    assert out is x, "must return the tensor it was given (summed in place)"
+    if r not in members:
+        assert torch.equal(x, before), f"rank {r} is not in the group {members} but its tensor changed"
+        return
+    bounds = impl("allreduce").chunk_bounds(numel, len(members)) if ring else None
+    message = diagnose.allreduce_mismatch(x, r, members, n, bounds=bounds)
+    if message:
+        hint = "\n" + RING_HINT.replace("FUNCTION", repr(fn_name)) if ring and ranks is None else ""
+        raise AssertionError(f"{message}\n(rank q contributes 16**q: each hexadecimal digit of an element "
+                             f"counts one rank's value){hint}")
+
+
+def cases(n, fn_name="ring_allreduce"):
     """{case name: body(fn, rank, n)} for world size n."""
     out = {}
     for name, dtype in DTYPES.items():
@@ -97,7 +129,7 @@ def cases(n):
     return out
 
 
-def subgroup_cases(groups):
+def subgroup_cases(groups, fn_name="ring_allreduce"):
     """Cases on subgroups (world size 4): members sum among themselves, others are untouched.
 
     One case per group, so that a failure inside one group cannot leave the other
@@ -116,7 +148,20 @@ def subgroup_cases(groups):
     return {f"subgroup_{'_'.join(map(str, ranks))}": case(ranks, group) for ranks, group in groups}
 
 
-def run_all(rank, world_size):
+def bitmask_cases(groups, fn_name):
+    """The bitmask cases: the whole world, then each subgroup. They call no collective besides the
+    function under test, so a wrong sum on some ranks cannot put the ranks out of step: they run
+    in a launch of their own (`run_bitmask`), which a hang or desync in another case cannot spoil."""
+    ring = "ring" in fn_name
+    out = {"bitmask": lambda fn, r, n: check_bitmask(fn, r, n, ring, fn_name=fn_name)}
+    for ranks, group in groups:
+        out[f"bitmask_subgroup_{'_'.join(map(str, ranks))}"] = functools.partial(
+            lambda fn, r, n, ranks, group: check_bitmask(fn, r, n, ring, ranks, group, fn_name),
+            ranks=ranks, group=group)
+    return out
+
+
+def _run(rank, world_size, bitmask):
     module = impl("allreduce")
     groups = []
     if world_size == 4:  # new_group is collective: every rank creates every group
@@ -126,13 +171,24 @@ def run_all(rank, world_size):
         fn = getattr(module, fn_name)
         if fn_name == "pipelined_ring_allreduce":
             fn = functools.partial(fn, segment_bytes=SMALL_SEGMENTS)
-        for case, body in {**cases(world_size), **subgroup_cases(groups)}.items():
+        chosen = bitmask_cases(groups, fn_name) if bitmask else {**cases(world_size, fn_name),
+                                                                  **subgroup_cases(groups, fn_name)}
+        for case, body in chosen.items():
             todo[fn_name, case] = functools.partial(body, fn, rank, world_size)
     return run_cases(todo)
 
 
+def run_all(rank, world_size):
+    return _run(rank, world_size, bitmask=False)
+
+
+def run_bitmask(rank, world_size):
+    return _run(rank, world_size, bitmask=True)
+
+
 def expect_ok(fn_name, case, world_size):
-    expect_case(launch_cases(run_all, world_size), (fn_name, case),
+    runner = run_bitmask if case.startswith("bitmask") else run_all
+    expect_case(launch_cases(runner, world_size), (fn_name, case),
                 f"{fn_name} on {world_size} ranks, case {case}")
 
 
@@ -147,6 +203,18 @@ def each_function(test):
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_allreduce_matches_torch(fn_name, dtype, world_size):
     expect_ok(fn_name, f"matches_torch_{dtype}", world_size)
+
+
+@each_function
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_allreduce_bitmask_names_first_wrong_chunk_and_missing_ranks(fn_name, world_size):
+    expect_ok(fn_name, "bitmask", world_size)
+
+
+@each_function
+@pytest.mark.parametrize("ranks", ["1_3", "0_2_3"])
+def test_allreduce_bitmask_subgroup_of_4_ranks_sums_members_only(fn_name, ranks):
+    expect_ok(fn_name, f"bitmask_subgroup_{ranks}", 4)
 
 
 @each_function

@@ -5,14 +5,22 @@ b rows each must end with the same weights as one process with N x b rows.
 OddNet carries the awkward cases: a frozen layer, a layer never used (grad None
 everywhere), a layer used only when the batch holds token RARE (grad None on the
 ranks whose rows lack it) and an output head tied to the embedding.
+The subgroup cases (group=) run in ONE 4-rank launch (labkit.cases): two disjoint groups
+[1, 3] and [0, 2] whose group ranks differ from their global ranks, each with its own
+source and its own data, so that mixing the groups, or ignoring group=, shows.
+Mismatches name the first differing parameter and by how much (`labkit.diagnose`).
 The whole file: about 12 s of CPU, 30-50 s of wall time on 2 busy shared cores.
 """
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from labkit import diagnose
+from labkit.cases import expect_case, launch_cases, run_cases
 from labkit.checkpoint import load_checkpoint, save_checkpoint
 from labkit.grading import impl
 from labkit.launch import launch
@@ -108,10 +116,9 @@ def reference(optimizer, steps=3):
     return train(model, opt, steps)
 
 
-def assert_same_weights(got, want, **tol):
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], msg=lambda m: f"{name}: {m}", **tol)
+def assert_same_weights(got, want, where="", **tol):
+    """Fail naming the first differing weight (in the model's order), by how much, and how many differ."""
+    diagnose.assert_same_named(got, want, "weight", where, tol.get("rtol"), tol.get("atol"))
 
 
 # --- gradient averaging ---------------------------------------------------------------
@@ -139,11 +146,9 @@ def test_allreduce_gradients_frozen_unused_tied_and_param_used_on_some_ranks_onl
     model = OddNet()
     model(*global_batch(0)).backward()
     want = {n: p.grad for n, p in model.named_parameters()}
-    for grads, _ in launch(_grads_after_one_backward, world_size, False, timeout=TIMEOUT):
-        assert grads["frozen.weight"] is None and grads["unused.weight"] is None  # no rank had one
-        assert grads["rare.weight"] is not None  # rank 0 had one: the others count as zeros
-        for name in ("emb.weight", "hidden.weight", "hidden.bias", "rare.weight", "rare.bias"):
-            torch.testing.assert_close(grads[name], want[name], msg=lambda m: f"{name}: {m}")
+    for rank, (grads, _) in enumerate(launch(_grads_after_one_backward, world_size, False, timeout=TIMEOUT)):
+        # frozen and unused: None (no rank had one); rare: rank 0 had one, the others count as zeros
+        diagnose.assert_same_named(grads, want, "gradient", f"rank {rank}")
 
 
 @pytest.mark.exercise("allreduce_gradients")
@@ -168,9 +173,10 @@ def _train_flat(rank, world_size, optimizer, steps=3):
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_data_parallel_equals_big_batch_after_k_steps(optimizer, world_size):
     results = launch(_train_flat, world_size, optimizer, timeout=TIMEOUT)
-    for got in results:
-        assert_same_weights(got, results[0], rtol=0, atol=0)  # the replicas stay identical
-    assert_same_weights(results[0], reference(optimizer), rtol=1e-4, atol=1e-5)
+    for rank, got in enumerate(results):  # the replicas stay identical
+        assert_same_weights(got, results[0], f"rank {rank} against rank 0", rtol=0, atol=0)
+    assert_same_weights(results[0], reference(optimizer), "rank 0 against one process on the whole batch",
+                        rtol=1e-4, atol=1e-5)
 
 
 def _train_llama(rank, world_size, mode):
@@ -375,3 +381,92 @@ def test_checkpoint_resumed_run_matches_uninterrupted_run_exactly(tmp_path):
         assert step == 2
         for name in want:
             assert torch.equal(got[name], want[name]), name
+
+
+# --- group=: two disjoint subgroups of 4 ranks, one launch ---------------------------------
+# Group ranks differ from global ranks (global 3 is rank 1 of [1, 3]), and no source is rank 0.
+GROUPS = {(1, 3): dict(src=3, step=1), (0, 2): dict(src=2, step=0)}  # each group its own source and batch
+SMALL_BUCKETS = 1088 / 2**20  # four buckets (see BUCKETS)
+
+
+def _start_different(rank):
+    model = OddNet(seed=rank)  # every replica different, buffers too
+    model.scale.fill_(1.0 + rank)
+    model.version.fill_(7 + rank)
+    return model
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _group_reference_grads(step):
+    """One process on the group's whole batch (its data-parallel equivalent)."""
+    model = OddNet()
+    model(*global_batch(step)).backward()
+    return _grads(model)
+
+
+def _broadcast_in_group(dp_module, rank, ranks, group):
+    src = GROUPS[ranks]["src"]
+    model = _start_different(rank)
+    with diagnose.watch_groups(group, "broadcast_parameters"):
+        dp_module.broadcast_parameters(model, src=src, group=group)
+    diagnose.assert_same_named(snapshot(model), snapshot(_start_different(src)), "parameter or buffer",
+                               f"rank {rank} of group {list(ranks)} after broadcast_parameters(src={src}): "
+                               f"it must hold global rank {src}'s values", rtol=0, atol=0)
+
+
+def _average_in_group(dp_module, rank, ranks, group):
+    model = _start_different(rank)
+    with diagnose.watch_groups(group, "average_weights"):
+        dp_module.average_weights(model, group=group)
+    members = [dict(_start_different(q).named_parameters()) for q in ranks]
+    want = {n: sum(m[n].detach() for m in members) / len(ranks) for n in members[0]}
+    got = {n: p.detach() for n, p in model.named_parameters()}
+    diagnose.assert_same_named(got, want, "parameter", f"rank {rank} of group {list(ranks)}: the mean over "
+                               f"global ranks {list(ranks)} only")
+
+
+def _allreduce_in_group(dp_module, rank, ranks, group):
+    step = GROUPS[ranks]["step"]
+    model = OddNet()
+    model(*rows(global_batch(step), ranks.index(rank), len(ranks))).backward()
+    with diagnose.watch_groups(group, "allreduce_gradients"):
+        dp_module.allreduce_gradients(model, group=group)
+    diagnose.assert_same_named(_grads(model), _group_reference_grads(step), "gradient",
+                               f"rank {rank} of group {list(ranks)}: the group's mean gradient")
+
+
+def _bucketed_in_group(dp_module, rank, ranks, group):
+    step = GROUPS[ranks]["step"]
+    model = OddNet()
+    with diagnose.watch_groups(group, "BucketedDataParallel"):
+        ddp = dp_module.BucketedDataParallel(model, bucket_size_mb=SMALL_BUCKETS, group=group)
+        assert ddp.world_size == len(ranks), f"world_size is {ddp.world_size}: the size of group= is {len(ranks)}"
+        ddp(*rows(global_batch(step), ranks.index(rank), len(ranks))).backward()
+        ddp.finish()
+    diagnose.assert_same_named(_grads(model), _group_reference_grads(step), "gradient",
+                               f"rank {rank} of group {list(ranks)}: the group's mean gradient")
+
+
+GROUP_CASES = {"broadcast_parameters": _broadcast_in_group, "average_weights": _average_in_group,
+               "allreduce_gradients": _allreduce_in_group, "BucketedDataParallel": _bucketed_in_group}
+
+
+def group_cases(dp_module, rank):
+    """{exercise: body()} on this rank; every rank creates both groups (new_group is collective)."""
+    groups = {ranks: dist.new_group(list(ranks)) for ranks in GROUPS}
+    ranks = next(r for r in GROUPS if rank in r)
+    return {name: functools.partial(body, dp_module, rank, ranks, groups[ranks])
+            for name, body in GROUP_CASES.items()}
+
+
+def _run_group_cases(rank, world_size):
+    return run_cases(group_cases(dp(), rank))
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.exercise(name)) for name in GROUP_CASES])
+def test_group_two_disjoint_subgroups_of_4_ranks_source_not_rank_0(name):
+    expect_case(launch_cases(_run_group_cases, 4, timeout=TIMEOUT), name,
+                f"{name} with group=[1, 3] (src 3) and group=[0, 2] (src 2) on 4 ranks")

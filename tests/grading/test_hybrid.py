@@ -2,11 +2,17 @@
 
 Run: pytest tests/grading/test_hybrid.py   (add --impl=solutions for the reference)
 The two equivalence tests launch 4 and 6 ranks on the tiny model: about 20 s on 2 cores.
+Those launches also record the rows that reach each replica's first stage (and the targets its
+last stage reads): each replica must train on its own B/dp rows, which "equals one process"
+alone cannot see (every replica training on the whole batch averages to the same gradient).
 """
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from labkit import diagnose
 from labkit.data import get_batch, load_tokens
 from labkit.grading import impl
 from labkit.launch import launch
@@ -145,13 +151,23 @@ def _hybrid_rank(rank, world_size, dp, pp, n_micro, per_microbatch=False):
     module, sync = stage, True
     if per_microbatch:
         module, sync = hybrid.PerMicrobatchAllReduce(stage, mesh.dp_group), False
+    seen = []  # per step: the token ids each forward of this stage received, and the targets
+
+    def record(_module, args, kwargs):
+        targets = args[1] if len(args) > 1 else kwargs.get("targets")
+        if not args[0].is_floating_point():  # token ids: the first stage
+            seen[-1]["inputs"].append(args[0].detach().clone())
+        if targets is not None:
+            seen[-1]["targets"].append(targets.detach().clone())
+    stage.register_forward_pre_hook(record, with_kwargs=True)
     losses = []
     for x, y in _batches(dp, n_micro):
+        seen.append({"inputs": [], "targets": []})
         loss = hybrid.hybrid_step(module, mesh, x, y, n_micro, opt, sync_grads=sync)
         losses.append(loss)
     mine = {id(p) for p in stage.parameters()}
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in mine}
-    return {"weights": weights, "losses": None if losses[0] is None else torch.stack(losses)}
+    return {"weights": weights, "losses": None if losses[0] is None else torch.stack(losses), "seen": seen}
 
 
 def _check_against_reference(results, reference, pp):
@@ -159,15 +175,62 @@ def _check_against_reference(results, reference, pp):
     seen = set()
     for rank, out in enumerate(results):
         assert out["weights"], f"rank {rank} owns no parameters"
-        for name, w in out["weights"].items():
-            torch.testing.assert_close(w, ref_weights[name], rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"rank {rank}, {name}: {m}")
-            seen.add(name)
+        # the first parameter of this stage (in the model's order) that differs, and by how much
+        diagnose.assert_same_named(out["weights"], {n: ref_weights[n] for n in out["weights"]}, "weight",
+                                   f"rank {rank} (replica {rank // pp}, stage {rank % pp}) against one "
+                                   f"process", rtol=1e-4, atol=1e-5)
+        seen.update(out["weights"])
         if rank % pp == pp - 1:  # a last stage reports the global batch's loss
             torch.testing.assert_close(out["losses"], ref_losses, rtol=1e-5, atol=1e-6)
         else:
             assert out["losses"] is None
     assert seen == set(ref_weights), "every parameter is owned by some stage"
+
+
+def _rows_named(batch, rows):
+    """Which rows of `batch` the tensor `rows` holds, as row indices (-1: a row not in the batch)."""
+    return [next((i for i in range(len(batch)) if torch.equal(batch[i], row)), -1) for row in rows]
+
+
+def check_replica_rows(results, dp, pp, m):
+    """Each replica's first stage got exactly its own rows of every global batch, in m
+    micro-batches of B/(dp m) rows in order, and its last stage the matching targets.
+    Fails naming the first step, replica, micro-batch and the global rows it held."""
+    for step, (x, y) in enumerate(_batches(dp, m)):
+        b = len(x) // dp
+        for rank, out in enumerate(results):
+            replica, stage = divmod(rank, pp)
+            own = range(replica * b, (replica + 1) * b)
+            for kind, batch, needed in (("inputs", x, stage == 0), ("targets", y, stage == pp - 1)):
+                if not needed:
+                    continue
+                got = out["seen"][step][kind]
+                where = (f"step {step}: replica {replica}'s {'first' if kind == 'inputs' else 'last'} stage "
+                         f"(rank {rank}) received {kind}")
+                want = f"replica {replica} trains on rows {own[0]}-{own[-1]} of the global batch of {len(x)} " \
+                       f"only (B/dp = {b} rows, in {m} micro-batches of {b // m}): pass replica_rows(x, mesh)"
+                assert len(got) == m, f"{where} in {len(got)} forwards, expected {m} micro-batches"
+                for mb, rows in enumerate(got):
+                    expected = list(own[mb * b // m:(mb + 1) * b // m])
+                    held = _rows_named(batch, rows)
+                    assert held == expected, (f"{where} for micro-batch {mb}: global rows {held}, expected rows "
+                                              f"{expected}; {want}")
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_hybrid(dp, pp, m, timeout):
+    """One launch per mesh, shared by the tests that read it (a failure is returned, then raised)."""
+    try:
+        return launch(_hybrid_rank, dp * pp, dp, pp, m, timeout=timeout)
+    except Exception as error:
+        return error
+
+
+def _launched(dp, pp, m, timeout):
+    results = _launch_hybrid(dp, pp, m, timeout)
+    if isinstance(results, Exception):
+        raise results
+    return results
 
 
 @pytest.mark.exercise("hybrid_step", "make_mesh")
@@ -176,16 +239,20 @@ def test_hybrid_step_dp2_pp2_equals_single_process():
     # the reference first: the ranks fork from a process that has loaded the data and
     # warmed up torch (optimizer, autograd), instead of each paying for it on 2 cores
     reference = _reference(dp, m)
-    results = launch(_hybrid_rank, dp * pp, dp, pp, m, timeout=60)
-    _check_against_reference(results, reference, pp)
+    _check_against_reference(_launched(dp, pp, m, 60), reference, pp)
 
 
 @pytest.mark.exercise("hybrid_step", "make_mesh")
 def test_hybrid_step_dp2_pp3_three_microbatches_equals_single_process():
     dp, pp, m = 2, 3, 3
     reference = _reference(dp, m)
-    results = launch(_hybrid_rank, dp * pp, dp, pp, m, timeout=90)
-    _check_against_reference(results, reference, pp)
+    _check_against_reference(_launched(dp, pp, m, 90), reference, pp)
+
+
+@pytest.mark.exercise("hybrid_step", "make_mesh")
+@pytest.mark.parametrize("dp,pp,m", [(2, 2, 2), (2, 3, 3)])
+def test_hybrid_step_each_replica_first_stage_sees_only_its_own_rows(dp, pp, m):
+    check_replica_rows(_launched(dp, pp, m, 60 if pp == 2 else 90), dp, pp, m)
 
 
 @pytest.mark.exercise("hybrid_step", "make_mesh")

@@ -3,12 +3,19 @@
 Run: pytest tests/grading/test_tensor_parallel.py   (add --impl=solutions for the reference)
 Every test runs the sharded layer on 2 and 4 ranks and compares, on every rank, with the
 unsharded layer run in the same process: the output, dL/dinput, and the gradient of each
-sharded weight against the matching slice of the full layer's gradient. About 20 s on 2 cores.
+sharded weight against the matching slice of the full layer's gradient. The group= cases run
+the same checks in two disjoint TP groups [1, 3] and [0, 2] of 4 ranks (one launch, labkit.cases),
+each group with its own layer. About 20 s on 2 cores.
 """
+import functools
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from labkit import diagnose
+from labkit.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
 from labkit.launch import launch
 from labkit.model import SwiGLU, Attention, build_model, get_config
@@ -36,15 +43,20 @@ def reference(layer, x, dy):
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
-def _column(rank, world):
+def _column(rank, world, group=None, seed=0):
+    """rank, world: in the TP group (`group`, None: the default group)."""
     tp = impl("tensor_parallel")
     for bias in (True, False):
         for gather in (False, True):
-            torch.manual_seed(0)  # same full layer and data on every rank
+            torch.manual_seed(seed)  # same full layer and data on every rank
             full = nn.Linear(6, 8 * world // 2 * 3, bias=bias)  # 12 or 24 outputs
             x, dy = torch.randn(2, 3, 6), torch.randn(2, 3, full.out_features)
             y_ref, dx_ref, g_ref = reference(full, x, dy)
-            layer = tp.ColumnParallelLinear(full, gather_output=gather)
+            layer = tp.ColumnParallelLinear(full, group=group, gather_output=gather)
+            k = full.out_features // world
+            assert layer.weight.shape == (k, 6), (
+                f"weight has shape {tuple(layer.weight.shape)}, expected {(k, 6)}: rows [rank*k, (rank+1)*k) of "
+                f"the full weight, k = out_features // the size of group= = {full.out_features} // {world}")
             xs = x.clone().requires_grad_()
             y = layer(xs)
             if gather:
@@ -69,15 +81,18 @@ def test_column_parallel_forward_backward_equal_unsharded_with_and_without_gathe
     assert launch(_column, world, timeout=TIMEOUT) == [True] * world
 
 
-def _row(rank, world):
+def _row(rank, world, group=None, seed=0):
     tp = impl("tensor_parallel")
     for bias in (True, False):
         for input_is_parallel in (True, False):
-            torch.manual_seed(0)
+            torch.manual_seed(seed)
             full = nn.Linear(4 * world, 5, bias=bias)
             x, dy = torch.randn(2, 3, full.in_features), torch.randn(2, 3, 5)
             y_ref, dx_ref, g_ref = reference(full, x, dy)
-            layer = tp.RowParallelLinear(full, input_is_parallel=input_is_parallel)
+            layer = tp.RowParallelLinear(full, group=group, input_is_parallel=input_is_parallel)
+            assert layer.weight.shape == (5, 4), (
+                f"weight has shape {tuple(layer.weight.shape)}, expected (5, 4): columns [rank*k, (rank+1)*k) "
+                f"of the full weight, k = in_features // the size of group= = {full.in_features} // {world}")
             xs = (block(x, rank, world, -1) if input_is_parallel else x).clone().requires_grad_()
             y = layer(xs)
             torch.testing.assert_close(y, y_ref)  # the full output on every rank
@@ -97,13 +112,13 @@ def test_row_parallel_forward_backward_equal_unsharded_parallel_and_full_input(w
     assert launch(_row, world, timeout=TIMEOUT) == [True] * world
 
 
-def _mlp(rank, world):
+def _mlp(rank, world, group=None, seed=0):
     tp = impl("tensor_parallel")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     full = SwiGLU(get_config("tiny"))  # d_model 64, hidden 176 = 4 x 44
     x, dy = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
     y_ref, dx_ref, g_ref = reference(full, x, dy)
-    mlp = tp.ParallelMLP(full)
+    mlp = tp.ParallelMLP(full, group=group)
     xs = x.clone().requires_grad_()
     with tp.count_collectives() as forward_log:
         y = mlp(xs)
@@ -111,8 +126,10 @@ def _mlp(rank, world):
         y.backward(dy)
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(xs.grad, dx_ref)
-    for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
-        torch.testing.assert_close(getattr(mlp, name).weight.grad, block(g_ref[f"{name}.weight"], rank, world, dim))
+    diagnose.assert_same_named({f"{name}.weight": getattr(mlp, name).weight.grad for name in ("w1", "w3", "w2")},
+                               {f"{name}.weight": block(g_ref[f"{name}.weight"], rank, world, dim)
+                                for name, dim in (("w1", 0), ("w3", 0), ("w2", 1))},
+                               "weight gradient", f"TP rank {rank} of {world}")
     return forward_log, backward_log
 
 
@@ -168,11 +185,14 @@ def _whole_model(rank, world):
     assert log == [("all_reduce", 2 * 16 * 64)] * (per_layer["allreduces"] * model.config.n_layers)
     assert per_layer["activation_bytes"] == 2 * 16 * 64 * 4
     full = dict(model.named_parameters())
+    got, want = {}, {}
     for name, p in tp_model.named_parameters():
         grad = full[name].grad
         if p.shape != grad.shape:  # sharded: rows (wq wk wv w1 w3) or columns (wo w2)
             grad = block(grad, rank, world, 0 if p.shape[1] == grad.shape[1] else 1)
-        torch.testing.assert_close(p.grad, grad, msg=lambda m: f"{name}: {m}")
+        got[name], want[name] = p.grad, grad
+    # the first parameter (in the model's order) whose gradient differs, and by how much
+    diagnose.assert_same_named(got, want, "parameter gradient", f"rank {rank} of {world}")
     return True
 
 
@@ -210,3 +230,24 @@ def test_dimension_not_divisible_by_tp_size_raises_value_error(what, match):
     if isinstance(info.value, NotImplementedError):
         raise info.value  # an unimplemented stub fails as such, not as a wrong error
     assert "ValueError" in str(info.value) and match in str(info.value), str(info.value)
+
+
+# --- group=: two disjoint TP groups of 2 in 4 ranks, each with its own layer; one launch -------
+GROUPS = {(1, 3): 1, (0, 2): 2}  # ranks: seed of the group's full layer and data
+GROUP_CASES = {"ColumnParallelLinear": _column, "RowParallelLinear": _row, "ParallelMLP": _mlp}
+
+
+def _run_group_cases(rank, world_size):
+    groups = {ranks: dist.new_group(list(ranks)) for ranks in GROUPS}  # collective: every rank, same order
+    ranks = next(r for r in GROUPS if rank in r)
+
+    def body(name, check):
+        with diagnose.watch_groups(groups[ranks], name):
+            check(ranks.index(rank), len(ranks), group=groups[ranks], seed=GROUPS[ranks])
+    return run_cases({name: functools.partial(body, name, check) for name, check in GROUP_CASES.items()})
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.exercise(name)) for name in GROUP_CASES])
+def test_group_two_disjoint_tp_groups_of_4_ranks(name):
+    expect_case(launch_cases(_run_group_cases, 4, timeout=TIMEOUT), name,
+                f"{name} with group=[1, 3] and group=[0, 2] on 4 ranks (each group its own layer)")

@@ -1,0 +1,209 @@
+"""Say where a wrong result first goes wrong, not only that it is wrong.
+
+Two tools for grading messages:
+
+- Rank tags: in an all-reduce, rank r contributes ``rank_tag(r) = 16 ** r`` (int64). Each
+  rank owns one hexadecimal digit of every sum, so any element tells which ranks' values
+  it holds and how many times each (a rank added twice shows as a 2, not as another
+  rank). `allreduce_mismatch` reads a result that way and names the first wrong place:
+  "chunk 2 (elements 6-8) on rank 1 holds the sum of ranks {1, 2} only (missing {0, 3})".
+- Named tensors: `first_differences(got, want)` compares two {name: tensor} dicts (weights,
+  gradients) in the reference's order, and `assert_same_named` fails with the first
+  differing name, by how much, and how many others differ.
+"""
+from __future__ import annotations
+
+import torch
+
+DIGIT_BITS = 4  # up to 15 copies of one rank's value before the digits overflow
+MAX_RANKS = 63 // DIGIT_BITS  # int64 holds 15 digits
+
+
+def rank_tag(rank: int) -> int:
+    """The value rank `rank` contributes: one hexadecimal digit of its own."""
+    if not 0 <= rank < MAX_RANKS:
+        raise ValueError(f"rank tags need rank < {MAX_RANKS} (int64 digits), got rank {rank}")
+    return 1 << (DIGIT_BITS * rank)
+
+
+def tagged(rank: int, numel: int) -> torch.Tensor:
+    """A flat int64 tensor of `numel` copies of rank_tag(rank)."""
+    return torch.full((numel,), rank_tag(rank), dtype=torch.int64)
+
+
+def decode(value: int, world_size: int) -> dict | None:
+    """{rank: how many times its tag is in value}, or None if value is no such sum."""
+    if value < 0 or value >> (DIGIT_BITS * world_size):
+        return None
+    mask = (1 << DIGIT_BITS) - 1
+    return {r: (value >> (DIGIT_BITS * r)) & mask for r in range(world_size) if (value >> (DIGIT_BITS * r)) & mask}
+
+
+def _set(ranks) -> str:
+    return "{" + ", ".join(map(str, sorted(ranks))) + "}"
+
+
+def describe(value: int, members, world_size: int) -> str:
+    """What `value` holds, against the expected sum of one tag per rank in `members`."""
+    counts = decode(value, world_size)
+    if counts is None:
+        return f"the value {value}, which is no sum of the ranks' values (each rank adds 16**rank)"
+    if not counts:
+        return "0: no rank's value at all"
+    extra = [f"rank {r} counted {c} times" for r, c in counts.items() if c > 1]
+    outsiders = sorted(set(counts) - set(members))
+    missing = sorted(set(members) - set(counts))
+    text = f"the sum of ranks {_set(counts)}"
+    if missing and not extra and not outsiders:
+        return f"{text} only (missing {_set(missing)})"
+    notes = extra + ([f"ranks {_set(outsiders)} are not in the group"] if outsiders else [])
+    notes += [f"missing {_set(missing)}"] if missing else []
+    return f"{text} ({'; '.join(notes)})"
+
+
+def allreduce_mismatch(result: torch.Tensor, rank: int, members, world_size: int, bounds=None,
+                       phase: str = "after the all-reduce") -> str | None:
+    """None if every element of `result` (on global rank `rank`) is the sum of one tag per
+    rank of `members`; else where it first goes wrong, e.g.
+    "after the all-reduce, chunk 2 (elements 6-8) on rank 1 holds the sum of ranks {1, 2}
+    only (missing {0, 3})". `bounds`: the ring's chunk bounds (chunk i is
+    [bounds[i], bounds[i+1])) to name the chunk; without them the elements are named.
+    """
+    flat = result.detach().reshape(-1).cpu()
+    want = sum(rank_tag(r) for r in members)
+    wrong = (flat != want).nonzero().flatten().tolist()
+    if not wrong:
+        return None
+    first = wrong[0]
+    value = int(flat[first])
+    last = first  # the run of elements holding the same wrong value
+    while last + 1 < flat.numel() and int(flat[last + 1]) == value:
+        last += 1
+    span = lambda a, b: f"element {a}" if a == b else f"elements {a}-{b}"  # noqa: E731
+    where = span(first, last)
+    if bounds is not None:
+        chunk = max(i for i in range(len(bounds) - 1) if bounds[i] <= first)
+        lo, hi = bounds[chunk], bounds[chunk + 1] - 1
+        last = min(last, hi)
+        where = f"chunk {chunk} ({span(lo, hi)})"
+        if (first, last) != (lo, hi):
+            where = f"{span(first, last)} of chunk {chunk} ({span(lo, hi)})"
+    others = len(wrong) - (last - first + 1)
+    tail = f"; {others} more wrong element{'s' * (others != 1)} on this rank" if others else ""
+    return f"{phase}, {where} on rank {rank} holds {describe(value, members, world_size)}{tail}"
+
+
+# --- named tensors: weights, gradients ----------------------------------------------------
+
+
+def _difference(name, got, want, rtol, atol):
+    """None if close, else a short text: what differs and by how much."""
+    if want is None or got is None:
+        return None if got is None and want is None else \
+            f"{name!r} is {'None' if got is None else 'set'} but should be {'None' if want is None else 'set'}"
+    if got.shape != want.shape:
+        return f"{name!r} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    try:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, check_dtype=False, check_device=False)
+        return None
+    except AssertionError:
+        pass
+    diff = (got.detach().double().cpu() - want.detach().double().cpu()).abs()
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
+    index = int(diff.argmax())
+    position = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), diff.shape)) if diff.dim() else ()
+    scale = want.detach().double().abs().max().item() if want.numel() else 0.0
+    return (f"{name!r}: max abs diff {diff.max().item():.3g} at index {position} "
+            f"(got {got.reshape(-1)[index].item():.6g}, expected {want.reshape(-1)[index].item():.6g}; "
+            f"largest expected magnitude {scale:.3g})")
+
+
+def first_differences(got: dict, want: dict, rtol=None, atol=None) -> list:
+    """The names that differ, in `want`'s order, each with a one-line description.
+
+    Missing and unexpected names count as differences. rtol/atol as assert_close
+    (None: its defaults for the dtype).
+    """
+    if (rtol is None) != (atol is None):
+        raise ValueError(f"give both rtol and atol, or neither (got rtol={rtol}, atol={atol})")
+    out = []
+    for name in want:
+        if name not in got:
+            out.append((name, f"{name!r} is missing"))
+            continue
+        text = _difference(name, got[name], want[name], rtol, atol)
+        if text:
+            out.append((name, text))
+    out += [(name, f"{name!r} is unexpected") for name in got if name not in want]
+    return out
+
+
+def assert_same_named(got: dict, want: dict, what: str = "tensor", where: str = "", rtol=None, atol=None):
+    """AssertionError naming the first differing `what` (by name, in want's order) and by how much."""
+    differences = first_differences(got, want, rtol, atol)
+    if not differences:
+        return
+    names = [name for name, _ in differences]
+    listed = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    prefix = f"{where}: " if where else ""
+    raise AssertionError(f"{prefix}first differing {what}: {differences[0][1]}; "
+                         f"{len(names)} of {len(want)} differ ({listed})")
+
+
+# --- collectives on the wrong group ---------------------------------------------------------
+
+_WATCHED = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
+            "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
+            "send", "recv", "isend", "irecv", "broadcast_object_list", "all_gather_object")
+
+
+class WrongGroupError(AssertionError):
+    """A collective ran on another group than the one the exercise was given."""
+
+
+class watch_groups:
+    """Inside the block, a torch.distributed collective on any group but `group` raises
+    WrongGroupError BEFORE it runs (so it cannot hang or disturb the other ranks):
+    "all_reduce on the default group (ranks [0, 1, 2, 3]) ... pass group=group".
+
+    `what`: the exercise, named in the message. Catches code that ignores its group=
+    argument; a rank not in `group` must issue no collective at all.
+    """
+
+    def __init__(self, group, what: str):
+        self.group, self.what, self.saved = group, what, {}
+
+    def __enter__(self):
+        import inspect
+
+        import torch.distributed as dist
+
+        wanted = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        for name in _WATCHED:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self.saved[name] = original
+            signature = inspect.signature(original)
+
+            def spy(*args, _original=original, _name=name, _signature=signature, **kwargs):
+                bound = _signature.bind_partial(*args, **kwargs)
+                used = bound.arguments.get("group")
+                ranks = dist.get_process_group_ranks(used or dist.group.WORLD)
+                if ranks != wanted:
+                    label = "the default group" if used is None or used is dist.group.WORLD else "a group"
+                    raise WrongGroupError(
+                        f"{self.what} was given group= the ranks {wanted}, but it called dist.{_name} on "
+                        f"{label} (ranks {ranks}): pass group=group to every collective, and give "
+                        f"src/dst as global ranks (or group_src/group_dst as ranks in the group)")
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, spy)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, original in self.saved.items():
+            setattr(dist, name, original)
+        return False
