@@ -193,7 +193,7 @@ def _dp_group_cases_with(rank, world_size, exercise, mutant_name):
      "it must hold global rank 2's values: first differing parameter or buffer: 'scale'"),
     ("average_weights", "average_ignores_group", "called dist.all_reduce on the default group"),
     ("allreduce_gradients", "allreduce_gradients_ignores_group", "called dist.all_reduce on the default group"),
-    ("BucketedDataParallel", "bucketed_ignores_group", "world_size is 4: the size of group= is 2"),
+    ("BucketedDataParallel", "bucketed_ignores_group", "called dist.broadcast on the default group"),  # its DDP-like broadcast
 ])
 def test_dp_group_cases_catch_a_mutant(exercise, mutant, message):
     outcomes = launch(_dp_group_cases_with, 4, exercise, mutant, timeout=TIMEOUT)
