@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from labkit.grading import impl
 from labkit.launch import LaunchError, launch
-from labkit.schedules import DeadlockError, ScheduleError, simulate, zero_bubble_schedule
+from labkit.schedules import (DeadlockError, ScheduleError, interleaved_schedule, simulate,
+                              zero_bubble_schedule)
 from labkit.timeline import Timeline
 
 pl = impl("pipeline", "solutions")
@@ -80,8 +81,10 @@ def test_blocking_send_one_f_one_b_really_deadlocks():
     # what simulate() predicts: both ranks stuck in send; the launcher reports and kills them
     with pytest.raises(DeadlockError):
         simulate(pl.one_f_one_b_schedule(2, 4), blocking_send=True)
-    with pytest.raises(LaunchError, match="send"):
+    with pytest.raises(LaunchError, match="send") as err:
         launch(_blocking_rank, 2, timeout=8)
+    # the stuck ranks' stacks point into communicate, the learner's exercise, at its blocking send
+    assert str(err.value).count("in communicate") == 2, str(err.value)
 
 
 def _synthetic_rank(rank, world_size, m):
@@ -152,7 +155,7 @@ def test_subgroup_with_global_neighbour_ranks_equals_single_model():
 # ------------------------------------------------- stretch: interleaved 1F1B (virtual stages)
 @pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (3, 2, 6), (4, 3, 8), (2, 1, 4)])
 def test_interleaved_schedule_valid_and_bubble_shrinks_by_chunks(p, v, m):
-    schedule = pl.interleaved_schedule(p, v, m)
+    schedule = interleaved_schedule(p, v, m)
     assert validate_ok(schedule) == (p * v, m)
     for r, actions in enumerate(schedule):
         assert {int(a.split("F")[0]) for a in actions if "F" in a} == {c * p + r for c in range(v)}
@@ -168,12 +171,12 @@ def validate_ok(schedule):
 
 def test_interleaved_schedule_microbatches_not_multiple_of_ranks_rejected():
     with pytest.raises(ValueError, match=r"n_microbatches \(3\) to be a positive multiple of n_ranks \(2\)"):
-        pl.interleaved_schedule(2, 2, 3)
+        interleaved_schedule(2, 2, 3)
 
 
 def test_interleaved_needs_a_module_per_stage():
     with pytest.raises(ValueError, match=r"rank 0 runs stages \[0, 2\]: pass stage_module as a dict"):
-        _synthetic_call(pl.interleaved_schedule(2, 2, 2))
+        _synthetic_call(interleaved_schedule(2, 2, 2))
 
 
 def test_stage_on_wrong_position_rejected():
@@ -191,7 +194,7 @@ def _interleaved_rank(rank, world_size, x, y, v, ms):
     out = {}
     for m in ms:
         model.zero_grad(set_to_none=True)
-        loss = pl.run_schedule(stages, pl.interleaved_schedule(world_size, v, m), x, y, stage=rank,
+        loss = pl.run_schedule(stages, interleaved_schedule(world_size, v, m), x, y, stage=rank,
                                act_shape=pl.activation_shape(model.config, x.shape[0], x.shape[1], m))
         mine = {n: p.grad.clone() for s in stages.values() for n, p in s.named_parameters(prefix=f"stage{s.stage}")}
         out[m] = (mine, loss)
