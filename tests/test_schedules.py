@@ -237,3 +237,66 @@ def test_gpipe_and_one_f_one_b_match_torch_distributed_pipelining(p, m):
     pl = impl("pipeline", "solutions")
     assert pl.gpipe_schedule(p, m) == _torch_order(ScheduleGPipe, p, m)
     assert pl.one_f_one_b_schedule(p, m) == _torch_order(Schedule1F1B, p, m)
+
+
+# ---------------------------------------------- drawing a WRONG schedule: draw, then mark the first error
+def _texts(ax):
+    return [t.get_text() for t in ax.texts]
+
+
+def _red_outlines(ax):
+    import matplotlib.patches
+
+    return [(round(p.get_x(), 6), round(p.get_y() + p.get_height() / 2)) for p in ax.patches
+            if isinstance(p, matplotlib.patches.Rectangle) and not p.get_fill()]
+
+
+@pytest.fixture
+def agg():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    yield
+    plt.close("all")
+
+
+def test_plot_schedule_draws_backward_before_forward_and_outlines_it(agg):
+    from labkit import viz
+
+    ax = viz.plot_schedule([["0F0", "0B0"], ["1B0", "1F0"]]).axes[0]
+    assert ax.get_title().startswith("WRONG: rank 1, action 1B0: backward before forward")
+    assert _red_outlines(ax) == [(0.0, 1)]  # 1B0 runs first on rank 1, at t = 0
+    assert "first error" in _texts(ax)
+
+
+def test_plot_schedule_draws_a_deadlock_and_marks_where_each_rank_waits(agg):
+    from labkit import viz
+
+    ax = viz.plot_schedule([["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B0", "1B1"]]).axes[0]
+    assert ax.get_title().startswith("WRONG: the schedule deadlocks")
+    assert {"waits in 0RECV_B0<-1", "waits in 1RECV_F1<-0"} <= set(_texts(ax))
+    ax = viz.plot_schedule([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]], blocking_send=True).axes[0]
+    assert {"waits in 0SEND_F1->1", "waits in 1SEND_B0->0"} <= set(_texts(ax))
+
+
+def test_plot_schedule_of_an_unparseable_schedule_shows_the_error(agg):
+    from labkit import viz
+
+    ax = viz.plot_schedule([["0F0", "0B0"], ["1F0", "1b0"]]).axes[0]
+    assert "cannot draw this schedule" in _texts(ax)[0] and "'1b0'" in _texts(ax)[0]
+
+
+def test_plot_timeline_marks_the_first_span_out_of_the_schedules_order(agg):
+    from labkit import viz
+    from labkit.timeline import Span
+
+    ran = [Span(kind, start, start + (1.0 if kind == "F" else 2.0), rank, rank, mb)  # GPipe, measured
+           for rank, kind, mb, start in [(0, "F", 0, 0.0), (0, "F", 1, 1.0), (0, "B", 0, 5.0), (0, "B", 1, 7.0),
+                                         (1, "F", 0, 1.0), (1, "F", 1, 2.0), (1, "B", 0, 3.0), (1, "B", 1, 5.0)]]
+    ax = viz.plot_timeline(ran, unit="s", schedule=ONE_F_ONE_B_2x2).axes[0]
+    assert ax.get_title() == "measured: rank 1 ran 1F1 where the schedule has 1B0"
+    assert _red_outlines(ax) == [(2.0, 1)]
+    ax = viz.plot_timeline(ran, unit="s", schedule=GPIPE_2x2).axes[0]
+    assert _red_outlines(ax) == [] and ax.get_title().startswith("measured: bubble")
