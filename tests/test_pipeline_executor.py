@@ -268,3 +268,39 @@ def test_zero_bubble_synthetic_timeline_follows_schedule():
         assert compute == schedule[rank]
         w = [s for s in spans if s.rank == rank and s.kind == "W"]
         assert len(w) == 4 and all(s.duration >= 0.002 for s in w)  # W sleeps t_w = t_b / 2 = t_f
+
+
+# ------------------------------------------------- torch's own pipelining on the same stages
+def _torch_pipelining_rank(rank, world_size, x, y, m):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from labkit.model import build_model, lm_loss, make_stage
+
+    module = make_stage(build_model("tiny", seed=0), rank, world_size)
+    ran = []
+    module.register_forward_pre_hook(lambda *_: ran.append("F"))
+    next(module.parameters()).register_hook(lambda g: ran.append("B"))
+    schedule = Schedule1F1B(PipelineStage(module, rank, world_size, torch.device("cpu")), n_microbatches=m,
+                            loss_fn=lm_loss)
+    losses = []
+    if rank == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=losses)
+    ran = ran[1:]  # torch's shape inference runs micro-batch 0's forward once first
+    return {n: p.grad for n, p in module.named_parameters()}, [f"{rank}{k}{ran[:i].count(k)}" for i, k in enumerate(ran)]
+
+
+def test_torch_pipelining_schedule1f1b_on_gloo_equals_single_model_and_our_order():
+    # notebook 06 runs torch.distributed.pipelining on CPU/gloo; this proves what it shows
+    from labkit.model import build_model, make_stages
+
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randint(0, 4096, (4, 8), generator=g), torch.randint(0, 4096, (4, 8), generator=g)
+    results = launch(_torch_pipelining_rank, 2, x, y, 4, timeout=60)
+    ref = build_model("tiny", seed=0)
+    ref(x, y).backward()
+    for s, stage in enumerate(make_stages(ref, 2)):
+        for n, p in stage.named_parameters():
+            torch.testing.assert_close(results[s][0][n], p.grad, rtol=1e-4, atol=1e-6)
+    assert [r[1] for r in results] == pl.one_f_one_b_schedule(2, 4)
