@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from labkit.grading import impl
 from labkit.launch import LaunchError, launch
-from labkit.schedules import (DeadlockError, ScheduleError, interleaved_schedule, simulate,
+from labkit.schedules import (DeadlockError, ScheduleError, interleaved_schedule, lower, simulate,
                               zero_bubble_schedule)
 from labkit.timeline import Timeline
 
@@ -113,6 +113,10 @@ def test_synthetic_stages_timeline_follows_schedule_and_peak_memory():
             compute = [f"{s.stage}{s.kind}{s.mb}" for s in spans if s.rank == rank and s.kind in "FB"]
             assert compute == schedule[rank], f"{name}: rank {rank} ran its actions in schedule order"
             assert any(s.kind == ("recv" if rank else "send") for s in spans if s.rank == rank)
+            # the executor runs the lowered list, message for message
+            ran = [(s.kind, s.stage, s.mb) for s in spans if s.rank == rank and s.kind != "wait"]
+            kinds = {"SEND_F": "send", "SEND_B": "send", "RECV_F": "recv", "RECV_B": "recv"}
+            assert ran == [(kinds.get(a.kind, a.kind), a.stage, a.mb) for a in lower(schedule)[rank]], name
         peaks = simulate(schedule).peak_inflight
         for rank in range(p):
             stats = res[rank][name][1]
