@@ -152,6 +152,7 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
     next_rank = (stage + 1) % len(lowered) if next_rank is None else next_rank
     tl = timeline if timeline is not None else NullTimeline()
     box, saved, sends, loss = {}, {}, [], None  # box: tensors received / to send, by message
+    split = lowered.split  # (stage, mb) whose B computes only the input gradient; a W follows
     for op in lowered[stage]:
         s, mb = op.stage, op.mb
         if op.kind in schedules.SENDS or op.kind in schedules.RECVS:
@@ -176,7 +177,7 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
             grad_out = None if s == run.last else box.pop(("grad", s + 1, mb))
             inp, out = saved[s, mb]
             with tl.span("B", s, mb):
-                if (s, mb) in lowered.split:  # only the input gradient; W computes the weights' later
+                if (s, mb) in split:  # only the input gradient; W computes the weights' later
                     saved[s, mb] = (inp, out, grad_out)
                     grad_in = None if inp is None else torch.autograd.grad(out, inp, grad_out, retain_graph=True)[0]
                 else:
