@@ -1,9 +1,11 @@
 """The pipeline executor (solutions/pipeline.py run_schedule) beyond grading: bad input,
-the blocking-send deadlock, synthetic stages, timelines, global ranks of a sub-group, and the interleaved 1F1B stretch.
+the blocking-send deadlock (stuck in `communicate`), synthetic stages whose spans follow the
+lowered list, global ranks of a sub-group, the interleaved 1F1B and zero-bubble stretches,
+and torch.distributed.pipelining's Schedule1F1B on the same stages.
 
 Uses the reference module (the executor's own code is the same in exercises/, but it
-calls the learner's forward/backward steps). About 35 s on 2 cores: the deadlock test
-waits for its 8 s launcher timeout on purpose.
+calls the learner's forward/backward steps and communicate). About 45 s on 2 cores: the
+deadlock test waits for its 8 s launcher timeout on purpose.
 """
 import pytest
 import torch
