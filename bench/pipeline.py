@@ -61,7 +61,7 @@ def run_rank(rank, world_size, t_f, steps):
             if fn == "zero_bubble_schedule":
                 schedule = schedules.zero_bubble_schedule(world_size, m)
             else:
-                schedule = pl.interleaved_schedule(world_size, v, m) if v > 1 else getattr(pl, fn)(world_size, m)
+                schedule = schedules.interleaved_schedule(world_size, v, m) if v > 1 else getattr(pl, fn)(world_size, m)
             tokens = torch.zeros(BATCH, SEQ, dtype=torch.long)
             # floating-point inputs give stage 0's zero-bubble B an input gradient to compute
             inputs = torch.zeros(BATCH, SEQ, D_MODEL) if fn == "zero_bubble_schedule" else tokens

@@ -1,6 +1,6 @@
 # GENERATED from solutions/pipeline_naive.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/05_pipeline_parallel.ipynb.
-# untouched-stub fingerprint: 99040e15cf88cf23
+# untouched-stub fingerprint: 84ee09a7f6c5574a
 """Naive pipeline parallelism: one batch, one stage per rank (notebook 05_pipeline_parallel).
 
 The model is cut into consecutive stages (`labkit.model.make_stage`); rank s holds stage s.
@@ -17,13 +17,16 @@ that after its backward that leaf's ``.grad`` is exactly what the previous stage
 as the gradient of its output. The last stage reads its targets from the data itself
 (every rank can load the batch) instead of receiving them through the pipe.
 
-`forward_step` and `backward_step` are the exercise; the micro-batch executor of
-notebook 06 (`solutions/pipeline.py`) reuses them for every F and B it runs.
+`forward_step`, `backward_step` and `naive_step` (the messages between them) are the
+exercises; the micro-batch executor of notebook 06 (`solutions/pipeline.py`) reuses the
+first two for every F and B it runs.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from labkit.timeline import NullTimeline
 
 NOTEBOOK = "05_pipeline_parallel"
 
@@ -67,35 +70,24 @@ def naive_step(stage_module, x, targets, *, stage: int, n_stages: int, act_shape
     x: the batch's token ids [B, T] on stage 0 (ignored elsewhere); targets [B, T] on the
     last stage (ignored elsewhere). act_shape: (B, T, d_model), the shape of what flows
     between stages, known to every rank from the config so receivers can allocate it.
-    prev_rank / next_rank: GLOBAL ranks of the neighbouring stages (default stage -/+ 1).
-    Parameter gradients are accumulated into ``.grad``; the caller zeroes them.
-    """
-    from labkit.timeline import NullTimeline
+    prev_rank / next_rank: GLOBAL ranks of the neighbouring stages (default stage -/+ 1),
+    with ``group`` their process group. Parameter gradients accumulate into ``.grad``.
 
-    tl = timeline or NullTimeline()
+    Four parts, with blocking ``dist.send`` / ``dist.recv`` (one message at a time here):
+      1. unless first: receive the activation from prev_rank into a new buffer
+         (``torch.empty(act_shape, dtype=dtype, device=device)``); `forward_step` makes it
+         the leaf that requires grad;
+      2. `forward_step` (the last stage passes its targets), then, unless last, send the
+         output (detached: data, no graph) to next_rank;
+      3. unless last: receive d loss / d output from next_rank (same shape);
+      4. `backward_step`, then, unless first, send d loss / d input to prev_rank.
+    Record each part on ``tl`` (``with tl.span("recv", stage, 0): ...``, and "F", "send",
+    "B") so that notebook 05 can draw your run. Returns the loss (detached) on the last
+    stage, None elsewhere.
+    """
+    tl = timeline if timeline is not None else NullTimeline()
     device = next(stage_module.parameters()).device  # receive buffers live where the stage does
     first, last = stage == 0, stage == n_stages - 1
     prev_rank = stage - 1 if prev_rank is None else prev_rank
     next_rank = stage + 1 if next_rank is None else next_rank
-    # forward: receive the activation, run the stage, pass the output on
-    if not first:
-        x = torch.empty(act_shape, dtype=dtype, device=device)
-        with tl.span("recv", stage, 0):
-            dist.recv(x, prev_rank, group=group)
-    with tl.span("F", stage, 0):
-        inp, out = forward_step(stage_module, x, targets if last else None)
-    if not last:
-        with tl.span("send", stage, 0):
-            dist.send(out.detach(), next_rank, group=group)
-    # backward: receive d loss / d output, backpropagate, pass d loss / d input back
-    grad_out = None
-    if not last:
-        grad_out = torch.empty(act_shape, dtype=dtype, device=device)
-        with tl.span("recv", stage, 0):
-            dist.recv(grad_out, next_rank, group=group)
-    with tl.span("B", stage, 0):
-        grad_in = backward_step(inp, out, grad_out)
-    if not first:
-        with tl.span("send", stage, 0):
-            dist.send(grad_in, prev_rank, group=group)
-    return out.detach() if last else None
+    raise NotImplementedError("exercise naive_step is not implemented yet: edit exercises/pipeline_naive.py, see notebooks/05_pipeline_parallel.ipynb")

@@ -1,24 +1,23 @@
 """Micro-batch pipeline schedules and the executor that runs them (notebook 06_microbatches).
 
-A schedule is data: one list of actions per rank, ``"{stage}F{mb}"`` / ``"{stage}B{mb}"``
-(see `labkit.schedules`, which parses, checks and simulates them without processes).
-`gpipe_schedule` and `one_f_one_b_schedule` build the two classic ones; `run_schedule`
-runs ANY valid list on real ranks, one stage per rank, with point-to-point messages:
+A schedule is data: one list of actions per rank, ``"{stage}F{mb}"`` / ``"{stage}B{mb}"``.
+`gpipe_schedule` and `one_f_one_b_schedule` build the two classic ones (the variants,
+`interleaved_schedule` and `zero_bubble_schedule`, live in `labkit.schedules`).
+`labkit.schedules.lower` turns any of them into what each rank runs, its compute actions
+with the messages made explicit (``1RECV_F0 1F0 1SEND_F0 ... 1RECV_B0 1B0 1SEND_B0``);
+the checks, the simulation, the drawing and `run_schedule` below all read that one list.
 
-    F on stage s: receive the activation from stage s-1 (unless s = 0), forward, send
-                  the output to stage s+1 (unless s is last; the last stage computes the loss)
-    B on stage s: receive d loss / d output from stage s+1 (unless s is last), backward,
-                  send d loss / d input to stage s-1 (unless s = 0)
-
-Sends are ``isend`` (waited for at the end of the step) and every message carries a tag
-made of (kind, stage, micro-batch), so no pair of neighbours can block each other (see
-the deadlock section of notebook 06: plain gloo ``send`` waits for the receiver).
-The forward and backward of one micro-batch are `forward_step` / `backward_step` from
-notebook 05 (`pipeline_naive.py`).
+`run_schedule` walks this rank's lowered list: F and B call `forward_step` /
+`backward_step` from notebook 05 (`pipeline_naive.py`), and every message goes through
+`communicate`, the exercise: post ONE send or receive. With blocking ``dist.send`` 1F1B
+deadlocks in it (two neighbours both sending: gloo's send waits for the receiver); with
+``isend`` / ``irecv`` it cannot.
 """
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -67,34 +66,33 @@ def one_f_one_b_schedule(n_stages: int, n_microbatches: int) -> list[list[str]]:
     ### END SOLUTION
 
 
-def interleaved_schedule(n_ranks: int, n_chunks: int, n_microbatches: int) -> list[list[str]]:
-    """Interleaved 1F1B (Megatron-LM's virtual stages), given as a worked example (not an exercise).
+def communicate(op: schedules.Action, tensor, peer: int, *, group=None, blocking: bool = False):
+    """Post ONE lowered message of this rank; return its ``Work`` handle, or None once it is done.
 
-    The model is cut into ``n_ranks * n_chunks`` stages and rank r holds stages
-    r, r + p, r + 2p, ...: each micro-batch goes round the ranks ``n_chunks`` times. Every
-    rank walks its (chunk, micro-batch) pairs in groups of p micro-batches, chunk after
-    chunk, forwards in chunk order and backwards in reverse chunk order, with
-    ``2 (p - r - 1) + (v - 1) p`` warm-up forwards. With stages 1/v as long, the bubble
-    shrinks to (p-1)/(v m + p - 1), at the price of more messages and more activations
-    in flight. Needs n_microbatches to be a multiple of n_ranks.
+    op: a lowered `labkit.schedules.Action` (``op.kind``, ``op.stage``, ``op.mb``):
+        ``SEND_F`` / ``SEND_B`` send ``tensor`` (the activation, the input gradient) to ``peer``;
+        ``RECV_F`` / ``RECV_B`` receive into ``tensor``, an empty buffer of the right shape.
+    peer: the GLOBAL rank of the other side (pass ``group=group`` too).
+    Tag the message with ``op.tag``: sender and receiver compute the same number from
+        (kind, sender's stage, micro-batch), so that two messages between the same ranks
+        can never be swapped.
+    blocking: True -> ``dist.send`` / ``dist.recv``, which return when done (return None).
+        False -> ``dist.isend`` / ``dist.irecv``, which return at once; return their Work:
+        `run_schedule` waits for a receive before it uses the buffer, and for the sends at
+        the end of the step. (gloo's blocking send waits until the receiver posts its
+        receive: in 1F1B two neighbours that send to each other at once wait forever.)
     """
-    p, v, m = n_ranks, n_chunks, n_microbatches
-    if p < 1 or v < 1 or m < 1 or m % p:
-        raise ValueError(f"interleaved 1F1B needs n_microbatches ({m}) to be a positive multiple of "
-                         f"n_ranks ({p}), and n_chunks >= 1 (got {v})")
-    out = []
-    for r in range(p):
-        def action(k, kind):
-            chunk = (k % (p * v)) // p
-            chunk = chunk if kind == "F" else v - 1 - chunk
-            return f"{chunk * p + r}{kind}{(k // (p * v)) * p + k % p}"
-
-        total, w = m * v, min(2 * (p - r - 1) + (v - 1) * p, m * v)
-        actions = [action(k, "F") for k in range(w)]
-        for k in range(total - w):
-            actions += [action(k + w, "F"), action(k, "B")]
-        out.append(actions + [action(k, "B") for k in range(total - w, total)])
-    return out
+    ### BEGIN SOLUTION
+    if op.kind in ("SEND_F", "SEND_B"):
+        if blocking:
+            dist.send(tensor, peer, group=group, tag=op.tag)
+            return None
+        return dist.isend(tensor, peer, group=group, tag=op.tag)
+    if blocking:
+        dist.recv(tensor, peer, group=group, tag=op.tag)
+        return None
+    return dist.irecv(tensor, peer, group=group, tag=op.tag)
+    ### END SOLUTION
 
 
 # ----------------------------------------------------------------------------- executor
@@ -111,11 +109,6 @@ def activation_shape(config, batch_size: int, seq_len: int, n_microbatches: int)
     return (batch_size // n_microbatches, seq_len, config.d_model)
 
 
-def _tag(kind: str, stage: int, mb: int) -> int:
-    # the sender's stage and the micro-batch make every message between two ranks unique
-    return (stage << 20) | (mb << 1) | (kind == "grad")
-
-
 def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: int, act_shape,
                  prev_rank: int | None = None, next_rank: int | None = None, group=None, timeline=None,
                  loss_scale: float | None = None, blocking_send: bool = False, check: bool = True,
@@ -124,140 +117,144 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
 
     stage_module: this rank's stage (`labkit.model.make_stage` or `SyntheticStage`), or a
         dict {stage: module} when the rank holds several stages (interleaved schedules).
-    schedule: list of action lists indexed by pipeline rank; this rank runs ``schedule[stage]``.
+    schedule: action lists indexed by pipeline rank, or their `labkit.schedules.lower`;
+        this rank runs ``lower(schedule)[stage]``.
     stage: this rank's position in the pipeline (its stage when it holds one).
     inputs: token ids [B, T] on the rank of stage 0; targets [B, T] on the rank of the last
-        stage (every rank can read the data, so the last stage reads its targets
-        directly); None elsewhere.
+        stage (every rank can read the data); None elsewhere.
     act_shape: (B / m, T, d_model), see `activation_shape`; the same on every rank.
     prev_rank / next_rank: GLOBAL ranks of the previous / next pipeline position (default
-        position -/+ 1 modulo the number of positions), so that a DP x PP hybrid can pass
-        its row's ranks with ``group`` its pipeline group. With several stages per rank,
-        stage s+1 lives on the next position, the last position's next being position 0.
-    timeline: a `labkit.timeline.Timeline` to record F/B/send/recv/wait spans into.
+        position -/+ 1 modulo the number of positions), with ``group`` their process group
+        (a DP x PP hybrid passes its row's). Stage s+1 lives on the next position.
+    timeline: a `labkit.timeline.Timeline` to record F/B/W/send/recv/wait spans into.
     loss_scale: multiplies each micro-batch loss; default 1/m, so that the accumulated
         ``.grad`` equal the full-batch mean-loss gradient.
-    blocking_send: use blocking ``dist.send`` (to show the deadlock hazard); default isend.
-    check: validate the whole schedule first (default), so that a malformed or
+    blocking_send: `communicate` with ``blocking=True`` (to show the deadlock); default isend/irecv.
+    check: simulate the whole lowered schedule first (default), so that a malformed or
         deadlocking schedule raises `labkit.schedules.ScheduleError` on every rank
         before any message is sent.
     stats: a dict to fill with ``peak_inflight`` (micro-batch activations held at once,
         counted per stage) and ``peak_activation_bytes`` (tensors saved for backward then).
 
-    Zero-bubble schedules add ``W`` actions: a micro-batch with a W gets its input
-    gradient in B (sent at once) and its weight gradients in W, later. (Here W runs
-    autograd again on the kept graph, so on a real model it costs a whole backward; a
-    real implementation splits each layer's backward. Synthetic stages model the split.)
-
-    Returns the batch's mean loss (a 0-d tensor, the sum of the scaled micro-batch
-    losses) on the last stage, None elsewhere. Gradients accumulate into ``.grad``.
-    Receive buffers are allocated on the device of the stage's parameters.
+    Zero-bubble ``W`` actions: a micro-batch with a W gets its input gradient in B (sent at
+    once) and its weight gradients in W. (W runs autograd again on the kept graph: on a real
+    model it costs a whole backward; synthetic stages model the split.)
+    Returns the batch's mean loss (0-d, the sum of the scaled micro-batch losses) on the last
+    stage, None elsewhere. Gradients accumulate into ``.grad``.
     """
-    n_ranks = len(schedule)
+    lowered = schedules.lower(schedule)  # parsed and lowered once: this list is what runs
     if check:
-        schedules.validate(schedule, blocking_send=blocking_send)
-    if not 0 <= stage < n_ranks:
-        raise ValueError(f"stage={stage} but the schedule has {n_ranks} ranks")
-    actions = [schedules.parse_action(a) for a in schedule[stage]]
-    owner = schedules.stage_ranks(schedule)  # stage -> pipeline position
-    n_stages = max(owner) + 1
-    for s in range(n_stages - 1):  # messages only go to the previous / next position
-        if s in owner and s + 1 in owner and owner[s + 1] != (owner[s] + 1) % n_ranks:
-            raise ValueError(f"stage {s + 1} must run on the position after stage {s}'s "
-                             f"({(owner[s] + 1) % n_ranks}), not on {owner[s + 1]}")
-    own = sorted({a.stage for a in actions})
-    if isinstance(stage_module, dict):
-        modules = stage_module
-        if any(s not in modules for s in own):
-            raise ValueError(f"rank {stage} runs stages {own}: stage_module has no module for "
-                             f"{[s for s in own if s not in modules]}")
-    elif len(own) > 1:
-        raise ValueError(f"rank {stage} runs stages {own}: pass stage_module as a dict {{stage: module}}")
-    else:
-        modules = {s: stage_module for s in own}
-    if not actions:
+        schedules.simulate(lowered, blocking_send=blocking_send)
+    run = _setup(stage_module, lowered, inputs, targets, stage, act_shape, loss_scale)
+    if run is None:
         return None
-    m = 1 + max(a.mb for a in actions)
-    first, last = 0 in own, n_stages - 1 in own
-    for name, t, needed in (("inputs", inputs, first), ("targets", targets, last)):
-        if needed and (t is None or t.shape[0] != act_shape[0] * m):
-            got = None if t is None else tuple(t.shape)
-            raise ValueError(f"stage {stage}: {name} must be a batch of {act_shape[0] * m} rows "
-                             f"(act_shape[0]={act_shape[0]} x {m} micro-batches), got {got}")
-    x_mbs = inputs.chunk(m) if first else None
-    y_mbs = targets.chunk(m) if last else None
-    prev_rank = (stage - 1) % n_ranks if prev_rank is None else prev_rank
-    next_rank = (stage + 1) % n_ranks if next_rank is None else next_rank
-    scale = 1.0 / m if loss_scale is None else loss_scale
+    prev_rank = (stage - 1) % len(lowered) if prev_rank is None else prev_rank
+    next_rank = (stage + 1) % len(lowered) if next_rank is None else next_rank
     tl = timeline if timeline is not None else NullTimeline()
-    params = {p.data_ptr() for mod in modules.values() for p in mod.parameters()}
-    device = next(next(iter(modules.values())).parameters()).device  # buffers live where the stage does
-
-    split = schedules.split_backwards(schedule)  # (stage, mb) whose weight gradient waits for a W
-    saved, saved_bytes, sends, loss = {}, {}, [], None
-    peak_count = peak_bytes = 0
-
-    def send(tensor, dst, key, s, mb):
-        with tl.span("send", s, mb):
-            if blocking_send:
-                dist.send(tensor, dst, group=group, tag=_tag(key, s, mb))
-            else:  # keep the tensor alive until the send completes
-                sends.append((dist.isend(tensor, dst, group=group, tag=_tag(key, s, mb)), tensor))
-
-    def recv(src, key, src_stage, s, mb):
-        buf = torch.empty(act_shape, dtype=dtype, device=device)
-        with tl.span("recv", s, mb):
-            dist.recv(buf, src, group=group, tag=_tag(key, src_stage, mb))
-        return buf
-
-    for a in actions:
-        s, mb = a.stage, a.mb
-        if a.kind == "F":
-            x = x_mbs[mb] if s == 0 else recv(prev_rank, "act", s - 1, s, mb)
-            seen = {}  # bytes of the tensors autograd saves for this micro-batch's backward
-
-            def pack(t):
-                if t.data_ptr() not in params:
-                    seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
-                return t
-
-            is_last = s == n_stages - 1
-            with tl.span("F", s, mb), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                saved[s, mb] = forward_step(modules[s], x, y_mbs[mb] if is_last else None, scale)
-            saved_bytes[s, mb] = sum(seen.values())
-            peak_count = max(peak_count, len(saved))
-            peak_bytes = max(peak_bytes, sum(saved_bytes.values()))
-            if not is_last:
-                send(saved[s, mb][1].detach(), next_rank, "act", s, mb)
-        elif a.kind == "W":  # zero-bubble: the weight gradient, long after B (no messages)
-            inp, out, grad_out = saved.pop((s, mb))
-            saved_bytes.pop((s, mb))
-            with tl.span("W", s, mb):
-                torch.autograd.backward(out, grad_out, inputs=[p for p in modules[s].parameters() if p.requires_grad])
-        else:
-            is_last = s == n_stages - 1
-            grad_out = None if is_last else recv(next_rank, "grad", s + 1, s, mb)
-            if (s, mb) in split:  # B: only the input gradient; keep the graph for W
-                inp, out = saved[s, mb]
-                saved[s, mb] = (inp, out, grad_out)
-                with tl.span("B", s, mb):
+    box, saved, sends, loss = {}, {}, [], None  # box: tensors received / to send, by message
+    split = lowered.split  # (stage, mb) whose B computes only the input gradient; a W follows
+    for op in lowered[stage]:
+        s, mb = op.stage, op.mb
+        if op.kind in schedules.SENDS or op.kind in schedules.RECVS:
+            sending = op.kind in schedules.SENDS
+            buf = box.pop(op.message) if sending else torch.empty(act_shape, dtype=dtype, device=run.device)
+            peer = next_rank if op.kind in ("SEND_F", "RECV_B") else prev_rank
+            with tl.span("send" if sending else "recv", s, mb):
+                work = communicate(op, buf, peer, group=group, blocking=blocking_send)
+                if work is not None and not sending:
+                    work.wait()  # the compute that follows reads the buffer
+            if sending and work is not None:
+                sends.append((work, buf))  # keep the tensor alive until its send completes
+            elif not sending:
+                box[op.message] = buf
+        elif op.kind == "F":
+            x = run.x[mb] if s == 0 else box.pop(("act", s - 1, mb))
+            with tl.span("F", s, mb), run.memory.count(s, mb):
+                saved[s, mb] = forward_step(run.modules[s], x, run.y[mb] if s == run.last else None, run.scale)
+            if s != run.last:
+                box["act", s, mb] = saved[s, mb][1].detach()
+        elif op.kind == "B":
+            grad_out = None if s == run.last else box.pop(("grad", s + 1, mb))
+            inp, out = saved[s, mb]
+            with tl.span("B", s, mb):
+                if (s, mb) in split:  # only the input gradient; W computes the weights' later
+                    saved[s, mb] = (inp, out, grad_out)
                     grad_in = None if inp is None else torch.autograd.grad(out, inp, grad_out, retain_graph=True)[0]
-            else:
-                inp, out = saved.pop((s, mb))
-                saved_bytes.pop((s, mb))
-                with tl.span("B", s, mb):
-                    grad_in = backward_step(inp, out, grad_out)
-            if s > 0:
-                send(grad_in, prev_rank, "grad", s, mb)
-            if is_last:
+                else:
+                    grad_in = backward_step(*saved.pop((s, mb)), grad_out)
+                    run.memory.free(s, mb)
+            if s != 0:
+                box["grad", s, mb] = grad_in
+            if s == run.last:
                 loss = out.detach() if loss is None else loss + out.detach()
+        else:  # W: the weight gradient of a split backward (no message)
+            inp, out, grad_out = saved.pop((s, mb))
+            with tl.span("W", s, mb):
+                torch.autograd.backward(out, grad_out, inputs=run.params[s])
+            run.memory.free(s, mb)
     if sends:
         with tl.span("wait", stage):
             for work, _ in sends:
                 work.wait()
     if stats is not None:
-        stats.update(peak_inflight=peak_count, peak_activation_bytes=peak_bytes)
+        stats.update(peak_inflight=run.memory.peak_count, peak_activation_bytes=run.memory.peak_bytes)
     return loss
+
+
+def _setup(stage_module, lowered, inputs, targets, stage, act_shape, loss_scale):
+    """Check the arguments against the lowered schedule; the modules, micro-batches and counters of this rank."""
+    if not 0 <= stage < len(lowered):
+        raise ValueError(f"stage={stage} but the schedule has {len(lowered)} ranks")
+    own = sorted({op.stage for op in lowered[stage]})
+    if isinstance(stage_module, dict):
+        if any(s not in stage_module for s in own):
+            raise ValueError(f"rank {stage} runs stages {own}: stage_module has no module for "
+                             f"{[s for s in own if s not in stage_module]}")
+        modules = stage_module
+    elif len(own) > 1:
+        raise ValueError(f"rank {stage} runs stages {own}: pass stage_module as a dict {{stage: module}}")
+    else:
+        modules = {s: stage_module for s in own}
+    if not own:
+        return None
+    m, last = 1 + max(op.mb for op in lowered[stage]), lowered.n_stages - 1
+    for name, t, needed in (("inputs", inputs, 0 in own), ("targets", targets, last in own)):
+        if needed and (t is None or t.shape[0] != act_shape[0] * m):
+            got = None if t is None else tuple(t.shape)
+            raise ValueError(f"stage {stage}: {name} must be a batch of {act_shape[0] * m} rows "
+                             f"(act_shape[0]={act_shape[0]} x {m} micro-batches), got {got}")
+    params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in modules.items()}
+    return SimpleNamespace(
+        modules=modules, last=last, scale=1.0 / m if loss_scale is None else loss_scale, params=params,
+        x=inputs.chunk(m) if 0 in own else None, y=targets.chunk(m) if last in own else None,
+        device=next(next(iter(modules.values())).parameters()).device,  # buffers live where the stage does
+        memory=_Memory({p.data_ptr() for mod in modules.values() for p in mod.parameters()}))
+
+
+class _Memory:
+    """Counts the micro-batches whose activations are held, and the bytes autograd saved for them."""
+
+    def __init__(self, param_ptrs):
+        self.param_ptrs, self.held = param_ptrs, {}
+        self.peak_count = self.peak_bytes = 0
+
+    @contextmanager
+    def count(self, s, mb):
+        seen = {}  # bytes of the tensors autograd saves for this micro-batch's backward, parameters excluded
+
+        def pack(t):
+            if t.data_ptr() not in self.param_ptrs:
+                seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.held[s, mb] = sum(seen.values())
+        self.peak_count = max(self.peak_count, len(self.held))
+        self.peak_bytes = max(self.peak_bytes, sum(self.held.values()))
+
+    def free(self, s, mb):
+        self.held.pop((s, mb))
 
 
 # ----------------------------------------------------------------------- synthetic mode

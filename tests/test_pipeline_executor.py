@@ -1,9 +1,11 @@
 """The pipeline executor (solutions/pipeline.py run_schedule) beyond grading: bad input,
-the blocking-send deadlock, synthetic stages, timelines, global ranks of a sub-group, and the interleaved 1F1B stretch.
+the blocking-send deadlock (stuck in `communicate`), synthetic stages whose spans follow the
+lowered list, global ranks of a sub-group, the interleaved 1F1B and zero-bubble stretches,
+and torch.distributed.pipelining's Schedule1F1B on the same stages.
 
 Uses the reference module (the executor's own code is the same in exercises/, but it
-calls the learner's forward/backward steps). About 35 s on 2 cores: the deadlock test
-waits for its 8 s launcher timeout on purpose.
+calls the learner's forward/backward steps and communicate). About 45 s on 2 cores: the
+deadlock test waits for its 8 s launcher timeout on purpose.
 """
 import pytest
 import torch
@@ -11,7 +13,8 @@ import torch.distributed as dist
 
 from labkit.grading import impl
 from labkit.launch import LaunchError, launch
-from labkit.schedules import DeadlockError, ScheduleError, simulate, zero_bubble_schedule
+from labkit.schedules import (DeadlockError, ScheduleError, interleaved_schedule, lower, simulate,
+                              zero_bubble_schedule)
 from labkit.timeline import Timeline
 
 pl = impl("pipeline", "solutions")
@@ -80,8 +83,10 @@ def test_blocking_send_one_f_one_b_really_deadlocks():
     # what simulate() predicts: both ranks stuck in send; the launcher reports and kills them
     with pytest.raises(DeadlockError):
         simulate(pl.one_f_one_b_schedule(2, 4), blocking_send=True)
-    with pytest.raises(LaunchError, match="send"):
+    with pytest.raises(LaunchError, match="send") as err:
         launch(_blocking_rank, 2, timeout=8)
+    # the stuck ranks' stacks point into communicate, the learner's exercise, at its blocking send
+    assert str(err.value).count("in communicate") == 2, str(err.value)
 
 
 def _synthetic_rank(rank, world_size, m):
@@ -110,6 +115,10 @@ def test_synthetic_stages_timeline_follows_schedule_and_peak_memory():
             compute = [f"{s.stage}{s.kind}{s.mb}" for s in spans if s.rank == rank and s.kind in "FB"]
             assert compute == schedule[rank], f"{name}: rank {rank} ran its actions in schedule order"
             assert any(s.kind == ("recv" if rank else "send") for s in spans if s.rank == rank)
+            # the executor runs the lowered list, message for message
+            ran = [(s.kind, s.stage, s.mb) for s in spans if s.rank == rank and s.kind != "wait"]
+            kinds = {"SEND_F": "send", "SEND_B": "send", "RECV_F": "recv", "RECV_B": "recv"}
+            assert ran == [(kinds.get(a.kind, a.kind), a.stage, a.mb) for a in lower(schedule)[rank]], name
         peaks = simulate(schedule).peak_inflight
         for rank in range(p):
             stats = res[rank][name][1]
@@ -152,7 +161,7 @@ def test_subgroup_with_global_neighbour_ranks_equals_single_model():
 # ------------------------------------------------- stretch: interleaved 1F1B (virtual stages)
 @pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (3, 2, 6), (4, 3, 8), (2, 1, 4)])
 def test_interleaved_schedule_valid_and_bubble_shrinks_by_chunks(p, v, m):
-    schedule = pl.interleaved_schedule(p, v, m)
+    schedule = interleaved_schedule(p, v, m)
     assert validate_ok(schedule) == (p * v, m)
     for r, actions in enumerate(schedule):
         assert {int(a.split("F")[0]) for a in actions if "F" in a} == {c * p + r for c in range(v)}
@@ -168,12 +177,12 @@ def validate_ok(schedule):
 
 def test_interleaved_schedule_microbatches_not_multiple_of_ranks_rejected():
     with pytest.raises(ValueError, match=r"n_microbatches \(3\) to be a positive multiple of n_ranks \(2\)"):
-        pl.interleaved_schedule(2, 2, 3)
+        interleaved_schedule(2, 2, 3)
 
 
 def test_interleaved_needs_a_module_per_stage():
     with pytest.raises(ValueError, match=r"rank 0 runs stages \[0, 2\]: pass stage_module as a dict"):
-        _synthetic_call(pl.interleaved_schedule(2, 2, 2))
+        _synthetic_call(interleaved_schedule(2, 2, 2))
 
 
 def test_stage_on_wrong_position_rejected():
@@ -191,7 +200,7 @@ def _interleaved_rank(rank, world_size, x, y, v, ms):
     out = {}
     for m in ms:
         model.zero_grad(set_to_none=True)
-        loss = pl.run_schedule(stages, pl.interleaved_schedule(world_size, v, m), x, y, stage=rank,
+        loss = pl.run_schedule(stages, interleaved_schedule(world_size, v, m), x, y, stage=rank,
                                act_shape=pl.activation_shape(model.config, x.shape[0], x.shape[1], m))
         mine = {n: p.grad.clone() for s in stages.values() for n, p in s.named_parameters(prefix=f"stage{s.stage}")}
         out[m] = (mine, loss)
@@ -265,3 +274,39 @@ def test_zero_bubble_synthetic_timeline_follows_schedule():
         assert compute == schedule[rank]
         w = [s for s in spans if s.rank == rank and s.kind == "W"]
         assert len(w) == 4 and all(s.duration >= 0.002 for s in w)  # W sleeps t_w = t_b / 2 = t_f
+
+
+# ------------------------------------------------- torch's own pipelining on the same stages
+def _torch_pipelining_rank(rank, world_size, x, y, m):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from labkit.model import build_model, lm_loss, make_stage
+
+    module = make_stage(build_model("tiny", seed=0), rank, world_size)
+    ran = []
+    module.register_forward_pre_hook(lambda *_: ran.append("F"))
+    next(module.parameters()).register_hook(lambda g: ran.append("B"))
+    schedule = Schedule1F1B(PipelineStage(module, rank, world_size, torch.device("cpu")), n_microbatches=m,
+                            loss_fn=lm_loss)
+    losses = []
+    if rank == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=losses)
+    ran = ran[1:]  # torch's shape inference runs micro-batch 0's forward once first
+    return {n: p.grad for n, p in module.named_parameters()}, [f"{rank}{k}{ran[:i].count(k)}" for i, k in enumerate(ran)]
+
+
+def test_torch_pipelining_schedule1f1b_on_gloo_equals_single_model_and_our_order():
+    # notebook 06 runs torch.distributed.pipelining on CPU/gloo; this proves what it shows
+    from labkit.model import build_model, make_stages
+
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randint(0, 4096, (4, 8), generator=g), torch.randint(0, 4096, (4, 8), generator=g)
+    results = launch(_torch_pipelining_rank, 2, x, y, 4, timeout=60)
+    ref = build_model("tiny", seed=0)
+    ref(x, y).backward()
+    for s, stage in enumerate(make_stages(ref, 2)):
+        for n, p in stage.named_parameters():
+            torch.testing.assert_close(results[s][0][n], p.grad, rtol=1e-4, atol=1e-6)
+    assert [r[1] for r in results] == pl.one_f_one_b_schedule(2, 4)

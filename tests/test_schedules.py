@@ -1,12 +1,12 @@
-"""labkit.schedules: parsing, checks and the unit-time simulation, on hand-written schedules.
+"""labkit.schedules: parsing, lowering, checks and the unit-time simulation, on hand-written schedules.
 
-No processes; the whole file runs in well under a second.
+No processes; the whole file runs in about a second (the torch comparison imports torch).
 """
 import pytest
 
-from labkit.schedules import (Action, DeadlockError, ScheduleError, check_schedule, format_schedule,
-                              ideal_bubble, parse_action, parse_schedule, peak_inflight, simulate,
-                              theoretical_bubble, validate, zero_bubble_schedule)
+from labkit.schedules import (Action, DeadlockError, ScheduleError, check_schedule, first_difference,
+                              format_schedule, ideal_bubble, lower, parse_action, parse_schedule, peak_inflight,
+                              simulate, theoretical_bubble, validate, zero_bubble_schedule)
 
 # p = 2 stages, m = 2 micro-batches, written out by hand
 GPIPE_2x2 = [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1F1", "1B0", "1B1"]]
@@ -151,3 +151,152 @@ def test_zero_bubble_schedule_memory_and_idle_time(p):
         assert sim.makespan - 3 * m == 2 * (p - 1), f"p={p} m={m}: idle 2(p-1), 1F1B's is 3(p-1)"
         relaxed = simulate(zero_bubble_schedule(p, m, max_inflight=m), t_f=1, t_b=2, t_w=1)
         assert relaxed.makespan - 3 * m == p - 1, f"p={p} m={m}: every W deferred"
+
+
+# ---------------------------------------------- lowering: the one communication model
+def test_lower_one_f_one_b_2x2_exact_messages_and_peers():
+    lowered = lower(ONE_F_ONE_B_2x2)
+    assert str(lowered).splitlines() == [
+        "rank 0: 0F0 0SEND_F0->1 0F1 0SEND_F1->1 0RECV_B0<-1 0B0 0RECV_B1<-1 0B1",
+        "rank 1: 1RECV_F0<-0 1F0 1B0 1SEND_B0->0 1RECV_F1<-0 1F1 1B1 1SEND_B1->0"]
+    assert lowered[1][0] == Action(1, "RECV_F", 0, peer=0)
+    assert lowered[1][0].message == lowered[0][1].message == ("act", 0, 0)  # both sides name the same message
+    assert lowered[1][0].tag == lowered[0][1].tag
+    assert lowered[0][4].message == lowered[1][3].message == ("grad", 1, 0)
+    assert len({a.tag for ops in lowered.ops for a in ops if a.kind not in "FBW"}) == 4  # 4 distinct messages
+    assert lower(lowered) is lowered and parse_schedule(lowered) == parse_schedule(ONE_F_ONE_B_2x2)
+
+
+def test_lower_interleaved_wraps_round_and_w_sends_nothing():
+    lowered = lower([["0F0", "2F0", "2B0", "0B0"], ["1F0", "3F0", "3B0", "1B0"]])
+    assert [str(a) for a in lowered[1][:3]] == ["1RECV_F0", "1F0", "1SEND_F0"] and lowered[1][2].peer == 0
+    assert [str(a) for a in lower(ZB_2x1)[0]] == ["0F0", "0SEND_F0", "0RECV_B0", "0B0", "0W0"]
+    assert lower(ZB_2x1).split == {(0, 0), (1, 0)}
+
+
+def test_lower_stage_not_on_the_next_position_rejected():
+    with pytest.raises(ScheduleError, match=r"stage 1 must run on the position after stage 0's \(2\), not on 0"):
+        lower([["1F0", "1B0"], ["0F0", "0B0"], ["2F0", "2B0"]])
+
+
+def test_simulate_consumes_the_lowered_list():
+    lowered = lower(GPIPE_2x2)
+    assert simulate(lowered).makespan == simulate(GPIPE_2x2).makespan == 9
+
+
+def test_not_strict_draws_a_wrong_schedule_and_locates_the_first_error():
+    sim = simulate([["0F0", "0B0"], ["1B0", "1F0"]], strict=False)
+    assert (sim.error.rank, sim.error.index) == (1, 0) and "backward before forward" in str(sim.error)
+    assert sum(len(s) for s in sim.spans) == 4  # everything ran and can be drawn
+    dead = simulate([["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B0", "1B1"]], strict=False)
+    assert isinstance(dead.error, DeadlockError) and set(dead.stuck) == {0, 1}
+    assert [str(a) for _, a in dead.stuck.values()] == ["0RECV_B0", "1RECV_F1"]
+    assert dead.stuck[0][0] == 1 and dead.stuck[1][0] == 2  # rank 0 after 0F0, rank 1 after 1F0 (which waited for 0F0)
+    assert (dead.error.rank, dead.error.index) == (0, 1)  # rank 0's 0B0 waits
+
+
+def test_first_difference_names_the_first_action_out_of_order():
+    assert first_difference(GPIPE_2x2, GPIPE_2x2) is None
+    assert first_difference(GPIPE_2x2, ONE_F_ONE_B_2x2) == (
+        "rank 1, action #1: got 1F1, expected 1B0 (first action out of order)")
+    assert "the list ends" in first_difference([["0F0"], []], [["0F0"], ["1F0"]])
+    assert "expected a list" in first_difference(None, GPIPE_2x2)
+
+
+def _torch_order(schedule_class, p, m):
+    """The F/B order torch's schedule EXECUTES on each stage (its `_step_microbatches`, with a recording stage).
+
+    (Its `pipeline_order` IR is only a drawing, and in torch 2.13 it starts 1F1B's last stage at F1.)
+    """
+    from types import SimpleNamespace
+
+    order = []
+    for rank in range(p):
+        done = []
+        stage = SimpleNamespace(
+            stage_index=rank, num_stages=p,
+            forward_one_chunk=lambda mb, *a, **k: done.append(f"{rank}F{mb}"),
+            backward_one_chunk=lambda mb, **k: done.append(f"{rank}B{mb}"),
+            get_fwd_recv_ops=lambda mb: [], get_fwd_send_ops=lambda mb: [],
+            get_bwd_recv_ops=lambda mb: [], get_bwd_send_ops=lambda mb: [], perform_reduce_grad=lambda n: None)
+        fake = SimpleNamespace(
+            _stage=stage, _n_microbatches=m, _num_stages=p, scale_grads=True,
+            _check_inputs=lambda a, k, t, l: (a, k), _initialize_stage=lambda *a: None,
+            _maybe_compute_loss=lambda *a: None, _maybe_get_loss=lambda *a: None, _update_losses=lambda *a: None)
+        schedule_class._step_microbatches(fake, [()] * m, [{}] * m)
+        order.append(done)
+    return order
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 5), (3, 4), (4, 4), (4, 8), (6, 6)])
+def test_gpipe_and_one_f_one_b_match_torch_distributed_pipelining(p, m):
+    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
+
+    from labkit.grading import impl
+
+    pl = impl("pipeline", "solutions")
+    assert pl.gpipe_schedule(p, m) == _torch_order(ScheduleGPipe, p, m)
+    assert pl.one_f_one_b_schedule(p, m) == _torch_order(Schedule1F1B, p, m)
+
+
+# ---------------------------------------------- drawing a WRONG schedule: draw, then mark the first error
+def _texts(ax):
+    return [t.get_text() for t in ax.texts]
+
+
+def _red_outlines(ax):
+    import matplotlib.patches
+
+    return [(round(p.get_x(), 6), round(p.get_y() + p.get_height() / 2)) for p in ax.patches
+            if isinstance(p, matplotlib.patches.Rectangle) and not p.get_fill()]
+
+
+@pytest.fixture
+def agg():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    yield
+    plt.close("all")
+
+
+def test_plot_schedule_draws_backward_before_forward_and_outlines_it(agg):
+    from labkit import viz
+
+    ax = viz.plot_schedule([["0F0", "0B0"], ["1B0", "1F0"]]).axes[0]
+    assert ax.get_title().startswith("WRONG: rank 1, action 1B0: backward before forward")
+    assert _red_outlines(ax) == [(0.0, 1)]  # 1B0 runs first on rank 1, at t = 0
+    assert "first error" in _texts(ax)
+
+
+def test_plot_schedule_draws_a_deadlock_and_marks_where_each_rank_waits(agg):
+    from labkit import viz
+
+    ax = viz.plot_schedule([["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B0", "1B1"]]).axes[0]
+    assert ax.get_title().startswith("WRONG: the schedule deadlocks")
+    assert {"waits in 0RECV_B0<-1", "waits in 1RECV_F1<-0"} <= set(_texts(ax))
+    ax = viz.plot_schedule([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]], blocking_send=True).axes[0]
+    assert {"waits in 0SEND_F1->1", "waits in 1SEND_B0->0"} <= set(_texts(ax))
+
+
+def test_plot_schedule_of_an_unparseable_schedule_shows_the_error(agg):
+    from labkit import viz
+
+    ax = viz.plot_schedule([["0F0", "0B0"], ["1F0", "1b0"]]).axes[0]
+    assert "cannot draw this schedule" in _texts(ax)[0] and "'1b0'" in _texts(ax)[0]
+
+
+def test_plot_timeline_marks_the_first_span_out_of_the_schedules_order(agg):
+    from labkit import viz
+    from labkit.timeline import Span
+
+    ran = [Span(kind, start, start + (1.0 if kind == "F" else 2.0), rank, rank, mb)  # GPipe, measured
+           for rank, kind, mb, start in [(0, "F", 0, 0.0), (0, "F", 1, 1.0), (0, "B", 0, 5.0), (0, "B", 1, 7.0),
+                                         (1, "F", 0, 1.0), (1, "F", 1, 2.0), (1, "B", 0, 3.0), (1, "B", 1, 5.0)]]
+    ax = viz.plot_timeline(ran, unit="s", schedule=ONE_F_ONE_B_2x2).axes[0]
+    assert ax.get_title() == "measured: rank 1 ran 1F1 where the schedule has 1B0"
+    assert _red_outlines(ax) == [(2.0, 1)]
+    ax = viz.plot_timeline(ran, unit="s", schedule=GPIPE_2x2).axes[0]
+    assert _red_outlines(ax) == [] and ax.get_title().startswith("measured: bubble")

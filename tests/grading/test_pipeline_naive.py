@@ -1,14 +1,19 @@
-"""Grading tests for notebook 05_pipeline_parallel: one stage's forward_step and backward_step.
+"""Grading tests for notebook 05_pipeline_parallel: forward_step, backward_step and naive_step.
 
 Run: pytest tests/grading/test_pipeline_naive.py   (add --impl=solutions for the reference)
 The chain tests pass tensors between stages inside one process (what send/recv would
-carry); the last test runs `naive_step` on 3 real ranks. About 10 s on 2 cores.
+carry); the last tests run `naive_step` on 2, 3 and 4 real ranks under a short launch
+timeout (a forgotten send or receive hangs: the report shows where each rank waits, your
+lines first), and name the first stage whose gradient differs. About 15 s on 2 cores.
 """
+import linecache
+import re
+
 import pytest
 import torch
 
 from labkit.grading import impl
-from labkit.launch import launch
+from labkit.launch import LaunchError, launch
 
 BATCH, SEQ = 4, 16
 
@@ -122,19 +127,44 @@ def _naive_rank(rank, world_size):
     return {n: p.grad for n, p in stage.named_parameters()}, loss
 
 
-@pytest.mark.exercise("forward_step", "backward_step")
+HUNG = []  # world sizes whose launch timed out: the later ones are not run
+
+
+def _launch_or_show_your_lines(fn, world_size):
+    # Short timeout: the step takes well under a second; a missing send or receive never ends.
+    if HUNG:
+        pytest.fail(f"not run: naive_step hung on {HUNG[0]} ranks (see that test's report)", pytrace=False)
+    try:
+        return launch(fn, world_size, timeout=20)
+    except LaunchError as err:
+        if "timed out" not in str(err):
+            raise
+        report = str(err)
+    HUNG.append(world_size)
+    found = dict.fromkeys(re.findall(r'File "([^"]*exercises/[^"]+)", line (\d+) in (\w+)', report))
+    mine = "\n".join(f"  {path.split('exercises/')[-1]}:{line} in {fn}: {linecache.getline(path, int(line)).strip()}"
+                      for path, line, fn in found)
+    pytest.fail(f"{world_size} ranks hung. Your lines where they wait:\n{mine}\nEvery recv needs the matching "
+                f"send on the neighbour (activations to next_rank, gradients back to prev_rank). "
+                f"The launcher's report:\n{report}", pytrace=False)
+
+
+@pytest.mark.exercise("naive_step")
 @pytest.mark.filterwarnings("ignore::labkit.launch.OversubscriptionWarning")
-def test_naive_step_three_ranks_equals_single_model():
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_naive_step_real_ranks_equals_single_model_p_2_3_4(p):
     from labkit.model import make_stages
 
-    results = launch(_naive_rank, 3, timeout=60)
+    results = _launch_or_show_your_lines(_naive_rank, p)
     x, y = _data()
     ref, ref_loss = _reference(x, y)
-    for s, stage in enumerate(make_stages(ref, 3)):
+    for s, stage in enumerate(make_stages(ref, p)):  # the first stage whose gradient differs
         grads, loss = results[s]
-        for n, p in stage.named_parameters():
-            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"stage {s}, {n}: {m}")
-        if s == 2:
+        for n, param in stage.named_parameters():
+            assert grads[n] is not None, f"stage {s}, {n}: no gradient (did this stage run its backward?)"
+            torch.testing.assert_close(grads[n], param.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"p={p}: stage {s} is the first whose gradient differs ({n}): {m}")
+        if s == p - 1:
             torch.testing.assert_close(loss, ref_loss)
         else:
-            assert loss is None
+            assert loss is None, f"p={p}: stage {s} must return None (only the last stage has the loss)"
