@@ -36,7 +36,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-CASE_TIMEOUT = 10.0  # seconds one case may take: the lab's cases take milliseconds to a second
+CASE_TIMEOUT = 10.0  # seconds one case may take on an idle machine: the lab's cases take milliseconds to a second
 AGREE_TIMEOUT = 60.0  # seconds a rank waits for the others' verdict on a case (peers' watchdogs fire first)
 OK, NOT_IMPLEMENTED, FAILED = "ok", "not implemented", "failed"
 
@@ -79,8 +79,9 @@ def run_cases(cases: dict) -> dict:
         if plan and repr(key) in plan.skip:
             continue
         if log:
-            log.write(json.dumps({"start": repr(key)}) + "\n")
-            faulthandler.dump_traceback_later(plan.case_timeout, exit=True, file=stack)
+            allowed = plan.case_timeout * busy_factor()
+            log.write(json.dumps({"start": repr(key), "allowed": allowed}) + "\n")
+            faulthandler.dump_traceback_later(allowed, exit=True, file=stack)
         try:
             body()
             results[key] = (OK, "")
@@ -96,6 +97,19 @@ def run_cases(cases: dict) -> dict:
         if store is not None and not _in_step(store, f"labkit/cases/{index}", rank, world_size, results[key][0]):
             break  # every rank saw the same verdicts: they all stop here, together
     return results
+
+
+def busy_factor() -> float:
+    """How much slower than idle this machine runs now: the run queue per core, at least 1.
+
+    A case's watchdog allows ``case_timeout x busy_factor()`` seconds, so that a machine whose
+    cores are shared many times over (CI with other jobs, `make test-stress`) gets more time,
+    while on an idle machine a hang is still named within ``case_timeout`` seconds.
+    """
+    try:
+        return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    except OSError:
+        return 1.0
 
 
 def _in_step(store, prefix: str, rank: int, world_size: int, status: str) -> bool:
@@ -168,7 +182,8 @@ def _settle(outcomes, logs, stacks, world_size, case_timeout, launch_error) -> b
                                      f"{failed_first} failed; where it waited:\n{_trim(stacks[r])}")
                                      for r in range(world_size)]
             continue
-        cause = f"did not finish within {case_timeout:g} s" if where else "stopped"
+        allowed = max((logs[r]["allowed"] or case_timeout) for r in ranks)
+        cause = f"did not finish within {allowed:.0f} s" if where else "stopped"
         detail = (f"case {key} {cause} on rank(s) {', '.join(map(str, ranks))}.\n{where}\n"
                   "A rank that waits for a message nobody sends (a skipped collective, a send without a "
                   "matching recv, the wrong peer or group) blocks forever: compare the stacks above.")
@@ -194,7 +209,7 @@ def _exercise_of(key_repr: str) -> str:
 
 
 def _read_log(log_dir: str, rank: int) -> dict:
-    log = {"plan": [], "started": [], "done": {}}
+    log = {"plan": [], "started": [], "done": {}, "allowed": None}
     for line in _read_text(os.path.join(log_dir, f"rank{rank}.jsonl")).splitlines():
         try:
             entry = json.loads(line)
@@ -204,6 +219,7 @@ def _read_log(log_dir: str, rank: int) -> dict:
             log["plan"] = entry["plan"]
         elif "start" in entry:
             log["started"].append(entry["start"])
+            log["allowed"] = entry.get("allowed", log.get("allowed"))
         elif "done" in entry:
             log["done"][entry["done"]] = tuple(entry["status"])
     return log

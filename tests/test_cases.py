@@ -58,7 +58,7 @@ def test_a_hang_is_named_with_its_stack_within_the_case_timeout_and_costs_only_i
     assert isinstance(outcomes, Outcomes)
     hung = outcomes.by_case[repr(("bad", "hangs"))]
     assert isinstance(hung, CaseTimeout)
-    assert f"did not finish within {CASE_TIMEOUT} s on rank(s) 1" in str(hung)
+    assert "did not finish within" in str(hung) and "s on rank(s) 1" in str(hung)
     assert "hang_on_odd_ranks" in str(hung) and " in recv" in str(hung)  # where rank 1 waits
     later = outcomes.by_case[repr(("bad", "after_the_hang"))]
     assert isinstance(later, CaseTimeout) and "not run: an earlier case of bad" in str(later)
