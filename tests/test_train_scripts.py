@@ -28,7 +28,13 @@ from labkit.apps.train import main, parse_args, train_config
 from labkit.train_loop import train
 
 REPO = Path(__file__).resolve().parent.parent
-COMMON = ["--steps", "3", "--batch-size", "8", "--seq-len", "32", "--quiet", "--impl", "solutions"]
+# float64: N ranks sum gradients in another order than one process, and AdamW's first steps move a
+# weight by ~lr whatever its gradient's size, so in float32 a rounding difference in a tiny gradient
+# can change a weight by up to 2 lr, differently on every CPU. In float64 the same differences are
+# ~1e-16 relative, and after 3 steps the runs agree to ~1e-12: RTOL/ATOL leave 100x room.
+COMMON = ["--steps", "3", "--batch-size", "8", "--seq-len", "32", "--quiet", "--impl", "solutions",
+          "--dtype", "float64"]
+RTOL, ATOL = 1e-9, 1e-10
 TIMEOUT = 240  # seconds per job; a hang is killed, not waited for
 
 
@@ -36,7 +42,7 @@ TIMEOUT = 240  # seconds per job; a hang is killed, not waited for
 def reference():
     """Weights and losses of the single-process loop with the scripts' config."""
     cfg = train_config(parse_args(COMMON))
-    model = build_model("tiny", seed=0)
+    model = build_model("tiny", seed=0).double()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -87,14 +93,13 @@ def _check(report, saved_path, reference, strategy, world_size):
     assert (report["strategy"], report["world_size"]) == (strategy, world_size)
     assert report["tokens_per_s"] > 0 and report["mfu"] is None  # CPU: no honest peak, no MFU
     assert report["tokens_per_s_per_device"] == pytest.approx(report["tokens_per_s"] / world_size)
-    torch.testing.assert_close(torch.tensor([report["first_loss"], report["final_loss"]]),
-                               torch.tensor([ref_losses[0], ref_losses[-1]]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor([report["first_loss"], report["final_loss"]], dtype=torch.float64),
+                               torch.tensor([ref_losses[0], ref_losses[-1]], dtype=torch.float64),
+                               rtol=RTOL, atol=ATOL)
     weights = torch.load(saved_path)
     assert set(weights) == set(ref_weights)
     for name, w in weights.items():
-        # AdamW's first steps move every weight by about lr = 1e-2 whatever the gradient's size,
-        # so rounding differences in tiny gradients show up at ~1e-5: 1e-4 is 1% of one step
-        torch.testing.assert_close(w, ref_weights[name], rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(w, ref_weights[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
 
 
 def test_train_single_in_process_equals_train_loop(reference, tmp_path, monkeypatch):

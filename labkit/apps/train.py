@@ -51,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                   help="parameters and activations; float64 makes runs comparable across layouts to ~1e-12 "
+                        "(the tests use it: N ranks sum in another order than one process)")
     p.add_argument("--impl", choices=("exercises", "solutions"), default=None,
                    help="whose code runs (sets LABKIT_IMPL; default: the environment's, else exercises)")
     p.add_argument("--save", default=None, help="write the final full state dict here (torch.save)")
@@ -148,7 +151,9 @@ def train_rank(rank: int, world_size: int, args) -> dict:
     device = rank_device()
     cfg = train_config(args)
     tokens = load_tokens("tinystories")
-    model = build_model(args.model, seed=args.seed, device=device)
+    import torch
+
+    model = build_model(args.model, seed=args.seed, device=device).to(getattr(torch, args.dtype))
     mesh = make_mesh(world_size, args.dp, args.pp)
     if args.strategy == "hybrid":
         hybrid = impl("hybrid")
