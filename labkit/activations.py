@@ -15,13 +15,14 @@ backward: `recompute_peak_elements` adds that.
 
 The formula (elements per layer) for labkit.model's block, b sequences of s tokens, width d,
 a heads, SwiGLU width H, is `block_activation_elements`. Term by term:
-    attention norm  input x, its output, 1/rms per token             2bsd + bs
-    rotary          q and k before rotation (the rotation reads them)  2bsd
+    attention norm  x, x/rms (the weight's mul reads it), 1/rms, its output
+                    (the input of wq, wk, wv)                          3bsd + bs
     attention       q, k (rotated), v, output, log-sum-exp             4bsd + abs   (flash kernel)
                     q, k, v and the softmax probabilities              3bsd + as^2b (math kernel)
     wo              its input (the heads put back together)            bsd
-    MLP norm        input, output, 1/rms                               2bsd + bs
+    MLP norm        as the attention norm                              3bsd + bs
     SwiGLU          w1 x, silu(w1 x), w3 x, their product              4bsH
+(The rotary embedding saves nothing big: its multiplications read the fixed cos/sin tables.)
 Megatron's per-layer 34sbh + 5as^2b bytes (Korthikanti et al. 2022) counts the same things for
 GPT in bf16 with dropout and a 4h GELU MLP; here everything is fp32 (4 bytes), there is no
 dropout, and torch's CPU attention is a flash kernel that never stores the s x s scores.
@@ -79,9 +80,9 @@ def block_activation_elements(b: int, s: int, d: int, a: int, hidden: int, flash
     for name, value in dict(b=b, s=s, d=d, a=a, hidden=hidden).items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    norm = 3 * b * s * d + b * s
     attention = 4 * b * s * d + a * b * s if flash else 3 * b * s * d + a * s * s * b
-    return (2 * b * s * d + b * s) + 2 * b * s * d + attention + b * s * d + (2 * b * s * d + b * s) \
-        + 4 * b * s * hidden
+    return norm + attention + b * s * d + norm + 4 * b * s * hidden
 
 
 def megatron_bytes(b: int, s: int, h: int, a: int) -> int:
