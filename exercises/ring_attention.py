@@ -1,6 +1,6 @@
 # GENERATED from solutions/ring_attention.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
-# untouched-stub fingerprint: 402afbc7ce017a84
+# untouched-stub fingerprint: 75eebba1a0341af1
 """Context parallelism: ring attention over a CP group (notebook 11_long_sequences).
 
 Each of the c ranks of a context-parallel (CP) group holds some pieces of the sequence: its
@@ -292,7 +292,15 @@ class ContextParallel(torch.nn.Module):
     def forward(self, tokens, targets):
         m, s = self.model, tokens.shape[1]
         pos = positions(SPLITS[self.split](s, self.c, self.index))
-        x = m.tok_embeddings(tokens[:, pos])
+        x = self.blocks(m.tok_embeddings(tokens[:, pos]), pos, s)
+        logits = m.output(m.norm(x))
+        logits = logits if logits.dtype == torch.float64 else logits.float()  # as lm_loss; float64 stays
+        loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[:, pos].flatten(), reduction="sum")
+        return loss_sum / targets.numel()
+
+    def blocks(self, x, pos, s: int):
+        """The model's blocks on this rank's positions `pos` of an s-long sequence: x [B, n, d] -> [B, n, d]."""
+        m = self.model
         for layer in m.layers:
             att, h = layer.attention, layer.attention_norm(x)
             B, n, D = h.shape
@@ -301,10 +309,7 @@ class ContextParallel(torch.nn.Module):
             y = ring_attention(q, k, heads(att.wv(h)), self.group, self.split, "causal", s, self.timeline)
             x = x + att.wo(y.transpose(1, 2).reshape(B, n, D))
             x = x + layer.feed_forward(layer.ffn_norm(x))
-        logits = m.output(m.norm(x))
-        logits = logits if logits.dtype == torch.float64 else logits.float()  # as lm_loss; float64 stays
-        loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[:, pos].flatten(), reduction="sum")
-        return loss_sum / targets.numel()
+        return x
 
     def allreduce_gradients(self):
         for p in self.model.parameters():

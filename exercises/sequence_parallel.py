@@ -1,6 +1,6 @@
 # GENERATED from solutions/sequence_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
-# untouched-stub fingerprint: f6f670acd913a87c
+# untouched-stub fingerprint: e7becc605898c52a
 """Megatron sequence parallelism (SP) on top of notebook 08's tensor parallelism (notebook 11_long_sequences).
 
 Notebook 08's TP block splits attention (by heads) and the MLP (by hidden units) over the t
@@ -59,7 +59,7 @@ def all_gather_sequence(x, group=None):
     local = x.movedim(SEQ, 0).contiguous()  # [n, B, d]: the collective stacks along dim 0
     out = torch.empty((world * local.shape[0],) + local.shape[1:], dtype=x.dtype)
     dist.all_gather_single(out, local, group=group)
-    return out.movedim(0, SEQ)
+    return out.movedim(0, SEQ).contiguous()  # contiguous: the matmuls that read it save it once, not a copy each
 
 
 def reduce_scatter_sequence(x, group=None):
@@ -72,7 +72,7 @@ def reduce_scatter_sequence(x, group=None):
         _log.append(("reduce_scatter", x.numel()))
     out = torch.empty((n,) + x.movedim(SEQ, 0).shape[1:], dtype=x.dtype)
     dist.reduce_scatter_single(out, x.movedim(SEQ, 0).contiguous(), group=group)
-    return out.movedim(0, SEQ)
+    return out.movedim(0, SEQ).contiguous()
 
 
 class GatherSequence(torch.autograd.Function):

@@ -56,7 +56,7 @@ def all_gather_sequence(x, group=None):
     local = x.movedim(SEQ, 0).contiguous()  # [n, B, d]: the collective stacks along dim 0
     out = torch.empty((world * local.shape[0],) + local.shape[1:], dtype=x.dtype)
     dist.all_gather_single(out, local, group=group)
-    return out.movedim(0, SEQ)
+    return out.movedim(0, SEQ).contiguous()  # contiguous: the matmuls that read it save it once, not a copy each
 
 
 def reduce_scatter_sequence(x, group=None):
@@ -69,7 +69,7 @@ def reduce_scatter_sequence(x, group=None):
         _log.append(("reduce_scatter", x.numel()))
     out = torch.empty((n,) + x.movedim(SEQ, 0).shape[1:], dtype=x.dtype)
     dist.reduce_scatter_single(out, x.movedim(SEQ, 0).contiguous(), group=group)
-    return out.movedim(0, SEQ)
+    return out.movedim(0, SEQ).contiguous()
 
 
 class GatherSequence(torch.autograd.Function):
