@@ -9,8 +9,10 @@ computed) a few times after a warm-up; the reported step is the median. Columns:
 
     split       contiguous (rank r takes block r) or zigzag (chunks r and 2c-1-r of 2c)
     work min/max  query x key pairs computed per rank (dense blocks), smallest / largest
-    balance     min / max over the ranks: of the pairs computed (FLOPs), and of the measured
-                compute time (the 'F' spans of each rank, summed over the ring's steps)
+    balance     min / max over the ranks: of the pairs computed (work, FLOPs); of each rank's
+                pairs computed in one process, in CPU time (cpu: robust on a shared machine);
+                and of the ring's measured compute (wall: the 'F' spans of each rank, summed
+                over the ring's steps, in wall time, so noisy when other programs run)
     ring ms     wall time of one ring step (the slowest rank)
     one-rank ms the same pairs computed by ONE process, no communication (the c ranks' work
                 done one after the other): the same total work
@@ -42,10 +44,16 @@ def inputs(s, seed=0):
 
 
 def one_rank(ra, q, k, v, s, c, split):
-    """Every rank's block pairs, computed one after the other in this process (no messages)."""
+    """Every rank's block pairs, computed one after the other in this process (no messages).
+
+    Returns each rank's share in CPU seconds (time.process_time: what another program on the
+    same cores takes does not count, unlike wall time).
+    """
     import torch
     pieces = [ra.SPLITS[split](s, c, r) for r in range(c)]
+    cpu = []
     for rank in range(c):
+        start = time.process_time()
         ql = ra.take(q, pieces[rank])
         out = None
         for src in range(c):
@@ -58,6 +66,8 @@ def one_rank(ra, q, k, v, s, c, split):
                     pos = (torch.arange(*qp), torch.arange(*kp)) if kind == "some" else (None, None)
                     o, lse = ra.block_attention(ql[..., qs, :], kl[..., ks, :], vl[..., ks, :], *pos)
                     out = (o, lse) if out is None else ra.merge_partials(out[0], out[1], o, lse)
+        cpu.append(time.process_time() - start)
+    return cpu
 
 
 def run_rank(rank, c, s, steps):
@@ -87,12 +97,13 @@ def run_rank(rank, c, s, steps):
     baseline = {}
     if rank == 0:
         for split in SPLITS:
-            times = []
+            times, cpu = [], []
             for i in range(1 + steps):
                 start = time.perf_counter()
-                one_rank(ra, q, k, v, s, c, split)
+                cpu.append(one_rank(ra, q, k, v, s, c, split))
                 times.append(time.perf_counter() - start)
             baseline[split] = statistics.median(times[1:])
+            baseline[split, "cpu"] = [statistics.median(run[r] for run in cpu[1:]) for r in range(c)]
     dist.barrier()
     return out, baseline
 
@@ -120,20 +131,24 @@ def main():
         wall = statistics.median(max(r["wall"][i] for r in per_rank) for i in range(steps))
         # compute time per rank, median over the steps of each rank's summed F spans
         busy = [statistics.median(step[r] for step in per_rank[0]["compute"]) for r in range(c)]
+        cpu = baseline[split, "cpu"]
         rows.append(dict(split=split, work=work, work_balance=round(min(work) / max(work), 4),
+                         cpu_balance=round(min(cpu) / max(cpu), 4), cpu_ms=[round(1e3 * t, 2) for t in cpu],
                          time_balance=round(min(busy) / max(busy), 4), compute_ms=[round(1e3 * b, 2) for b in busy],
                          ring_ms=round(1e3 * wall, 2), one_rank_ms=round(1e3 * baseline[split], 2),
                          ratio=round(wall / baseline[split], 4)))
     print(f"ring attention forward, c={c} ranks, causal, B={B} H={H} s={s} head dim {HD} ({args.impl})")
-    print(f"{'split':11s} {'work min/max':>15s} {'balance(work)':>14s} {'balance(time)':>14s} "
+    print(f"{'split':11s} {'work min/max':>17s} {'balance: work':>14s} {'cpu':>6s} {'wall':>6s} "
           f"{'ring ms':>9s} {'one-rank ms':>12s} {'ratio':>7s}")
     for r in rows:
-        print(f"{r['split']:11s} {min(r['work']):>7d}/{max(r['work']):<7d} {r['work_balance']:>14.2f} "
-              f"{r['time_balance']:>14.2f} {r['ring_ms']:>9.1f} {r['one_rank_ms']:>12.1f} {r['ratio']:>7.2f}")
+        print(f"{r['split']:11s} {min(r['work']):>8d}/{max(r['work']):<8d} {r['work_balance']:>14.2f} "
+              f"{r['cpu_balance']:>6.2f} {r['time_balance']:>6.2f} {r['ring_ms']:>9.1f} {r['one_rank_ms']:>12.1f} "
+              f"{r['ratio']:>7.2f}")
     print(f"ideal ratio 1/c = {1 / c:.2f}; GPU reference (ring-flash-attention): zigzag ~0.90, naive ~0.54 of ideal")
     zig = rows[1]
     print(json.dumps({"bench": "context_parallel", "c": c, "seq_len": s, "heads": H, "head_dim": HD,
-                      "zigzag_balance": zig["work_balance"], "zigzag_time_balance": zig["time_balance"],
+                      "zigzag_balance": zig["work_balance"], "zigzag_cpu_balance": zig["cpu_balance"],
+                      "zigzag_time_balance": zig["time_balance"], "contiguous_cpu_balance": rows[0]["cpu_balance"],
                       "contiguous_balance": rows[0]["work_balance"],
                       "contiguous_time_balance": rows[0]["time_balance"],
                       "ring_over_one_rank": zig["ratio"], "rows": rows}))
