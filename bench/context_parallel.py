@@ -43,24 +43,24 @@ def inputs(s, seed=0):
     return [torch.randn(B, H, s, HD, generator=g) for _ in range(3)]
 
 
-def one_rank(ra, q, k, v, s, c, split):
+def one_rank(ra, cpm, q, k, v, s, c, split):
     """Every rank's block pairs, computed one after the other in this process (no messages).
 
     Returns each rank's share in CPU seconds (time.process_time: what another program on the
     same cores takes does not count, unlike wall time).
     """
     import torch
-    pieces = [ra.SPLITS[split](s, c, r) for r in range(c)]
+    pieces = [cpm.SPLITS[split](s, c, r) for r in range(c)]
     cpu = []
     for rank in range(c):
         start = time.process_time()
-        ql = ra.take(q, pieces[rank])
+        ql = cpm.take(q, pieces[rank])
         out = None
         for src in range(c):
-            kl, vl = ra.take(k, pieces[src]), ra.take(v, pieces[src])
-            for qp, qs in ra.local_slices(pieces[rank]):
-                for kp, ks in ra.local_slices(pieces[src]):
-                    kind = ra.pair_kind(qp, kp, "causal")
+            kl, vl = cpm.take(k, pieces[src]), cpm.take(v, pieces[src])
+            for qp, qs in cpm.local_slices(pieces[rank]):
+                for kp, ks in cpm.local_slices(pieces[src]):
+                    kind = cpm.pair_kind(qp, kp, "causal")
                     if kind == "none":
                         continue
                     pos = (torch.arange(*qp), torch.arange(*kp)) if kind == "some" else (None, None)
@@ -76,12 +76,12 @@ def run_rank(rank, c, s, steps):
     from labkit.grading import impl
     from labkit.timeline import Timeline, busy_time
 
-    ra = impl("ring_attention")
+    ra, cpm = impl("ring_attention"), impl("context_parallel")
     q, k, v = inputs(s)
     out = {}
     for split in SPLITS:
-        pieces = ra.SPLITS[split](s, c, rank)
-        mine = [ra.take(t, pieces) for t in (q, k, v)]
+        pieces = cpm.SPLITS[split](s, c, rank)
+        mine = [cpm.take(t, pieces) for t in (q, k, v)]
         walls, compute = [], []
         tl = Timeline()
         for i in range(1 + steps):  # the first is a warm-up (it also opens the connections)
@@ -93,14 +93,14 @@ def run_rank(rank, c, s, steps):
             if i:
                 walls.append(wall)
                 compute.append(busy_time(spans))
-        out[split] = dict(wall=walls, compute=compute, work=ra.attention_work(s, c, split))
+        out[split] = dict(wall=walls, compute=compute, work=cpm.attention_work(s, c, split))
     baseline = {}
     if rank == 0:
         for split in SPLITS:
             times, cpu = [], []
             for i in range(1 + steps):
                 start = time.perf_counter()
-                cpu.append(one_rank(ra, q, k, v, s, c, split))
+                cpu.append(one_rank(ra, cpm, q, k, v, s, c, split))
                 times.append(time.perf_counter() - start)
             baseline[split] = statistics.median(times[1:])
             baseline[split, "cpu"] = [statistics.median(run[r] for run in cpu[1:]) for r in range(c)]

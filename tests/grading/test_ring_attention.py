@@ -1,4 +1,5 @@
-"""Grading tests for notebook 11_long_sequences: merge_partials, zigzag_split, ring_attention_forward.
+"""Grading tests for notebook 11_long_sequences: merge_partials, ring_attention_forward (and with
+zigzag_split, the whole model with context parallelism).
 
 Run: pytest tests/grading/test_ring_attention.py   (add --impl=solutions for the reference)
 
@@ -39,7 +40,7 @@ def qkv(s, seed=0, shape=(2, 3), hd=4):
 @pytest.mark.exercise("merge_partials")
 @pytest.mark.parametrize("cut", [1, 5, 9])
 def test_merge_partials_of_two_key_blocks_equals_attention_over_both(cut):
-    ra = impl("ring_attention")
+    ra, cpm = impl("ring_attention"), impl("context_parallel")
     q, k, v, _ = qkv(10)
     q = q[..., :7, :]
     full_out, full_lse = ra.block_attention(q, k, v)
@@ -53,7 +54,7 @@ def test_merge_partials_of_two_key_blocks_equals_attention_over_both(cut):
 
 @pytest.mark.exercise("merge_partials")
 def test_merge_partials_fully_masked_rows_in_one_block_and_in_both():
-    ra = impl("ring_attention")
+    ra, cpm = impl("ring_attention"), impl("context_parallel")
     q, k, v, _ = qkv(8)
     q_pos, k_pos = torch.tensor([0, 1, 5, 6, 7, 2, 3, 4]), torch.arange(8) + 3  # query 0..2 see no key at all
     full_out, full_lse = ra.block_attention(q, k, v, q_pos, k_pos)
@@ -73,64 +74,37 @@ def test_merge_partials_fully_masked_rows_in_one_block_and_in_both():
     torch.testing.assert_close(lse, l1)
 
 
-@pytest.mark.exercise("zigzag_split")
-@pytest.mark.parametrize("c", [2, 4])
-def test_zigzag_split_pieces_cover_the_sequence_and_balance_the_causal_work(c):
-    ra = impl("ring_attention")
-    s = 8 * c
-    pieces = [ra.zigzag_split(s, c, r) for r in range(c)]
-    n = s // (2 * c)
-    assert pieces[0] == [(0, n), (s - n, s)]
-    assert sorted(p for rank in pieces for p in rank) == [(i * n, (i + 1) * n) for i in range(2 * c)]
-    x = torch.arange(s)
-    assert sorted(torch.cat([ra.take(x, p, dim=0) for p in pieces]).tolist()) == list(range(s))
-    assert len(set(ra.attention_work(s, c, "zigzag"))) == 1, "every rank the same causal work"
-    naive = ra.attention_work(s, c, "contiguous")
-    assert naive == sorted(naive) and naive[-1] == c * naive[0]
-
-
-@pytest.mark.exercise("zigzag_split")
-@pytest.mark.parametrize("s,c", [(12, 4), (10, 2), (6, 4)])
-def test_zigzag_split_s_not_splitting_into_2c_chunks_raises_saying_what_would(s, c):
-    ra = impl("ring_attention")
-    ra.zigzag_split(16, 2, 1)  # a good split must work first
-    with pytest.raises(ValueError, match=rf"s={s}.*2c={2 * c}.*multiple of {2 * c}"):
-        ra.zigzag_split(s, c, 0)
-    with pytest.raises(ValueError, match="rank"):
-        ra.zigzag_split(16, 2, 2)
-
-
 # ----------------------------------------------------------------------------- on c ranks
 
 def check_ring(rank, c, split, mask, s):
     """Forward rows, lse and the gradients of q, k, v equal full attention on one process."""
-    ra = impl("ring_attention")
+    ra, cpm = impl("ring_attention"), impl("context_parallel")
     q, k, v, dout = qkv(s, seed=s + c)
     qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=mask == "causal")
     ref.backward(dout)
-    pieces = ra.SPLITS[split](s, c, rank)
-    mine = [ra.take(t, pieces) for t in (q, k, v)]
+    pieces = cpm.SPLITS[split](s, c, rank)
+    mine = [cpm.take(t, pieces) for t in (q, k, v)]
     out, lse, ring = ra.ring_attention_forward(*mine, split=split, mask=mask, seq_len=s)
-    torch.testing.assert_close(out, ra.take(ref.detach(), pieces))
+    torch.testing.assert_close(out, cpm.take(ref.detach(), pieces))
     scores = (q @ k.transpose(-1, -2)) / 2.0  # hd = 4
     if mask == "causal":
         scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    torch.testing.assert_close(lse, ra.take(torch.logsumexp(scores, -1), pieces, dim=-1))
-    assert sum(ring.work) == ra.attention_work(s, c, split, mask)[rank]
+    torch.testing.assert_close(lse, cpm.take(torch.logsumexp(scores, -1), pieces, dim=-1))
+    assert sum(ring.work) == cpm.attention_work(s, c, split, mask)[rank]
     leaves = [t.clone().requires_grad_() for t in mine]
-    ra.ring_attention(*leaves, split=split, mask=mask).backward(ra.take(dout, pieces))
+    ra.ring_attention(*leaves, split=split, mask=mask).backward(cpm.take(dout, pieces))
     for leaf, full in zip(leaves, (qf, kf, vf)):
-        torch.testing.assert_close(leaf.grad, ra.take(full.grad, pieces))
+        torch.testing.assert_close(leaf.grad, cpm.take(full.grad, pieces))
 
 
 def check_overlap_timeline(rank, c):
     """The block in hand is computed while the next one travels: one F span per step, c-1 recvs."""
     from labkit.timeline import Timeline
-    ra = impl("ring_attention")
+    ra, cpm = impl("ring_attention"), impl("context_parallel")
     tl = Timeline()
     q, k, v, _ = qkv(4 * c)
-    ra.ring_attention_forward(*(ra.take(t, ra.zigzag_split(4 * c, c, rank)) for t in (q, k, v)), timeline=tl)
+    ra.ring_attention_forward(*(cpm.take(t, cpm.zigzag_split(4 * c, c, rank)) for t in (q, k, v)), timeline=tl)
     assert [s.mb for s in tl.spans if s.kind == "F"] == list(range(c))
     recvs = [s for s in tl.spans if s.kind == "recv"]
     computes = {s.mb: s for s in tl.spans if s.kind == "F"}
@@ -140,9 +114,9 @@ def check_overlap_timeline(rank, c):
 
 
 def check_bad_input(rank, c):
-    ra = impl("ring_attention")
+    ra, cpm = impl("ring_attention"), impl("context_parallel")
     q, k, v, _ = qkv(4 * c)
-    mine = [ra.take(t, ra.zigzag_split(4 * c, c, rank)) for t in (q, k, v)]
+    mine = [cpm.take(t, cpm.zigzag_split(4 * c, c, rank)) for t in (q, k, v)]
     ra.ring_attention_forward(*mine)  # good input works first
     raises_value_error(lambda: ra.ring_attention_forward(*mine, mask="sliding"), r"mask='sliding'.*'causal'")
     raises_value_error(lambda: ra.ring_attention_forward(*mine, seq_len=4 * c * 2), rf"CP group has {c} ranks.*cp={c}")
@@ -152,9 +126,9 @@ def check_model(rank, c, split):
     """The tiny model with CP, trained 3 AdamW steps in float64, equals one process."""
     from labkit.mesh import Mesh
     from labkit.model import build_model
-    ra = impl("ring_attention")
+    ra, cpm = impl("ring_attention"), impl("context_parallel")
     ref, mine = build_model("tiny", seed=0).double(), build_model("tiny", seed=0).double()
-    cp = ra.ContextParallel(mine, Mesh(c, cp=c), split=split)
+    cp = cpm.ContextParallel(mine, Mesh(c, cp=c), split=split)
     opt_ref, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(mine.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -174,7 +148,7 @@ def check_model(rank, c, split):
         torch.testing.assert_close(q, p, msg=lambda m: f"{name}: {m}")
     odd, what = 4 * c + 1, ("2c" if split == "zigzag" else "c")
     raises_value_error(lambda: cp(x[:, :odd], y[:, :odd]), rf"s={odd} does not split into {what}=")
-    raises_value_error(lambda: ra.ContextParallel(mine, Mesh(c, tp=c)), r"cp axis")
+    raises_value_error(lambda: cpm.ContextParallel(mine, Mesh(c, tp=c)), r"cp axis")
 
 
 def run_all(rank, c):
