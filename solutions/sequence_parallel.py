@@ -133,13 +133,15 @@ class ParallelBlock(nn.Module):
     the same on every rank) -> [B, s, d], with copy_to_parallel / reduce_from_parallel. The
     weights are this rank's slices of `block`'s (rows of wq wk wv w1 w3, columns of wo w2), the
     norms copies. ValueError when n_heads or hidden_dim does not divide by the TP size.
+    regather=True (with SP): enter through `GatherThenLinear`, Megatron's way, so that the
+    gathered [B, s, d] input is not kept for backward but all-gathered again there.
     """
 
-    def __init__(self, block: nn.Module, group=None, sequence_parallel: bool = True):
+    def __init__(self, block: nn.Module, group=None, sequence_parallel: bool = True, regather: bool = False):
         super().__init__()
         tp = impl("tensor_parallel")
         rank, world = tp.tp_world(group)
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.regather = group, sequence_parallel, regather and sequence_parallel
         self.heads = tp.check_divisible(block.attention.n_heads, world, "n_heads")
         hidden = tp.check_divisible(block.feed_forward.w1.out_features, world, "hidden_dim")
         d = block.attention.wq.out_features // world
@@ -150,10 +152,15 @@ class ParallelBlock(nn.Module):
         self.w1, self.w3, self.w2 = rows(m.w1, hidden), rows(m.w3, hidden), cols(m.w2, hidden)
         self.attention_norm, self.ffn_norm = copy.deepcopy(block.attention_norm), copy.deepcopy(block.ffn_norm)
 
-    def enter(self, x):
+    def enter(self, x, *weights):
+        """The TP region's first matmuls (column parallel) on x: one output per weight."""
+        if self.regather:
+            return GatherThenLinear.apply(x, self.group, *weights)
         if self.sequence_parallel:
-            return gather_sequence(x, self.group)
-        return impl("tensor_parallel").copy_to_parallel(x, self.group)
+            x = gather_sequence(x, self.group)
+        else:
+            x = impl("tensor_parallel").copy_to_parallel(x, self.group)
+        return [F.linear(x, w) for w in weights]
 
     def leave(self, x):
         if self.sequence_parallel:
@@ -161,13 +168,39 @@ class ParallelBlock(nn.Module):
         return impl("tensor_parallel").reduce_from_parallel(x, self.group)
 
     def forward(self, x, rope):
-        h = self.enter(self.attention_norm(x))  # [B, s, d] on every rank
-        B, T, _ = h.shape
-        heads = lambda w: F.linear(h, w).view(B, T, self.heads, -1).transpose(1, 2)
-        y = F.scaled_dot_product_attention(rope(heads(self.wq)), rope(heads(self.wk)), heads(self.wv), is_causal=True)
+        q, k, v = self.enter(self.attention_norm(x), self.wq, self.wk, self.wv)  # [B, s, d/t]: every position
+        B, T, _ = q.shape
+        heads = lambda t: t.view(B, T, self.heads, -1).transpose(1, 2)
+        y = F.scaled_dot_product_attention(rope(heads(q)), rope(heads(k)), heads(v), is_causal=True)
         x = x + self.leave(F.linear(y.transpose(1, 2).reshape(B, T, -1), self.wo))  # partial sums -> summed
-        h = self.enter(self.ffn_norm(x))
-        return x + self.leave(F.linear(F.silu(F.linear(h, self.w1)) * F.linear(h, self.w3), self.w2))
+        gate, up = self.enter(self.ffn_norm(x), self.w1, self.w3)
+        return x + self.leave(F.linear(F.silu(gate) * up, self.w2))
+
+
+class GatherThenLinear(torch.autograd.Function):
+    """All-gather x along the sequence, then F.linear with each weight; keep only the LOCAL x.
+
+    Megatron-SP's memory saving: the column-parallel matmuls need the gathered input [B, s, d]
+    for their weight gradients, but saving it would undo SP's division by t. Instead this keeps
+    x [B, s/t, d] and all-gathers it again in backward (one more all-gather per region, which
+    Megatron overlaps with the input-gradient matmul). The input gradient is reduce-scattered,
+    as GatherSequence's backward does.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, *weights):
+        ctx.group = group
+        ctx.save_for_backward(x, *weights)
+        full = all_gather_sequence(x, group)
+        return tuple(F.linear(full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        full = all_gather_sequence(x, ctx.group).flatten(0, -2)  # again, instead of having kept it
+        grad_x = sum(g @ w for g, w in zip(grads, weights))
+        grad_w = [g.flatten(0, -2).T @ full for g in grads]
+        return (reduce_scatter_sequence(grad_x.contiguous(), ctx.group), None, *grad_w)
 
 
 def allreduce_norm_grads(block: ParallelBlock):

@@ -64,6 +64,15 @@ def check_block(rank, t, s):
     numel = 2 * s * 64
     assert forward_log == [("all_gather", numel), ("reduce_scatter", numel)] * 2
     assert backward_log == [("all_gather", numel), ("reduce_scatter", numel)] * 2
+    regather = sp.ParallelBlock(block, sequence_parallel=True, regather=True)  # Megatron: gather again in backward
+    xg = x.chunk(t, dim=1)[rank].clone().requires_grad_()
+    with sp.count_collectives() as regather_log:
+        y = regather(xg, model.rope)
+        y.backward(dy.chunk(t, dim=1)[rank])
+    torch.testing.assert_close(y, y_ref.chunk(t, dim=1)[rank])
+    torch.testing.assert_close(xg.grad, xr.grad.chunk(t, dim=1)[rank])
+    torch.testing.assert_close(regather.w3.grad, block.feed_forward.w3.weight.grad.chunk(t, dim=0)[rank])
+    assert sorted(regather_log) == sorted(forward_log + backward_log + [("all_gather", numel)] * 2)
     tp_block = sp.ParallelBlock(block, sequence_parallel=False)
     with tp.count_collectives() as tp_log:
         tp_block(x.clone().requires_grad_(), model.rope).backward(dy)
