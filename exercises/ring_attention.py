@@ -1,6 +1,6 @@
 # GENERATED from solutions/ring_attention.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
-# untouched-stub fingerprint: fbd089dcb65521c3
+# untouched-stub fingerprint: 7728f3f4a6eecc2e
 """Context parallelism: ring attention over a CP group (notebook 11_long_sequences).
 
 Each of the c ranks of a context-parallel (CP) group holds some pieces of the sequence (see
@@ -68,7 +68,7 @@ class Ring:
     otherwise, which is what a CP size that does not match the mesh's looks like.
     """
 
-    def __init__(self, local_len: int, group=None, split: str = "zigzag", mask="causal", seq_len=None):
+    def __init__(self, local_len: int, group=None, split: str = "zigzag", mask="causal", seq_len=None, device=None):
         if split not in SPLITS:
             raise ValueError(f"split={split!r} is not one of {sorted(SPLITS)}")
         self.mask = check_mask(mask)
@@ -81,7 +81,7 @@ class Ring:
                              f"the CP group has (Mesh(world, cp={self.c}) takes {seq_len // self.c} per rank)")
         ranks = dist.get_process_group_ranks(group) if initialised else [0]
         self.send_to, self.recv_from = ranks[(self.rank + 1) % self.c], ranks[(self.rank - 1) % self.c]
-        self.group, self.seq_len = group, s
+        self.group, self.seq_len, self.device = group, s, device
         self.pieces = [SPLITS[split](s, self.c, r) for r in range(self.c)]
         self.work = [0] * self.c  # query x key pairs computed at each step (dense blocks)
 
@@ -96,7 +96,8 @@ class Ring:
             for kp, ks in local_slices(self.pieces[self.holder(step)]):
                 kind = pair_kind(qp, kp, self.mask)
                 if kind != "none":
-                    pos = (torch.arange(*qp), torch.arange(*kp)) if kind == "some" else (None, None)
+                    pos = (torch.arange(*qp, device=self.device), torch.arange(*kp, device=self.device)) \
+                        if kind == "some" else (None, None)
                     out.append((qs, ks) + pos)
         return out
 
@@ -118,7 +119,7 @@ def ring_attention_forward(q, k, v, group=None, split: str = "zigzag", mask="cau
     Records spans 'F' (compute, mb=step) and 'recv' (issue to arrival) on `timeline`, and the
     work per step in ring.work; returns the Ring as a third value.
     """
-    ring = Ring(q.shape[-2], group, split, mask, seq_len)
+    ring = Ring(q.shape[-2], group, split, mask, seq_len, device=q.device)
     raise NotImplementedError("exercise ring_attention_forward is not implemented yet: edit exercises/ring_attention.py, see notebooks/11_long_sequences.ipynb")
 
 
@@ -127,7 +128,8 @@ def _ring_backward(q, k, v, out, lse, dout, ring: Ring):
     scale = 1 / math.sqrt(q.shape[-1])
     delta = (dout * out).sum(-1)  # rowsum(dO * O) = rowsum(P * dP), the softmax's backward term
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    dq, kv, dkv = torch.zeros_like(q), torch.stack([k, v]).contiguous(), torch.zeros(2, *k.shape, dtype=k.dtype)
+    dq, kv = torch.zeros_like(q), torch.stack([k, v]).contiguous()
+    dkv = torch.zeros_like(kv)  # dK, dV of the block in hand: they travel with it
     for step in range(ring.c):
         if step < ring.c - 1:  # prefetch the next k/v block while computing on this one
             incoming = torch.empty_like(kv)

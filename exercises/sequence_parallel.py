@@ -1,6 +1,6 @@
 # GENERATED from solutions/sequence_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
-# untouched-stub fingerprint: cf9a6d0841c2faa9
+# untouched-stub fingerprint: dd1089109a024ad0
 """Megatron sequence parallelism (SP) on top of notebook 08's tensor parallelism (notebook 11_long_sequences).
 
 Notebook 08's TP block splits attention (by heads) and the MLP (by hidden units) over the t
@@ -57,7 +57,7 @@ def all_gather_sequence(x, group=None):
     if _log is not None:
         _log.append(("all_gather", x.numel() * world))
     local = x.movedim(SEQ, 0).contiguous()  # [n, B, d]: the collective stacks along dim 0
-    out = torch.empty((world * local.shape[0],) + local.shape[1:], dtype=x.dtype)
+    out = torch.empty((world * local.shape[0],) + local.shape[1:], dtype=x.dtype, device=x.device)
     dist.all_gather_single(out, local, group=group)
     return out.movedim(0, SEQ).contiguous()  # contiguous: the matmuls that read it save it once, not a copy each
 
@@ -70,7 +70,7 @@ def reduce_scatter_sequence(x, group=None):
     n = impl("tensor_parallel").check_divisible(x.shape[SEQ], world, "sequence length s")
     if _log is not None:
         _log.append(("reduce_scatter", x.numel()))
-    out = torch.empty((n,) + x.movedim(SEQ, 0).shape[1:], dtype=x.dtype)
+    out = torch.empty((n,) + x.movedim(SEQ, 0).shape[1:], dtype=x.dtype, device=x.device)
     dist.reduce_scatter_single(out, x.movedim(SEQ, 0).contiguous(), group=group)
     return out.movedim(0, SEQ).contiguous()
 

@@ -54,7 +54,7 @@ def all_gather_sequence(x, group=None):
     if _log is not None:
         _log.append(("all_gather", x.numel() * world))
     local = x.movedim(SEQ, 0).contiguous()  # [n, B, d]: the collective stacks along dim 0
-    out = torch.empty((world * local.shape[0],) + local.shape[1:], dtype=x.dtype)
+    out = torch.empty((world * local.shape[0],) + local.shape[1:], dtype=x.dtype, device=x.device)
     dist.all_gather_single(out, local, group=group)
     return out.movedim(0, SEQ).contiguous()  # contiguous: the matmuls that read it save it once, not a copy each
 
@@ -67,7 +67,7 @@ def reduce_scatter_sequence(x, group=None):
     n = impl("tensor_parallel").check_divisible(x.shape[SEQ], world, "sequence length s")
     if _log is not None:
         _log.append(("reduce_scatter", x.numel()))
-    out = torch.empty((n,) + x.movedim(SEQ, 0).shape[1:], dtype=x.dtype)
+    out = torch.empty((n,) + x.movedim(SEQ, 0).shape[1:], dtype=x.dtype, device=x.device)
     dist.reduce_scatter_single(out, x.movedim(SEQ, 0).contiguous(), group=group)
     return out.movedim(0, SEQ).contiguous()
 
