@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 @dataclass
@@ -45,6 +46,7 @@ class ModelConfig:
     top_k: int = 2
     capacity_factor: float = 1.25
     aux_loss_coef: float = 0.01
+    recompute: bool = False  # activation recomputation: keep only each block's input, redo its forward in backward
 
     def __post_init__(self):
         if self.hidden_dim is None:
@@ -167,6 +169,17 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def run_block(block: nn.Module, x: torch.Tensor, rope: Rotary, recompute: bool = False) -> torch.Tensor:
+    """block(x, rope); with recompute, through torch.utils.checkpoint: backward redoes the forward.
+
+    Recomputation saves only the block's input for backward (the activations inside are
+    recomputed), for one extra forward per block. The gradients are exactly the same.
+    """
+    if recompute and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(block, x, rope, use_reentrant=False)
+    return block(x, rope)
+
+
 def check_tokens(tokens: torch.Tensor, cfg: ModelConfig) -> None:
     """Clear errors for what would otherwise be an index error deep in the embedding."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:
@@ -205,7 +218,7 @@ class Transformer(nn.Module):
         check_tokens(tokens, self.config)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, self.rope)
+            h = run_block(layer, h, self.rope, self.config.recompute)
         logits = self.output(self.norm(h))
         if targets is None:
             return logits
@@ -323,7 +336,7 @@ class Stage(nn.Module):
             check_tokens(x, self.config)
             x = self.tok_embeddings(x)
         for layer in self.layers:
-            x = layer(x, self.rope)
+            x = run_block(layer, x, self.rope, self.config.recompute)
         if not self.is_last:
             return x
         logits = self.output(self.norm(x))

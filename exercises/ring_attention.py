@@ -1,0 +1,177 @@
+# GENERATED from solutions/ring_attention.py by `python -m labkit.stubgen`: this file is yours to edit.
+# Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
+# untouched-stub fingerprint: 7728f3f4a6eecc2e
+"""Context parallelism: ring attention over a CP group (notebook 11_long_sequences).
+
+Each of the c ranks of a context-parallel (CP) group holds some pieces of the sequence (see
+context_parallel.py for the splits): its queries, keys and values at those positions.
+Everything in a transformer is per token except attention, where every query needs every
+(earlier) key. Ring attention passes the key/value blocks around the ring: at step i rank r
+holds the block of rank (r - i) mod c, sends it on to rank r+1 and receives the next from
+rank r-1 (isend/irecv, overlapped with the attention on the block in hand). Partial results
+over different key blocks are combined exactly with their log-sum-exp (`merge_partials`),
+the online softmax of flash attention.
+
+`ring_attention` is the autograd-aware entry point: forward = `ring_attention_forward`,
+backward = a second trip around the ring in which each key/value block travels with its
+gradient accumulators (dK, dV) and arrives home with every rank's contribution.
+Every function with a group is collective over it (None: the default group).
+"""
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from labkit.timeline import NullTimeline
+
+from .context_parallel import SPLITS, check_mask, local_slices, pair_kind
+
+NOTEBOOK = "11_long_sequences"
+
+
+def block_attention(q, k, v, q_pos=None, k_pos=None):
+    """Softmax attention of q [..., m, hd] over ONE key block k, v [..., n, hd].
+
+    With positions, key j is hidden from query i when k_pos[j] > q_pos[i] (causal). Returns
+    (out [..., m, hd], lse [..., m]): the normalised output and the log-sum-exp of the scaled
+    scores. A row with no visible key gets lse = -inf and out = 0 (an empty sum), not NaN.
+    """
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if q_pos is not None:
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # exp(-inf - 0) = 0, no NaN
+    return torch.exp(scores - safe[..., None]) @ v, lse
+
+
+def merge_partials(out1, lse1, out2, lse2):
+    """Combine attention over two disjoint key blocks into attention over both, exactly.
+
+    out_i [..., m, hd] is softmax attention over block i and lse_i [..., m] the log of its
+    softmax denominator. Over both blocks: lse = log(e^lse1 + e^lse2), and each partial output
+    is reweighted by its share of the denominator, e^(lse_i - lse). Rows that see no key in a
+    block have lse_i = -inf (weight 0); rows that see none in either get out 0, lse -inf (no NaN).
+    Returns (out, lse) with the inputs' shapes.
+    """
+    raise NotImplementedError("exercise merge_partials is not implemented yet: edit exercises/ring_attention.py, see notebooks/11_long_sequences.ipynb")
+
+
+# ---------------------------------------------------------------------------------------
+# The ring
+
+
+class Ring:
+    """This rank's place in the ring: neighbours (global ranks), every rank's pieces, the mask.
+
+    q_local_len * c must be the full sequence length `seq_len` (when given): a ValueError
+    otherwise, which is what a CP size that does not match the mesh's looks like.
+    """
+
+    def __init__(self, local_len: int, group=None, split: str = "zigzag", mask="causal", seq_len=None, device=None):
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r} is not one of {sorted(SPLITS)}")
+        self.mask = check_mask(mask)
+        initialised = dist.is_available() and dist.is_initialized()
+        self.rank, self.c = (dist.get_rank(group), dist.get_world_size(group)) if initialised else (0, 1)
+        s = local_len * self.c
+        if seq_len is not None and seq_len != s:
+            raise ValueError(f"this rank holds {local_len} positions and the CP group has {self.c} ranks, "
+                             f"which makes {s}, not seq_len={seq_len}: shard the sequence over as many ranks as "
+                             f"the CP group has (Mesh(world, cp={self.c}) takes {seq_len // self.c} per rank)")
+        ranks = dist.get_process_group_ranks(group) if initialised else [0]
+        self.send_to, self.recv_from = ranks[(self.rank + 1) % self.c], ranks[(self.rank - 1) % self.c]
+        self.group, self.seq_len, self.device = group, s, device
+        self.pieces = [SPLITS[split](s, self.c, r) for r in range(self.c)]
+        self.work = [0] * self.c  # query x key pairs computed at each step (dense blocks)
+
+    def holder(self, step: int) -> int:
+        """Whose key/value block this rank holds at `step`."""
+        return (self.rank - step) % self.c
+
+    def pairs(self, step: int):
+        """(q slice, k slice, q_pos or None, k_pos or None) for every pair of pieces that needs computing."""
+        out = []
+        for qp, qs in local_slices(self.pieces[self.rank]):
+            for kp, ks in local_slices(self.pieces[self.holder(step)]):
+                kind = pair_kind(qp, kp, self.mask)
+                if kind != "none":
+                    pos = (torch.arange(*qp, device=self.device), torch.arange(*kp, device=self.device)) \
+                        if kind == "some" else (None, None)
+                    out.append((qs, ks) + pos)
+        return out
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0):
+        """Start sending to the next rank and receiving from the previous one: the two requests."""
+        return [dist.isend(send, self.send_to, group=self.group, tag=tag),
+                dist.irecv(recv, self.recv_from, group=self.group, tag=tag)]
+
+
+def ring_attention_forward(q, k, v, group=None, split: str = "zigzag", mask="causal", seq_len=None,
+                           timeline=NullTimeline()):
+    """This rank's rows of attention over the whole sequence, with k/v blocks passed around the ring.
+
+    q, k, v [B, H, n, hd] are this rank's pieces (`take(x, SPLITS[split](s, c, rank))`), s = n*c.
+    Returns (out [B, H, n, hd], lse [B, H, n]), equal to full attention's rows at this rank's
+    positions. At each step, first start passing the block in hand on (`ring.exchange`), then
+    compute on it pair by pair (`ring.pairs(step)`: skipped pairs left out, a causal mask only
+    on pairs that straddle the diagonal), merging into (out, lse), then wait for the next block.
+    Records spans 'F' (compute, mb=step) and 'recv' (issue to arrival) on `timeline`, and the
+    work per step in ring.work; returns the Ring as a third value.
+    """
+    ring = Ring(q.shape[-2], group, split, mask, seq_len, device=q.device)
+    raise NotImplementedError("exercise ring_attention_forward is not implemented yet: edit exercises/ring_attention.py, see notebooks/11_long_sequences.ipynb")
+
+
+def _ring_backward(q, k, v, out, lse, dout, ring: Ring):
+    """dQ, dK, dV of ring attention: each k/v block goes round once more with its dK/dV."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    delta = (dout * out).sum(-1)  # rowsum(dO * O) = rowsum(P * dP), the softmax's backward term
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    dq, kv = torch.zeros_like(q), torch.stack([k, v]).contiguous()
+    dkv = torch.zeros_like(kv)  # dK, dV of the block in hand: they travel with it
+    for step in range(ring.c):
+        if step < ring.c - 1:  # prefetch the next k/v block while computing on this one
+            incoming = torch.empty_like(kv)
+            requests = ring.exchange(kv, incoming)
+        for qs, ks, q_pos, k_pos in ring.pairs(step):
+            qb, kb, vb, dob = q[..., qs, :], kv[0][..., ks, :], kv[1][..., ks, :], dout[..., qs, :]
+            scores = qb @ kb.transpose(-1, -2) * scale
+            if q_pos is not None:
+                scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+            p = torch.exp(scores - safe[..., qs, None])  # the final softmax, from the final lse
+            dkv[1][..., ks, :] += p.transpose(-1, -2) @ dob
+            ds = p * (dob @ vb.transpose(-1, -2) - delta[..., qs, None]) * scale
+            dq[..., qs, :] += ds @ kb
+            dkv[0][..., ks, :] += ds.transpose(-1, -2) @ qb
+        if ring.c > 1:  # the accumulators follow their block; after c steps they are home
+            arrived = torch.empty_like(dkv)
+            for request in ring.exchange(dkv, arrived, tag=1):  # its own tag: never mixed up with k/v
+                request.wait()
+            dkv = arrived
+        if step < ring.c - 1:
+            for request in requests:
+                request.wait()
+            kv = incoming
+    return dq, dkv[0], dkv[1]
+
+
+class RingAttention(torch.autograd.Function):
+    """Forward: ring_attention_forward. Backward: _ring_backward (saves only this rank's q, k, v, out, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, split, mask, seq_len, timeline):
+        out, lse, ring = ring_attention_forward(q, k, v, group, split, mask, seq_len, timeline)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return *_ring_backward(q, k, v, out, lse, dout.contiguous(), ctx.ring), None, None, None, None, None
+
+
+def ring_attention(q, k, v, group=None, split="zigzag", mask="causal", seq_len=None, timeline=NullTimeline()):
+    """Differentiable ring attention: this rank's output rows [B, H, n, hd] (see ring_attention_forward)."""
+    return RingAttention.apply(q, k, v, group, split, mask, seq_len, timeline)
