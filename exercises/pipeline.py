@@ -1,6 +1,6 @@
 # GENERATED from solutions/pipeline.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/06_microbatches.ipynb.
-# untouched-stub fingerprint: c16a28f05ee6bc3e
+# untouched-stub fingerprint: 7f7f07511cfeda6a
 """Micro-batch pipeline schedules and the executor that runs them (notebook 06_microbatches).
 
 A schedule is data: one list of actions per rank, ``"{stage}F{mb}"`` / ``"{stage}B{mb}"``.
@@ -92,7 +92,7 @@ def activation_shape(config, batch_size: int, seq_len: int, n_microbatches: int)
 def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: int, act_shape,
                  prev_rank: int | None = None, next_rank: int | None = None, group=None, timeline=None,
                  loss_scale: float | None = None, blocking_send: bool = False, check: bool = True,
-                 stats: dict | None = None, dtype=torch.float32):
+                 stats: dict | None = None, dtype=None):
     """Run this rank's part of ``schedule`` (the FULL per-rank list) for one training step.
 
     stage_module: this rank's stage (`labkit.model.make_stage` or `SyntheticStage`), or a
@@ -113,6 +113,8 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
     check: simulate the whole lowered schedule first (default), so that a malformed or
         deadlocking schedule raises `labkit.schedules.ScheduleError` on every rank
         before any message is sent.
+    dtype: of the activations and gradients received; default: the stage's parameters' dtype
+        (float64 stages, as in the lab's proofs, exchange float64).
     stats: a dict to fill with ``peak_inflight`` (micro-batch activations held at once,
         counted per stage) and ``peak_activation_bytes`` (tensors saved for backward then).
 
@@ -128,6 +130,7 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
     run = _setup(stage_module, lowered, inputs, targets, stage, act_shape, loss_scale)
     if run is None:
         return None
+    dtype = dtype or run.dtype
     prev_rank = (stage - 1) % len(lowered) if prev_rank is None else prev_rank
     next_rank = (stage + 1) % len(lowered) if next_rank is None else next_rank
     tl = timeline if timeline is not None else NullTimeline()
@@ -209,6 +212,7 @@ def _setup(stage_module, lowered, inputs, targets, stage, act_shape, loss_scale)
         modules=modules, last=last, scale=1.0 / m if loss_scale is None else loss_scale, params=params,
         x=inputs.chunk(m) if 0 in own else None, y=targets.chunk(m) if last in own else None,
         device=next(next(iter(modules.values())).parameters()).device,  # buffers live where the stage does
+        dtype=next(next(iter(modules.values())).parameters()).dtype,
         memory=_Memory({p.data_ptr() for mod in modules.values() for p in mod.parameters()}))
 
 
