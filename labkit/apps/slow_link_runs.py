@@ -24,8 +24,13 @@ def quick_model_config():
 
 
 def train_over_link(rank, world_size, method="dp", steps=48, bandwidth=5e6, latency=5e-3, H=8, r=4,
-                    lr=3e-3, batch_size=16, seq_len=32, config=None, outer_lr=0.7):
-    """One rank of a run; returns its history (losses are this rank's, on its own rows)."""
+                    lr=3e-3, batch_size=16, seq_len=32, config=None, outer_lr=0.7, eval_every=4):
+    """One rank of a run; returns its history (losses are this rank's, on its own rows).
+
+    Every `eval_every` steps (and at the end) the validation loss of the model one would keep
+    is measured with the clock stopped: for DiLoCo the *shared* weights (the replicas between
+    syncs are not that model), else the model. history["eval"]: [(step, seconds, wire bytes, val)].
+    """
     import torch
 
     from labkit.data import get_batch, load_tokens, split_tokens
@@ -55,8 +60,23 @@ def train_over_link(rank, world_size, method="dp", steps=48, bandwidth=5e6, late
     if method == "powersgd":
         comp = sl.PowerSGD(model, r)
         extra["numbers_sent"] = comp.numbers_sent()
-    history = {"loss": [], "seconds": [], "tokens": [], "wire_bytes": []}
+    history = {"loss": [], "seconds": [], "tokens": [], "wire_bytes": [], "eval": []}
+
+    def val_loss():
+        if method != "diloco":
+            return evaluate(model, val, batch_size=8, seq_len=seq_len, n_batches=4)
+        params = [p for p in model.parameters() if p.requires_grad]
+        local = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, s in zip(params, algo.shared):
+                p.copy_(s)
+            loss = evaluate(model, val, batch_size=8, seq_len=seq_len, n_batches=4)
+            for p, saved in zip(params, local):
+                p.copy_(saved)
+        return loss
+
     with SlowLink(bandwidth, latency) as link:
+        paused = 0.0  # seconds spent evaluating, not counted as training time
         start = time.perf_counter()
         for step in range(steps):
             x, y = get_batch(train, batch_size, seq_len, step, rank=rank, world_size=world_size)
@@ -72,14 +92,24 @@ def train_over_link(rank, world_size, method="dp", steps=48, bandwidth=5e6, late
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             history["loss"].append(loss.item())
-            history["seconds"].append(time.perf_counter() - start)
+            history["seconds"].append(time.perf_counter() - start - paused)
             history["tokens"].append((step + 1) * batch_size * seq_len)
             history["wire_bytes"].append(link.wire_bytes)
-    if method == "diloco" and steps % H:
-        algo.sync()  # end on the shared weights
+            if (step + 1) % eval_every == 0 or step + 1 == steps:
+                tick = time.perf_counter()
+                history["eval"].append((step + 1, history["seconds"][-1], link.wire_bytes, val_loss()))
+                paused += time.perf_counter() - tick
+    if method == "diloco":  # end on the shared weights (the last sync may be a partial round)
+        if steps % H:
+            algo.sync()
+        with torch.no_grad():
+            for p, s in zip([p for p in model.parameters() if p.requires_grad], algo.shared):
+                p.copy_(s)
     history.update(extra, method=method, H=H, r=r, bandwidth=bandwidth, latency=latency,
                    emulated_seconds=link.seconds, calls=link.calls,
                    val_loss=evaluate(model, val, batch_size=8, seq_len=seq_len, n_batches=4))
+    if steps % H == 0 or method != "diloco":
+        assert abs(history["val_loss"] - history["eval"][-1][3]) < 1e-6  # the same model, the same batches
     return history
 
 
@@ -97,9 +127,9 @@ def smoothed(values: list, window: int = 8) -> list:
             for i in range(len(values))]
 
 
-def time_to(run: dict, target: float, window: int = 8):
-    """(seconds, wire bytes) when the smoothed loss first reaches `target`; (None, None) if never."""
-    for i, loss in enumerate(smoothed(run["loss"], window)):
+def time_to(run: dict, target: float):
+    """(seconds, wire bytes) at the first evaluation whose validation loss is <= `target`; (None, None) if none."""
+    for step, seconds, sent, loss in run["eval"]:
         if loss <= target:
-            return run["seconds"][i], run["wire_bytes"][i]
+            return seconds, sent
     return None, None
