@@ -9,10 +9,20 @@ The replicas are identical, so one copy is enough: rank 0 writes it, and on rest
 rank 0 reads it and sends it to the others. The file only needs to be visible to
 rank 0. With deterministic data (batches chosen by step, e.g. `labkit.data.get_batch`)
 a resumed run reproduces the uninterrupted one bit for bit.
+
+For training that must survive a crash (notebook 13): `save_state` / `load_state` keep a
+directory of checksummed checkpoints with every rank's RNG state, the data position and the
+model config, and fall back to the previous file when the newest is damaged (see below).
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import os
+import random
+import re
+import warnings
+from dataclasses import asdict, is_dataclass
 
 import torch
 import torch.distributed as dist
@@ -81,12 +91,6 @@ def load_checkpoint(path, model, optimizer=None, src: int = 0, group=None) -> di
 #   rank `src`, written once, and given back to each rank on load;
 # - the model config, so a checkpoint of another model is refused with a clear error.
 
-import hashlib
-import io
-import random
-import re
-import warnings
-from dataclasses import asdict, is_dataclass
 
 MAGIC = b"LABKIT-CKPT sha256="
 _NAME = re.compile(r"^step-(\d{8})\.ckpt$")
