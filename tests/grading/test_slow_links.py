@@ -17,6 +17,7 @@ from torch import nn
 
 from labkit.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
+from labkit.mesh import shard_rows
 from labkit.shaper import SlowLink
 
 ROWS = 4  # rows per rank
@@ -58,7 +59,8 @@ def global_batch(step, world_size):
 
 
 def mine(x, rank):
-    return x[rank * ROWS:(rank + 1) * ROWS]
+    """This rank's rows of the global batch (labkit's one sharding rule)."""
+    return shard_rows(x, rank, x.shape[0] // ROWS)
 
 
 def state(model):
