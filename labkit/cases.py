@@ -112,6 +112,16 @@ def busy_factor() -> float:
         return 1.0
 
 
+def launch_timeout(seconds: float = 20.0) -> float:
+    """A grading launch's timeout: ``seconds`` on an idle machine, more on a busy one.
+
+    Short enough that a learner's hang is reported by the launcher itself (which case, which
+    ranks, their stacks) long before pytest's per-test backstop; scaled by `busy_factor` so
+    that slow, shared cores never turn a correct run into a "hang".
+    """
+    return seconds * busy_factor()
+
+
 def _in_step(store, prefix: str, rank: int, world_size: int, status: str) -> bool:
     store.set(f"{prefix}/{rank}", status)
     keys = [f"{prefix}/{r}" for r in range(world_size)]

@@ -24,10 +24,11 @@ from labkit.cases import expect_case, launch_cases, run_cases
 from labkit.checkpoint import load_checkpoint, save_checkpoint
 from labkit.grading import impl
 from labkit.launch import launch
+from labkit.cases import launch_timeout
 
 V, D, T, RARE = 32, 16, 5, 0
 GLOBAL_BATCH = 8
-TIMEOUT = 60
+TIMEOUT = launch_timeout(20)  # a hang is reported by the launcher, with stacks, in seconds
 
 
 def dp():

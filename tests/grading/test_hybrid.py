@@ -17,6 +17,7 @@ from labkit.data import get_batch, load_tokens
 from labkit.grading import impl
 from labkit.launch import launch
 from labkit.model import build_model, make_stage
+from labkit.cases import launch_timeout
 
 # The grid torch.arange(world).view(dp, pp), written out by hand: rows are pipelines,
 # columns are the replicas of one stage.
@@ -85,7 +86,7 @@ def _groups_rank(rank, world_size, dp, pp):
 @pytest.mark.exercise("make_mesh")
 def test_make_mesh_groups_on_six_launched_ranks():
     dp, pp = 2, 3
-    results = launch(_groups_rank, 6, dp, pp, timeout=60)
+    results = launch(_groups_rank, 6, dp, pp, timeout=launch_timeout(30))
     for rank, out in enumerate(results):
         dp_rank, pp_rank, pipeline, replicas, prev, nxt = expected_place(dp, pp, rank)
         assert out["pp_ranks"] == list(pipeline)
@@ -104,7 +105,7 @@ def _world_mismatch_rank(rank, world_size):
 
 @pytest.mark.exercise("make_mesh")
 def test_make_mesh_world_size_not_dp_times_pp_raises_in_launched_ranks():
-    messages = launch(_world_mismatch_rank, 4, timeout=30)
+    messages = launch(_world_mismatch_rank, 4, timeout=launch_timeout(20))
     assert all(m is not None and "dp" in m for m in messages), messages
 
 
@@ -260,7 +261,7 @@ def test_hybrid_step_allreduce_per_microbatch_same_weights():
     # the slow way (an all-reduce after every micro-batch) must give the same weights
     dp, pp, m = 2, 2, 2
     reference = _reference(dp, m)
-    results = launch(_hybrid_rank, dp * pp, dp, pp, m, per_microbatch=True, timeout=60)
+    results = launch(_hybrid_rank, dp * pp, dp, pp, m, per_microbatch=True, timeout=launch_timeout(30))
     _check_against_reference(results, reference, pp)
 
 
@@ -278,5 +279,5 @@ def _bad_batch_rank(rank, world_size):
 
 @pytest.mark.exercise("hybrid_step", "make_mesh")
 def test_hybrid_step_batch_not_divisible_by_dp_raises():
-    messages = launch(_bad_batch_rank, 2, timeout=30)
+    messages = launch(_bad_batch_rank, 2, timeout=launch_timeout(20))
     assert all(m is not None for m in messages), messages

@@ -15,6 +15,7 @@ import torch
 from labkit.grading import impl
 from labkit.launch import LaunchError, launch
 from labkit.schedules import first_difference, parse_schedule, simulate, theoretical_bubble, validate
+from labkit.cases import launch_timeout
 
 HUNG = []  # a launch of this module that timed out: the later real-rank tests are not run
 
@@ -227,5 +228,5 @@ def test_communicate_two_ranks_one_f_one_b_no_hang_and_blocking_gpipe():
 def test_pipeline_gradients_equal_single_device_m_1_2_4_8(p):
     if HUNG:
         pytest.fail(f"not run: {HUNG[0]} hung earlier in this module (fix that first)", pytrace=False)
-    results = launch(_pipeline_rank, p, timeout=60)
+    results = launch(_pipeline_rank, p, timeout=launch_timeout(30))
     _assert_equals_single_model(results, p, lambda key: f"{key}")

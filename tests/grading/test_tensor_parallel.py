@@ -19,8 +19,9 @@ from labkit.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
 from labkit.launch import launch
 from labkit.model import SwiGLU, Attention, build_model, get_config
+from labkit.cases import launch_timeout
 
-TIMEOUT = 60
+TIMEOUT = launch_timeout(20)  # a hang is reported by the launcher, with stacks, in seconds
 
 # torch imports modules lazily on first use (sympy on the first backward, DTensor on the first
 # assert_close): seconds each on 2 busy cores. Pay it once here, before the ranks fork.
