@@ -64,7 +64,8 @@ class FlatShard:
     def __init__(self, params, group=None, name: str = ""):
         self.params, self.group, self.name = list(params), group, name
         if not self.params:
-            raise ValueError(f"unit {name!r} has no trainable parameter to shard")
+            raise ValueError(f"unit {name!r} has no trainable parameter to shard: leave a frozen block "
+                             "out of blocks=[...] (it then stays whole on every rank)")
         if len({(p.dtype, p.device) for p in self.params}) > 1:
             raise ValueError(f"unit {name!r} mixes dtypes or devices: cast the model first (model.float())")
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -125,6 +126,9 @@ class ZeRO3:
     trainable parameter forms the root unit, gathered in the model's pre-forward hook and kept
     until its gradients are reduced. Raises ValueError when there is no block to wrap, or when
     a parameter is shared by two units (tie weights inside one unit, e.g. embedding and head).
+    A block without trainable parameters cannot be a unit: leave it out of `blocks` (it then runs
+    whole, as given). Every rank must use the same parameters in its forward, so that the hooks
+    issue the same collectives in the same order everywhere.
     Usage, once per step (every rank):
         loss = model(x, y); loss.backward(); zero3.finish(); opt.step(); opt.zero_grad()
     with `opt = torch.optim.AdamW(zero3.shards(), ...)`. finish() reduces the units whose
@@ -248,10 +252,8 @@ class ZeRO3:
     def finish(self) -> None:
         """After backward: reduce the units still waiting for a gradient (zeros), free everything."""
         for unit in self._all_units():
-            if len(unit.pending) < len(unit.params):  # some gradients arrived, not all
-                self.reduced_elements += unit.flat.numel()
-                unit.reduce_grads()
-            elif unit.shard.grad is None:  # none arrived on this rank: the others may have some
+            # not reduced by its hook: some (or all) of its gradients never arrived
+            if len(unit.pending) < len(unit.params) or unit.shard.grad is None:
                 self.reduced_elements += unit.flat.numel()
                 unit.reduce_grads()
             unit.reshard()
