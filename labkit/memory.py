@@ -161,9 +161,9 @@ def max_params(gpu_bytes: float, world_size: int, stage: str = "dp", precision: 
     return n
 
 
-def memory_table(n_params: int, world_size: int, precision: str = "mixed") -> list[dict]:
+def memory_table(n_params: int, world_size: int, precision: str = "mixed", offload: bool = False) -> list[dict]:
     """One row per stage: memory_per_rank plus the stage's name."""
-    return [dict(stage=s, name=STAGE_NAMES[s], **memory_per_rank(n_params, world_size, s, precision))
+    return [dict(stage=s, name=STAGE_NAMES[s], **memory_per_rank(n_params, world_size, s, precision, offload))
             for s in STAGES]
 
 
@@ -175,24 +175,26 @@ def format_bytes(n: float) -> str:
         n /= 1024
 
 
-def format_table(n_params: int, world_size: int, precision: str = "mixed") -> str:
-    """The memory table as aligned text, per rank."""
-    head = f"{'per rank':30s} {'params':>12s} {'grads':>12s} {'optimizer':>12s} {'total':>12s}"
+def format_table(n_params: int, world_size: int, precision: str = "mixed", offload: bool = False) -> str:
+    """The memory table as aligned text, per rank (with offload: the device's bytes, then the host's)."""
+    keys = ("params", "grads", "optimizer", "total") + (("offloaded",) if offload else ())
+    head = f"{'per rank':30s} " + " ".join(f"{'host' if k == 'offloaded' else k:>12s}" for k in keys)
     lines = [f"{n_params:,} parameters, {world_size} ranks, {precision} "
-             f"({'+'.join(str(b) for b in PRECISIONS[precision].values())} bytes/param)", head]
-    for row in memory_table(n_params, world_size, precision):
-        lines.append(f"{row['name']:30s} " + " ".join(f"{format_bytes(row[k]):>12s}"
-                                                       for k in ("params", "grads", "optimizer", "total")))
+             f"({'+'.join(str(b) for b in PRECISIONS[precision].values())} bytes/param)"
+             + (", optimizer states offloaded to the host" if offload else ""), head]
+    for row in memory_table(n_params, world_size, precision, offload):
+        lines.append(f"{row['name']:30s} " + " ".join(f"{format_bytes(row[k]):>12s}" for k in keys))
     return "\n".join(lines)
 
 
-def plot_memory(n_params: int, world_size: int, precision: str = "mixed", gpu_bytes: float | None = None, ax=None):
-    """Stacked bars of params / grads / optimizer states per rank for each stage."""
+def plot_memory(n_params: int, world_size: int, precision: str = "mixed", gpu_bytes: float | None = None, ax=None,
+                offload: bool = False):
+    """Stacked bars of params / grads / optimizer states per rank (on the device) for each stage."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5))
-    rows = memory_table(n_params, world_size, precision)
+    rows = memory_table(n_params, world_size, precision, offload)
     unit, scale = ("GiB", 2**30) if rows[0]["total"] >= 2**30 else ("MiB", 2**20)
     bottom = [0.0] * len(rows)
     for state, color in (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green")):
@@ -221,19 +223,21 @@ def calculator(n_params: int | None = None, world_size: int = 8, precision: str 
                               continuous_update=False)
     prec = w.Dropdown(options=list(PRECISIONS), value=precision, description="precision")
     gpu = w.FloatText(value=gpu_gib, description="GPU GiB")
+    offload = w.Checkbox(value=False, description="offload optimizer states to the CPU")
     out = w.Output()
 
     def update(*_):
         with out:
             out.clear_output(wait=True)
             n = int(params.value)
-            print(format_table(n, ranks.value, prec.value))
-            fits = [s for s in STAGES if memory_per_rank(n, ranks.value, s, prec.value)["total"] <= gpu.value * 2**30]
+            print(format_table(n, ranks.value, prec.value, offload.value))
+            fits = [s for s in STAGES if memory_per_rank(n, ranks.value, s, prec.value, offload.value)["total"]
+                    <= gpu.value * 2**30]
             print(f"model states fit in {gpu.value:g} GiB with: {', '.join(fits) or 'none of the stages'}")
-            plot_memory(n, ranks.value, prec.value, gpu.value * 2**30)
+            plot_memory(n, ranks.value, prec.value, gpu.value * 2**30, offload=offload.value)
             plt.show()
 
-    for widget in (params, ranks, prec, gpu):
+    for widget in (params, ranks, prec, gpu, offload):
         widget.observe(update, names="value")
     update()
-    return w.VBox([w.HBox([params, ranks]), w.HBox([prec, gpu]), out])
+    return w.VBox([w.HBox([params, ranks]), w.HBox([prec, gpu]), offload, out])

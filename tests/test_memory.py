@@ -102,3 +102,9 @@ def test_suggest_names_the_zero_stage_it_assumes(args, kwargs, stage, word):
     got = memory.suggest(*args, **kwargs)
     assert got["stage"] == stage and word in got["plan"], got
     assert got["per_gpu"] <= 0.7 * args[1] * 1e9
+
+
+def test_format_table_with_offload_shows_host_bytes():
+    text = memory.format_table(memory.param_count(memory.LLAMA_7B), 8, "mixed", offload=True)
+    assert "host" in text and "offloaded to the host" in text
+    assert text.count("\n") == 1 + len(memory.STAGES)
