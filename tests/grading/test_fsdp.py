@@ -209,11 +209,15 @@ def test_zero3(world, case):
 
 
 def _no_blocks(rank, world):
-    impl("fsdp").ZeRO3(Chain())  # a model with blocks works
-    impl("fsdp").ZeRO3(nn.Linear(3, 3))
+    impl("fsdp").ZeRO3(Chain())  # a model with blocks works (an unwritten stub raises here)
+    try:
+        impl("fsdp").ZeRO3(nn.Linear(3, 3))
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 @pytest.mark.exercise("ZeRO3")
 def test_zero3_model_without_blocks_raises():
-    with pytest.raises(Exception, match="ValueError.*no blocks to wrap"):
-        launch(_no_blocks, 1, timeout=TIMEOUT)
+    (message,) = launch(_no_blocks, 1, timeout=TIMEOUT)
+    assert message is not None and "no blocks to wrap" in message, message

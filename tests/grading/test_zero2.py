@@ -146,11 +146,16 @@ def test_zero2(world, case):
 
 
 def _bad_bucket(rank, world, size):
-    impl("zero2").Zero2Optimizer(Odd(), bucket_size_mb=size)
+    try:  # an unwritten stub's NotImplementedError goes through: the test reports "not implemented"
+        impl("zero2").Zero2Optimizer(Odd(), bucket_size_mb=size)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 @pytest.mark.exercise("Zero2Optimizer")
 @pytest.mark.parametrize("size", [0, -1.0])
 def test_zero2_bucket_size_not_positive_raises(size):
-    with pytest.raises(Exception, match="ValueError.*bucket_size_mb must be positive"):
-        launch(_bad_bucket, 1, size, timeout=TIMEOUT)
+    (message,) = launch(_bad_bucket, 1, size, timeout=TIMEOUT)
+    assert message is not None, f"bucket_size_mb={size} must raise ValueError"
+    assert "bucket_size_mb must be positive" in message, message
