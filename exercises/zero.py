@@ -1,7 +1,7 @@
 # GENERATED from solutions/zero.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/09_zero_fsdp.ipynb.
-# untouched-stub fingerprint: 09c62406003a7fe7
-"""ZeRO stage 1 by hand: AdamW with its state sharded over the ranks (notebook 09_zero_fsdp).
+# untouched-stub fingerprint: 54f90f1ee2a23012
+"""ZeRO stage 1 by hand: an optimizer with its state sharded over the ranks (notebook 09_zero_fsdp).
 
 Plain data parallelism keeps a full copy of the optimizer state on every rank: for Adam,
 two fp32 tensors (exp_avg, exp_avg_sq) as large as the model, twice the parameters'
@@ -82,58 +82,92 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
 
 
-class ZeroAdamW:
-    """AdamW with ZeRO-1 sharding: each rank holds the optimizer state of 1/N of the parameters.
+def flatten_padded(tensors, total: int) -> torch.Tensor:
+    """The tensors flattened into one 1-D tensor, zero-padded to `total` elements."""
+    flat = [t.reshape(-1) for t in tensors]
+    pad = total - sum(t.numel() for t in flat)
+    return torch.cat(flat + [flat[0].new_zeros(pad)])
 
-    ZeroAdamW(params, lr, betas, eps, weight_decay, group) takes the same hyper-parameters as
-    torch.optim.AdamW (one parameter group; every rank passes the same parameters, in the same
-    order, with the same values). After loss.backward() on this rank's data, step():
-      - averages the gradients over the ranks AND shards them, with one reduce-scatter of the
-        flat, zero-padded gradient; a parameter whose .grad is None counts as a zero gradient;
-      - runs AdamW on this rank's shard only;
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1: any element-wise optimizer with its state sharded over the ranks of `group`.
+
+    ShardedOptimizer(params, optimizer_class=torch.optim.AdamW, group=None, **defaults) is a
+    torch.optim.Optimizer, called like torch's ZeroRedundancyOptimizer: `params` is an iterable
+    of parameters or of parameter-group dicts (every rank passes the same parameters, in the
+    same order, with the same values), `defaults` the optimizer's hyper-parameters (lr, ...).
+    After loss.backward() on this rank's data, step():
+      - averages the gradients over the ranks AND shards them: per parameter group, one
+        reduce-scatter of the flat, zero-padded gradient; a .grad of None counts as zeros;
+      - runs `optimizer_class` on this rank's shards only (one inner group per outer group,
+        with the outer group's hyper-parameters, copied at every step so that lr schedulers work);
       - all-gathers the updated shards and writes them back into every parameter, in place.
-    So every rank ends each step with the same parameters as plain DP + torch.optim.AdamW
-    (equal up to float rounding), with ~1/N of the optimizer state.
+    Every rank ends each step with the parameters of plain DP + optimizer_class, with ~1/N of
+    its state. Parameters with requires_grad=False are left alone.
 
-    Attributes the tests rely on: `shard` (an nn.Parameter: this rank's s = ceil(numel/N)
-    elements of the flat, padded parameters, elements [rank*s, (rank+1)*s)) and `optimizer`
-    (the torch.optim.AdamW that steps `shard`). The given helper `_flat` needs
-    `self.shard_size` (= s) to be set in __init__. Not supported: several parameter groups,
-    gradient clipping (it needs a norm over all shards), parameters of mixed dtypes.
+    Attributes: `shards` (one nn.Parameter per parameter group: this rank's s = ceil(numel/N)
+    elements [rank*s, (rank+1)*s) of the group's flat, padded parameters), `shard_sizes` (the s
+    of each group) and `optimizer` (the inner optimizer_class instance that steps `shards`).
+    Sharding cuts tensors at arbitrary elements, so the inner optimizer must be element-wise
+    (SGD, Adam, AdamW, ...: not LAMB or Adafactor, which need whole tensors). Not supported:
+    gradient clipping (a norm over all shards), mixed dtypes or devices within a group,
+    state_dict() (the state is spread over the ranks).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, group=None):
-        self.params = [p for p in params if p.requires_grad]
-        if not self.params:
-            raise ValueError("ZeroAdamW got no parameter that requires grad: pass model.parameters()")
-        if len({(p.dtype, p.device) for p in self.params}) > 1:
-            raise ValueError("ZeroAdamW needs every parameter on one device with one dtype: "
-                             "cast the model first (model.float())")
-        self.group = group
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, group=None, **defaults):
+        self.group, self.optimizer_class = group, optimizer_class
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.numel = sum(p.numel() for p in self.params)
-        raise NotImplementedError("exercise ZeroAdamW is not implemented yet: edit exercises/zero.py, see notebooks/09_zero_fsdp.ipynb")
+        self.shards, self.shard_sizes, self.optimizer = [], [], None
+        super().__init__(params, defaults)  # calls add_param_group once per group
+        if not self.shards:
+            raise ValueError("ShardedOptimizer got no parameter that requires grad: pass model.parameters()")
+        self.state = self.optimizer.state  # the (sharded) state lives in the inner optimizer
 
-    def _flat(self, tensors) -> torch.Tensor:
-        """The tensors flattened into one 1-D tensor, zero-padded to shard_size * world_size."""
-        pad = tensors[0].new_zeros(self.shard_size * self.world_size - self.numel)
-        return torch.cat([t.reshape(-1) for t in tensors] + [pad])
+    @staticmethod
+    def _trainable(group) -> list:
+        return [p for p in group["params"] if p.requires_grad]
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (as torch.optim.Optimizer does) and create this rank's shard of it."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        params = self._trainable(group)
+        if not params:
+            raise ValueError("a parameter group has no parameter that requires grad: drop it")
+        if len({(p.dtype, p.device) for p in params}) > 1:
+            raise ValueError("ShardedOptimizer needs the parameters of a group on one device with one dtype: "
+                             "cast the model first (model.float())")
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        raise NotImplementedError("exercise ShardedOptimizer is not implemented yet: edit exercises/zero.py, see notebooks/09_zero_fsdp.ipynb")
 
     @property
-    def param_groups(self):
-        return self.optimizer.param_groups  # so that lr schedulers can drive it
+    def shard(self) -> nn.Parameter:
+        """The shard of the first (often only) parameter group."""
+        return self.shards[0]
 
     @torch.no_grad()
-    def step(self) -> None:
-        raise NotImplementedError("exercise ZeroAdamW is not implemented yet: edit exercises/zero.py, see notebooks/09_zero_fsdp.ipynb")
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
+            inner.update({k: v for k, v in outer.items() if k != "params"})  # lr schedulers write outer
+        raise NotImplementedError("exercise ShardedOptimizer is not implemented yet: edit exercises/zero.py, see notebooks/09_zero_fsdp.ipynb")
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        super().zero_grad(set_to_none)
+        self.optimizer.zero_grad(set_to_none)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank (exp_avg, exp_avg_sq of the shard, step)."""
+        """Bytes of optimizer state on this rank (e.g. exp_avg, exp_avg_sq of the shards, step)."""
         return optimizer_state_bytes(self.optimizer)
+
+
+class ZeroAdamW(ShardedOptimizer):
+    """ShardedOptimizer(params, torch.optim.AdamW, group, lr=, betas=, eps=, weight_decay=)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, group=None):
+        super().__init__(params, torch.optim.AdamW, group, lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay)

@@ -75,3 +75,36 @@ def test_calculator_builds_widget():
     matplotlib.use("Agg")
     box = memory.calculator(memory.param_count("seed"), world_size=4)
     assert type(box).__name__ == "VBox"
+
+
+def test_memory_per_rank_offload_moves_optimizer_states_to_host():
+    got = memory.memory_per_rank(10, 4, "zero2", "fp32", offload=True)
+    assert got == dict(params=40, grads=12, optimizer=0, total=52, offloaded=24)
+    mixed = memory.memory_per_rank(1000, 1, "dp", "mixed", offload=True)
+    assert mixed["total"] == 4 * 1000 and mixed["offloaded"] == 12 * 1000  # 2 + 2 on the GPU, 12 on the host
+
+
+def test_suggest_zero3_needs_one_gathered_layer_not_16_bytes_of_it():
+    # 3B params, a 2B-parameter layer, 8 x 24 GB (16.8 GB budget): 16 x 2B = 32 GB would call for TP,
+    # but under ZeRO-3 only the gathered layer's params + grads (4 x 2B = 8 GB) sit next to 6 GB of shards
+    got = memory.suggest(3_000_000_000, 24, 8, largest_layer_params=2_000_000_000)
+    assert got["stage"] == "zero3" and "TP" not in got["plan"]
+    assert got["per_gpu"] == 16 * 3_000_000_000 // 8 + 4 * 2_000_000_000
+
+
+@pytest.mark.parametrize("args,kwargs,stage,word", [
+    ((memory.param_count("seed"), 8, 1), {}, "dp", "DP"),
+    ((7_000_000_000, 80, 8), {}, "zero3", "ZeRO-3"),
+    ((3_000_000_000, 24, 8), dict(largest_layer_params=6_000_000_000), "zero3", "TP=4"),
+    ((7_000_000_000, 24, 16), dict(gpus_per_node=4, fast_inter_node=False), "zero1", "PP="),
+])
+def test_suggest_names_the_zero_stage_it_assumes(args, kwargs, stage, word):
+    got = memory.suggest(*args, **kwargs)
+    assert got["stage"] == stage and word in got["plan"], got
+    assert got["per_gpu"] <= 0.7 * args[1] * 1e9
+
+
+def test_format_table_with_offload_shows_host_bytes():
+    text = memory.format_table(memory.param_count(memory.LLAMA_7B), 8, "mixed", offload=True)
+    assert "host" in text and "offloaded to the host" in text
+    assert text.count("\n") == 1 + len(memory.STAGES)

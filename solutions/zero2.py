@@ -1,0 +1,165 @@
+"""ZeRO-2 by hand: optimizer state AND gradients sharded over the ranks (notebook 09_zero_fsdp).
+
+ZeRO-1 still builds every rank's full gradient, then reduce-scatters it in the step. ZeRO-2
+reduce-scatters the gradients DURING backward, bucket by bucket, as the bucketed DP of
+notebook 04 all-reduces them, but each rank keeps only its shard of each bucket: as soon as a
+bucket's reduce-scatter is launched its parameters' full .grad are dropped, and the flat
+buffer goes once the collective is done. At most two buckets of full gradient exist at once
+(the one being reduced, the one being filled) next to the 1/N shards:
+
+    backward   post-accumulate-grad hook: when a bucket's gradients are all there, flatten
+               them (zero-padded to a multiple of N), drop the params' .grad, start an async
+               reduce-scatter (waiting first for the previous bucket: its buffer is freed)
+    step()     wait for the last buckets, average, step the optimizer on the shards,
+               all-gather each bucket's updated shard back into the parameters
+
+Every rank ends each step with the parameters of DP + the same optimizer. Communication:
+one reduce-scatter + one all-gather per bucket = DP's all-reduce.
+"""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .zero import all_gather_flat, flatten_padded, optimizer_state_bytes, shard_size
+
+NOTEBOOK = "09_zero_fsdp"
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Zero2Optimizer:
+    """ZeRO-2: Zero2Optimizer(model, optimizer_class=torch.optim.AdamW, bucket_size_mb=25.0, group=None, **defaults).
+
+    Trainable parameters (model.parameters(): tied weights once, frozen ones never) are put in
+    REVERSE order into buckets of about bucket_size_mb MB, as BucketedDataParallel does (a larger
+    parameter gets a bucket of its own). Bucket i is a flat vector padded to a multiple of N; rank r
+    owns its elements [r*s_i, (r+1)*s_i), s_i = ceil(numel_i / N), as the nn.Parameter `shards[i]`.
+    `optimizer` = optimizer_class(shards, **defaults) (element-wise optimizers only, as ZeRO-1).
+    Usage: loss.backward(); opt.step(); opt.zero_grad(). A .grad that is None when its bucket is
+    reduced counts as zeros. Attributes: `buckets` (lists of Parameters, buckets[0] = the LAST
+    parameters of the model), `shards`, `optimizer`, and `peak_grad_bytes`: the most bytes of
+    gradient (full .grad, bucket buffers, shard gradients) seen at once by the hooks and step().
+    Raises ValueError when bucket_size_mb <= 0 or no parameter requires grad. One backward per
+    step(): a second backward before step() raises RuntimeError.
+    """
+
+    def __init__(self, model: nn.Module, optimizer_class=torch.optim.AdamW, bucket_size_mb: float = 25.0,
+                 group=None, **defaults):
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no parameter that requires grad")
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.peak_grad_bytes = 0
+        ### BEGIN SOLUTION
+        if not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}: "
+                             "use e.g. 25 (MB of gradient per reduce-scatter)")
+        limit = bucket_size_mb * 2**20
+        self.buckets, current, size = [], [], 0
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > limit:
+                self.buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        self.buckets.append(current)
+        self.sizes = [shard_size(sum(p.numel() for p in b), self.world_size) for b in self.buckets]
+        self.shards = []
+        for bucket, s in zip(self.buckets, self.sizes):
+            flat = flatten_padded([p.detach() for p in bucket], s * self.world_size)
+            self.shards.append(nn.Parameter(flat[self.rank * s:(self.rank + 1) * s].clone()))
+        self.optimizer = optimizer_class(self.shards, **defaults)
+        self._bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._bucket_of]
+        self._reset()
+        ### END SOLUTION
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups  # so that lr schedulers can drive it
+
+    def _reset(self):
+        self._ready = [set() for _ in self.buckets]  # ids of the params whose grad is ready
+        self._pending = [None] * len(self.buckets)  # (work or None, shard gradient, flat buffer or None)
+        self._next = 0  # the next bucket to launch: launches happen in bucket order
+
+    def _track(self):
+        """Bytes of gradient alive now: params' .grad, buffers in flight, shard gradients."""
+        live = sum(p.grad.numel() * p.grad.element_size() for p in self._bucket_of if p.grad is not None)
+        for entry in self._pending:
+            if entry is not None:
+                live += sum(t.numel() * t.element_size() for t in entry[1:] if t is not None)
+        self.peak_grad_bytes = max(self.peak_grad_bytes, live)
+
+    def _grad_ready(self, param):
+        """Hook: param's .grad is final for this backward; launch every complete bucket in order."""
+        ### BEGIN SOLUTION
+        i = self._bucket_of[param]
+        if self._pending[i] is not None or id(param) in self._ready[i]:
+            raise RuntimeError("Zero2Optimizer: a second backward before step(); "
+                               "call step() after every backward (no gradient accumulation)")
+        self._ready[i].add(id(param))
+        self._track()
+        while self._next < len(self.buckets) and len(self._ready[self._next]) == len(self.buckets[self._next]):
+            self._launch(self._next)
+        ### END SOLUTION
+
+    def _finish_bucket(self, i):
+        """Wait for bucket i's reduce-scatter and free its flat buffer; keep the shard's SUM."""
+        work, out, flat = self._pending[i]
+        if work is not None:
+            work.wait()
+        self._pending[i] = (None, out, None)
+
+    def _launch(self, i):
+        """Start bucket i's async reduce-scatter (SUM); its full gradients are dropped."""
+        ### BEGIN SOLUTION
+        if i > 0:
+            self._finish_bucket(i - 1)  # at most two full buckets alive: the previous one is freed now
+        bucket = self.buckets[i]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+        flat = flatten_padded(grads, self.sizes[i] * self.world_size)
+        for p in bucket:
+            p.grad = None  # the full gradient lives on only in `flat`, until the collective is done
+        out = torch.empty(self.sizes[i], dtype=flat.dtype, device=flat.device)
+        work = _reduce_scatter(out, flat, group=self.group, async_op=True)
+        self._pending[i] = (work, out, flat)
+        self._next = i + 1
+        self._track()
+        ### END SOLUTION
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Launch the waiting buckets, wait, average, step the shards, all-gather the parameters."""
+        ### BEGIN SOLUTION
+        while self._next < len(self.buckets):  # buckets holding a parameter that got no grad
+            self._launch(self._next)
+        for i, shard in enumerate(self.shards):
+            self._finish_bucket(i)
+            shard.grad = self._pending[i][1].div_(self.world_size)
+        self._track()
+        self.optimizer.step()
+        for bucket, shard in zip(self.buckets, self.shards):
+            flat = all_gather_flat(shard.detach(), self.group)
+            offset = 0
+            for p in bucket:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self._reset()
+        ### END SOLUTION
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+        for p in self._bucket_of:
+            p.grad = None
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank."""
+        return optimizer_state_bytes(self.optimizer)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
