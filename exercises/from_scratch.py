@@ -1,15 +1,16 @@
 # GENERATED from solutions/from_scratch.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/00_setup.ipynb.
-# untouched-stub fingerprint: b2697f311242af33
+# untouched-stub fingerprint: 0f82dabd52ccefd5
 """A distributed job from scratch, without labkit (notebook 00_setup).
 
 The boilerplate every PyTorch distributed script has, in three short functions:
 
-    run(world_size)      the launcher: torch.multiprocessing.spawn starts world_size processes,
-                         each calls worker(local_rank, ...)
-    worker(local_rank)   one process: setup(), the work (one all-reduce), destroy_process_group()
-    setup(rank, ...)     join the job: torch.cuda.set_device(local_rank) on GPUs, then
-                         dist.init_process_group; returns this process's device
+    spawn_job(world_size)     the launcher: torch.multiprocessing.spawn starts world_size
+                              processes, each calls rank_worker(local_rank, ...)
+    rank_worker(local_rank)   one process: setup_rank(), the work (one all-reduce),
+                              destroy_process_group()
+    setup_rank(rank, ...)     join the job: torch.cuda.set_device(local_rank) on GPUs, then
+                              dist.init_process_group; returns this process's device
 
 The file is also a script, so you can run it as such:
 
@@ -17,7 +18,7 @@ The file is also a script, so you can run it as such:
     torchrun --nproc-per-node 4 exercises/from_scratch.py            # torchrun starts them instead
 
 Its last line is one JSON object: {"world_size": N, "backend": ..., "sums": [...]}.
-The rendezvous is `env://`: MASTER_ADDR and MASTER_PORT come from the environment (run() sets
+The rendezvous is `env://`: MASTER_ADDR and MASTER_PORT come from the environment (spawn_job() sets
 them; torchrun sets them itself, with RANK, LOCAL_RANK and WORLD_SIZE).
 """
 import argparse
@@ -47,7 +48,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def setup(rank: int, world_size: int, local_rank: int, backend: str) -> torch.device:
+def setup_rank(rank: int, world_size: int, local_rank: int, backend: str) -> torch.device:
     """Join the job as `rank` of `world_size` and return this process's device.
 
     backend "nccl": first torch.cuda.set_device(local_rank) (each process drives the GPU of
@@ -62,35 +63,35 @@ def setup(rank: int, world_size: int, local_rank: int, backend: str) -> torch.de
         raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (one GPU per process), got {backend!r}")
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
-        raise ValueError(f"{' and '.join(missing)} not set: the launcher (run() or torchrun) sets them; "
+        raise ValueError(f"{' and '.join(missing)} not set: the launcher (spawn_job() or torchrun) sets them; "
                          "by hand: os.environ['MASTER_ADDR'] = '127.0.0.1', os.environ['MASTER_PORT'] = '29500'")
-    raise NotImplementedError("exercise setup is not implemented yet: edit exercises/from_scratch.py, see notebooks/00_setup.ipynb")
+    raise NotImplementedError("exercise setup_rank is not implemented yet: edit exercises/from_scratch.py, see notebooks/00_setup.ipynb")
 
 
-def worker(local_rank: int, world_size: int, backend: str, results=None) -> float:
+def rank_worker(local_rank: int, world_size: int, backend: str, results=None) -> float:
     """One process of the job (torch.multiprocessing.spawn calls it with local_rank first).
 
     rank = $RANK when set (torchrun, several nodes), else local_rank (spawn on one node).
-    Joins with setup(), all-reduces (SUM) the tensor [rank + 1.0] on its device, puts
+    Joins with setup_rank(), all-reduces (SUM) the tensor [rank + 1.0] on its device, puts
     (rank, sum) on `results` (a queue, when given) and returns the sum; the process group is
     destroyed (dist.destroy_process_group) before returning, even when the work raised.
     """
     rank = int(os.environ.get("RANK", local_rank))
-    raise NotImplementedError("exercise worker is not implemented yet: edit exercises/from_scratch.py, see notebooks/00_setup.ipynb")
+    raise NotImplementedError("exercise rank_worker is not implemented yet: edit exercises/from_scratch.py, see notebooks/00_setup.ipynb")
 
 
-def run(world_size: int, backend: str | None = None) -> list[float]:
+def spawn_job(world_size: int, backend: str | None = None) -> list[float]:
     """Start `world_size` processes on this machine with torch.multiprocessing.spawn.
 
     Sets MASTER_ADDR=127.0.0.1 and MASTER_PORT (a free port) in the environment (the
     children inherit it), picks the backend with choose_backend(world_size) unless given,
-    spawns worker(local_rank, world_size, backend, queue) and waits for all of them
+    spawns rank_worker(local_rank, world_size, backend, queue) and waits for all of them
     (mp.spawn raises if one fails). Returns every rank's sum, in rank order.
     world_size < 1: ValueError.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    raise NotImplementedError("exercise run is not implemented yet: edit exercises/from_scratch.py, see notebooks/00_setup.ipynb")
+    raise NotImplementedError("exercise spawn_job is not implemented yet: edit exercises/from_scratch.py, see notebooks/00_setup.ipynb")
 
 
 def main(argv=None) -> None:
@@ -103,12 +104,12 @@ def main(argv=None) -> None:
         if "LOCAL_RANK" in os.environ:  # torchrun started this process: it is one rank
             world_size = int(os.environ["WORLD_SIZE"])
             backend = args.backend or choose_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-            total = worker(int(os.environ["LOCAL_RANK"]), world_size, backend)
+            total = rank_worker(int(os.environ["LOCAL_RANK"]), world_size, backend)
             if int(os.environ["RANK"]) == 0:
                 print(json.dumps({"world_size": world_size, "backend": backend, "sums": [total]}))
         else:
             backend = args.backend or choose_backend(args.world_size)
-            sums = run(args.world_size, backend)
+            sums = spawn_job(args.world_size, backend)
             print(json.dumps({"world_size": args.world_size, "backend": backend, "sums": sums}))
     except (NotImplementedError, mp.ProcessRaisedException) as error:
         stub = [line for line in str(error).splitlines() if "is not implemented yet" in line]

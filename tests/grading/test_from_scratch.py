@@ -1,4 +1,5 @@
-"""Grading tests for notebook 00_setup: the from-scratch boilerplate (setup, worker, run).
+"""Grading tests for notebook 00_setup: the from-scratch boilerplate (setup_rank, rank_worker,
+spawn_job).
 
 Run: pytest tests/grading/test_from_scratch.py   (add --impl=solutions for the reference)
 
@@ -77,13 +78,13 @@ def in_forked_ranks(body, world_size, timeout=TIMEOUT):
     return [results[r][1] for r in range(world_size)]
 
 
-@pytest.mark.exercise("setup")
+@pytest.mark.exercise("setup_rank")
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_setup_joins_a_gloo_group(world_size):
+def test_setup_rank_joins_a_gloo_group(world_size):
     def body(rank, n):
-        device = impl("from_scratch").setup(rank, n, rank, "gloo")
+        device = impl("from_scratch").setup_rank(rank, n, rank, "gloo")
         assert device == torch.device("cpu"), f"gloo ranks compute on the CPU, got {device}"
-        assert dist.is_initialized(), "setup must call dist.init_process_group"
+        assert dist.is_initialized(), "setup_rank must call dist.init_process_group"
         got = (dist.get_rank(), dist.get_world_size(), dist.get_backend())
         t = torch.tensor([rank + 1])
         dist.all_reduce(t)
@@ -93,8 +94,8 @@ def test_setup_joins_a_gloo_group(world_size):
     assert results == [(r, world_size, "gloo", world_size * (world_size + 1) // 2) for r in range(world_size)]
 
 
-@pytest.mark.exercise("setup")
-def test_setup_nccl_sets_the_gpu_of_the_local_rank_before_init(monkeypatch):
+@pytest.mark.exercise("setup_rank")
+def test_setup_rank_nccl_sets_the_gpu_of_the_local_rank_before_init(monkeypatch):
     """No GPU needed: set_device and init_process_group are replaced by recorders."""
     module = impl("from_scratch")
     calls = []
@@ -103,34 +104,34 @@ def test_setup_nccl_sets_the_gpu_of_the_local_rank_before_init(monkeypatch):
                         lambda backend=None, *a, **kw: calls.append(("init", backend, kw.get("rank"), kw.get("world_size"))))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    device = module.setup(5, 8, 1, "nccl")  # rank 5 of 8 = local rank 1 on the second node of 4 GPUs
+    device = module.setup_rank(5, 8, 1, "nccl")  # rank 5 of 8 = local rank 1 on the second node of 4 GPUs
     assert device == torch.device("cuda", 1), f"rank with local_rank 1 drives cuda:1, got {device}"
     assert calls == [("set_device", 1), ("init", "nccl", 5, 8)], (
         f"expected torch.cuda.set_device(1) then dist.init_process_group('nccl', rank=5, world_size=8); got {calls}")
 
 
-@pytest.mark.exercise("worker")
-def test_worker_all_reduces_and_destroys_the_process_group():
+@pytest.mark.exercise("rank_worker")
+def test_rank_worker_all_reduces_and_destroys_the_process_group():
     def body(rank, n):
         queue = []
 
         class Recorder:  # a queue's put(), in this process
             put = queue.append
-        total = impl("from_scratch").worker(rank, n, "gloo", Recorder())
-        assert not dist.is_initialized(), "worker must call dist.destroy_process_group() before returning"
+        total = impl("from_scratch").rank_worker(rank, n, "gloo", Recorder())
+        assert not dist.is_initialized(), "rank_worker must call dist.destroy_process_group() before returning"
         return total, queue
     results = in_forked_ranks(body, 3)
     assert results == [(6.0, [(r, 6.0)]) for r in range(3)], results
 
 
-@pytest.mark.exercise("worker")
-def test_worker_destroys_the_process_group_when_the_work_raises(monkeypatch):
+@pytest.mark.exercise("rank_worker")
+def test_rank_worker_destroys_the_process_group_when_the_work_raises(monkeypatch):
     def body(rank, n):
         def broken(*args, **kwargs):
             raise RuntimeError("the work failed")
         dist.all_reduce = broken  # this forked process only
         try:
-            impl("from_scratch").worker(rank, n, "gloo")
+            impl("from_scratch").rank_worker(rank, n, "gloo")
         except RuntimeError as e:
             if "the work failed" not in str(e):
                 raise
@@ -138,8 +139,8 @@ def test_worker_destroys_the_process_group_when_the_work_raises(monkeypatch):
     assert in_forked_ranks(body, 2) == [False, False], "destroy_process_group must run even when the work raises (try/finally)"
 
 
-@pytest.mark.exercise("run")
-def test_run_spawns_the_script_world_size_2(world_size=2):
+@pytest.mark.exercise("spawn_job")
+def test_spawn_job_runs_the_script_world_size_2(world_size=2):
     """The file as a script: `python <file> --world-size N --backend gloo`, its last line JSON."""
     path = impl("from_scratch").__file__
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
