@@ -1,6 +1,6 @@
 # GENERATED from solutions/from_scratch.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/00_setup.ipynb.
-# untouched-stub fingerprint: 0f82dabd52ccefd5
+# untouched-stub fingerprint: e25e9ab53c235a0c
 """A distributed job from scratch, without labkit (notebook 00_setup).
 
 The boilerplate every PyTorch distributed script has, in three short functions:
@@ -17,7 +17,8 @@ The file is also a script, so you can run it as such:
     python exercises/from_scratch.py --world-size 4                  # spawns 4 processes
     torchrun --nproc-per-node 4 exercises/from_scratch.py            # torchrun starts them instead
 
-Its last line is one JSON object: {"world_size": N, "backend": ..., "sums": [...]}.
+Its last line is one JSON object: {"world_size": N, "backend": ..., "sums": [every rank's sum]}
+(under torchrun, rank 0 prints it with its own sum only: the processes share nothing else).
 The rendezvous is `env://`: MASTER_ADDR and MASTER_PORT come from the environment (spawn_job() sets
 them; torchrun sets them itself, with RANK, LOCAL_RANK and WORLD_SIZE).
 """

@@ -14,7 +14,8 @@ The file is also a script, so you can run it as such:
     python exercises/from_scratch.py --world-size 4                  # spawns 4 processes
     torchrun --nproc-per-node 4 exercises/from_scratch.py            # torchrun starts them instead
 
-Its last line is one JSON object: {"world_size": N, "backend": ..., "sums": [...]}.
+Its last line is one JSON object: {"world_size": N, "backend": ..., "sums": [every rank's sum]}
+(under torchrun, rank 0 prints it with its own sum only: the processes share nothing else).
 The rendezvous is `env://`: MASTER_ADDR and MASTER_PORT come from the environment (spawn_job() sets
 them; torchrun sets them itself, with RANK, LOCAL_RANK and WORLD_SIZE).
 """
