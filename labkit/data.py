@@ -216,6 +216,17 @@ def _encode(name: str, source: str, max_stories: int | None) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def token_cache_path(name: str = "tinystories", max_stories: int | None = None) -> Path:
+    """Where load_tokens keeps a shipped corpus's encoded tokens (uint16 .npy, a pre-tokenised shard).
+
+    The name holds the corpus, the cache version and a digest of the corpus and tokenizer
+    files, so a changed corpus or tokenizer is encoded again instead of read stale.
+    """
+    _check_name(name)
+    digest = _file_digest(FILES[name], *([TOKENIZER_PATH] if name == "tinystories" else []))
+    return cache_dir() / f"{name}-v{CACHE_VERSION}-{max_stories or 'all'}-{digest}.npy"
+
+
 def load_tokens(name: str = "tinystories", source: str = "local", max_stories: int | None = None) -> torch.Tensor:
     """The corpus as one 1-D LongTensor of token ids (do not modify it in place: it is cached).
 
@@ -230,10 +241,7 @@ def load_tokens(name: str = "tinystories", source: str = "local", max_stories: i
     key = (name, source, max_stories)
     if key in _TOKENS:
         return _TOKENS[key]
-    path = None
-    if source == "local":
-        digest = _file_digest(FILES[name], *([TOKENIZER_PATH] if name == "tinystories" else []))
-        path = cache_dir() / f"{name}-v{CACHE_VERSION}-{max_stories or 'all'}-{digest}.npy"
+    path = token_cache_path(name, max_stories) if source == "local" else None
     if path is not None and path.exists():
         tokens = torch.from_numpy(np.load(path).astype(np.int64))
     else:

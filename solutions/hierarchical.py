@@ -1,0 +1,128 @@
+"""A two-level (hierarchical) all-reduce, the shape real clusters use (notebook 03_allreduce, stretch).
+
+A cluster has fast links inside a node (NVLink, shared memory) and a slower network between
+nodes (InfiniBand, Ethernet). With ranks numbered node by node (node = rank // node_size,
+local = rank % node_size), the two-level all-reduce of a tensor of S bytes is:
+
+  1. intra-node reduce-scatter: local rank i of every node ends with the node's sum of chunk i
+     (the tensor cut into node_size chunks);
+  2. inter-node all-reduce of that chunk, among the ranks with the same local index, one per
+     node (node_size independent all-reduces of S / node_size bytes, in parallel);
+  3. intra-node all-gather: every rank gets every completed chunk.
+
+Only step 2 crosses the network, and with n_nodes ranks instead of world_size: 2(n_nodes - 1)
+network steps instead of the flat ring's 2(world_size - 1). `cost_model` gives both times.
+Horovod's hierarchical all-reduce and NCCL's intra-node rings around an inter-node ring or
+tree follow the same idea.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from labkit.mesh import Mesh
+
+NOTEBOOK = "03_allreduce"
+
+
+@dataclass
+class NodeGroups:
+    """This rank's two groups: `intra` (its node's ranks), `inter` (the same local index on every node)."""
+    node_size: int
+    n_nodes: int
+    node: int  # which node this rank is on
+    local: int  # its index inside the node (its group rank in `intra`)
+    intra: object
+    inter: object
+
+
+def node_groups(node_size: int) -> NodeGroups:
+    """Create the intra- and inter-node groups for nodes of `node_size` consecutive ranks.
+
+    Collective: every rank of the world calls it, with the same node_size. The layout is the
+    lab's mesh with the node as the outer axis and the local index as the inner one (the
+    grid arange(world).view(n_nodes, node_size)). Raises ValueError on every rank when
+    node_size does not divide the world size (nodes would be unequal).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
+        raise ValueError(f"node_size must be an int >= 1, got {node_size!r}")
+    if world % node_size:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(f"node_size={node_size} does not divide the world size {world}: the nodes would "
+                         f"be unequal; use one of {divisors}")
+    # dp = the node axis (outer), tp = the local axis (inner: neighbouring ranks share a node).
+    mesh = Mesh(world, dp=world // node_size, tp=node_size, rank=rank, groups=False)
+    intra = inter = None
+    for ranks in mesh.all_ranks("tp"):  # new_group is collective: all ranks, all groups, same order
+        group = dist.new_group(ranks)
+        intra = group if rank in ranks else intra
+    for ranks in mesh.all_ranks("dp"):
+        group = dist.new_group(ranks)
+        inter = group if rank in ranks else inter
+    return NodeGroups(node_size, world // node_size, mesh.coords()["dp"], mesh.coords()["tp"], intra, inter)
+
+
+def hierarchical_allreduce(tensor: torch.Tensor, groups: NodeGroups, inter_allreduce=None) -> torch.Tensor:
+    """Sum `tensor` over every rank of the world, in place, in two levels; return `tensor`.
+
+    groups: from node_groups(node_size). Steps (docstring of the module):
+      1. flatten (a contiguous copy), pad with zeros to a multiple of node_size, and
+         dist.reduce_scatter the node_size chunks over `groups.intra`: this rank keeps the
+         node's sum of chunk `groups.local`;
+      2. all-reduce that chunk over `groups.inter` with inter_allreduce(chunk, group=...)
+         (default dist.all_reduce; pass your ring from notebook 03 to use it between nodes);
+      3. dist.all_gather the chunks over `groups.intra`, drop the padding, copy back into
+         `tensor` (which may be non-contiguous).
+    Equal to dist.all_reduce(tensor) up to the order of the additions (exact for integers).
+    """
+    inter_allreduce = inter_allreduce or dist.all_reduce
+    ### BEGIN SOLUTION
+    flat = tensor.detach().reshape(-1).clone()
+    chunk_len = -(-flat.numel() // groups.node_size)  # ceil: the last chunk is padded with zeros
+    padded = torch.zeros(chunk_len * groups.node_size, dtype=flat.dtype, device=flat.device)
+    padded[:flat.numel()] = flat
+    pieces = list(padded.chunk(groups.node_size)) if chunk_len else [padded] * groups.node_size
+    mine = torch.empty(chunk_len, dtype=flat.dtype, device=flat.device)
+    dist.reduce_scatter(mine, pieces, group=groups.intra)  # 1. node sum of chunk `local`
+    inter_allreduce(mine, group=groups.inter)  # 2. over the network, 1/node_size of the bytes
+    gathered = [torch.empty_like(mine) for _ in range(groups.node_size)]
+    dist.all_gather(gathered, mine, group=groups.intra)  # 3. every rank, every chunk
+    with torch.no_grad():
+        tensor.copy_(torch.cat(gathered)[:flat.numel()].view(tensor.shape))
+    return tensor
+    ### END SOLUTION
+
+
+def cost_model(nbytes: float, n_nodes: int, node_size: int, intra_bw: float, inter_bw: float,
+               intra_latency: float = 0.0, inter_latency: float = 0.0, nics_per_node: int = 1) -> dict:
+    """Seconds of a flat ring and of the two-level all-reduce (alpha-beta model, a ring at each level).
+
+    intra_bw: bytes/s of one rank's link inside a node; inter_bw: bytes/s of one node's network
+    links together, spread over `nics_per_node` NICs (a GPU node often has one per GPU);
+    latencies in seconds per message. S = nbytes, N = n_nodes x node_size, M = n_nodes, L = node_size.
+    Flat ring over all N ranks, numbered node by node: 2(N-1) steps of S/N bytes, each paced by
+    the slowest link of the ring, a network hop, which goes through ONE NIC of the node:
+        2(N-1) x (inter_latency + S / (N x inter_bw / nics_per_node))
+    Two-level: reduce-scatter and all-gather inside the node (2(L-1) steps of S/L bytes on the
+    fast links), and L rings of S/L bytes between the nodes, in parallel, sharing all the
+    node's NICs (2(M-1) steps; per step the node's links carry L x S/(M L) = S/M bytes):
+        2(L-1) x (intra_latency + S / (L intra_bw)) + 2(M-1) x (inter_latency + S / (M inter_bw))
+    With one NIC the bandwidth terms are about equal (2S / inter_bw each): the gain is the
+    2(M-1) network latencies instead of 2(N-1). With a NIC per rank, the two-level version
+    also drives every NIC at once: about L times less time on the network.
+    Returns {"flat": s, "hierarchical": s, "flat_network_steps": .., "hierarchical_network_steps": ..}.
+    """
+    if n_nodes < 1 or node_size < 1 or nics_per_node < 1:
+        raise ValueError(f"need n_nodes, node_size, nics_per_node >= 1, got {n_nodes}, {node_size}, {nics_per_node}")
+    n, m, L = n_nodes * node_size, n_nodes, node_size
+    if m == 1:  # one node: the flat ring never leaves it, and the two levels are the same ring
+        flat = 2 * (n - 1) * (intra_latency + nbytes / (n * intra_bw))
+        return {"flat": flat, "hierarchical": flat, "flat_network_steps": 0, "hierarchical_network_steps": 0}
+    flat = 2 * (n - 1) * (inter_latency + nbytes / (n * inter_bw / nics_per_node))
+    hier = 2 * (L - 1) * (intra_latency + nbytes / (L * intra_bw)) + \
+        2 * (m - 1) * (inter_latency + nbytes / (m * inter_bw))
+    return {"flat": flat, "hierarchical": hier,
+            "flat_network_steps": 2 * (n - 1), "hierarchical_network_steps": 2 * (m - 1)}
