@@ -88,6 +88,13 @@ def run_as_scheduled_rank(world, fn, world_size, args, kwargs, backend, timeout,
     faulthandler.dump_traceback_later(timeout, exit=True, file=sys.stderr)
     try:
         result = fn(rank, size, *args, **kwargs)
+    except BaseException:
+        # A failed rank leaves at once: waiting at exit for peers that may be dead (or waiting
+        # for it) would only hold the job up until the store's own timeout.
+        import atexit
+
+        atexit.unregister(leave_together)
+        raise
     finally:
         faulthandler.cancel_dump_traceback_later()
     gathered = [None] * size
