@@ -23,6 +23,7 @@ Cost: about 2-3 minutes (JupyterLab and Chromium start, three notebooks in the q
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -110,11 +111,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _shot(page, path: Path, full_page=False):
-    """A screenshot is an artefact, not a verdict: a renderer too busy to take one only warns."""
+def _shot(page, path: Path):
+    """A screenshot is an artefact, not a verdict. Taken through CDP directly: Playwright's own
+    screenshot waits for web fonts, which a busy JupyterLab page can keep it doing for minutes."""
     try:
-        page.screenshot(path=str(path), full_page=full_page, timeout=60_000)
-    except Exception as err:  # playwright's TimeoutError and a page closed under us alike
+        cdp = page.context.new_cdp_session(page)
+        try:
+            path.write_bytes(base64.b64decode(cdp.send("Page.captureScreenshot", {"format": "png"})["data"]))
+        finally:
+            cdp.detach()
+    except Exception as err:  # a page closed under us, say
         warnings.warn(f"no screenshot {path.name}: {str(err).splitlines()[0]}")
 
 
@@ -325,11 +331,11 @@ def ran(browser, lab, artefacts):
                 _wait_done(page, name, while_running=watch)
                 saved = _save(page, lab, name)
             except BaseException:
-                _shot(page, artefacts / f"{name}-FAILED.png", full_page=True)
+                _shot(page, artefacts / f"{name}-FAILED.png")
                 raise
             finally:
                 lab["stop_file"].write_text("stop\n")  # never leave the ticker running
-            _shot(page, artefacts / f"{name}.png", full_page=True)
+            _shot(page, artefacts / f"{name}.png")
             lab["kernels"].update(_descendants(lab["pid"]))
             done[name] = (page, saved, live)
         return done[name]
@@ -395,11 +401,12 @@ def test_widgets_render_as_controls_and_redraw_when_changed(name, ran, artefacts
     box.scroll_into_view_if_needed()
     before = output.inner_html()
     assert "<img" in before or "<pre" in before or "jp-RenderedText" in before, f"{name}: the widget drew nothing"
-    options = dropdown.locator("option").all_inner_texts()
-    current = dropdown.evaluate("s => s.options[s.selectedIndex].text")
-    other = next(o for o in options if o != current)
-    dropdown.select_option(label=other)
-    _wait_for(lambda: output.inner_html() not in (before, ""), 60, f"{name}: redraw after choosing {other!r}")
+    # by index: ipywidgets writes option labels with non-breaking spaces
+    count, current = dropdown.evaluate("s => [s.options.length, s.selectedIndex]")
+    assert count >= 2, f"{name}: a dropdown with {count} option(s)"
+    other = (current + 1) % count
+    dropdown.select_option(index=other)
+    _wait_for(lambda: output.inner_html() not in (before, ""), 60, f"{name}: redraw after choosing option {other}")
     _shot(page, artefacts / f"{name}-after-dropdown.png")
 
 
