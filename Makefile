@@ -4,35 +4,58 @@
 #   make grade    set up, then grade YOUR exercises (exercises/) and print a table
 #   make bench    set up, then every benchmark in its quick setting
 #   make setup    set up only
+#   make browser  as root: install Chromium, Open MPI and Slurm if missing (for the browser and two-host tests)
 #   make test-stress   the whole suite while two busy loops keep both cores busy (bounded, always cleaned up)
 
 SHELL  := /bin/bash
 # OpenMP threads that spin while waiting make torch up to 10x slower when the cores are shared
 # (several ranks, a busy laptop); sleeping threads cost nothing on an idle machine.
 export OMP_WAIT_POLICY ?= PASSIVE
+# Playwright drives the system's Chromium (/usr/bin/chromium): it must never fetch a browser of its own.
+export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.labkit-installed
+# JupyterLab settings the lab ships (no "Jupyter news?" pop-up over the outputs, no kernel dialog)
+OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
+# Debian packages for tests/test_browser.py and tests/test_multihost.py (skipped without them)
+SYSTEM_PACKAGES := chromium openmpi-bin slurm-wlm
 # Warnings about the machine's extra package indexes are noise: keep pip's output readable.
 PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: setup lab test test-stress grade bench notebooks-clean stubs help
+.PHONY: setup lab test test-stress grade bench notebooks-clean stubs help browser
 .DEFAULT_GOAL := help
 
 help:
-	@sed -n '2,7p' Makefile
+	@sed -n '2,8p' Makefile
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "Python 3.10+ is needed (python3.11 recommended)"; exit 1; }
 	@echo "Setting up $(VENV) with $(PYTHON) (first time: a few minutes)..."
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@set -o pipefail; $(BIN)/python -m pip install -q --upgrade pip $(PIP_QUIET)
-	@set -o pipefail; $(BIN)/python -m pip install -q -e . $(PIP_EXTRA) $(PIP_QUIET)
+	@set -o pipefail; $(BIN)/python -m pip install -q -e ".[test]" $(PIP_EXTRA) $(PIP_QUIET)
 	@$(BIN)/python -c "import torch, labkit; print('torch', torch.__version__, '- labkit ready')"
 	@touch $(STAMP)
 
-setup: $(STAMP)
+$(OVERRIDES): labkit/assets/jupyterlab-overrides.json $(STAMP)
+	@mkdir -p $(dir $@) && cp $< $@
+
+setup: $(STAMP) $(OVERRIDES)
+
+# Installs only what is missing, only as root, only with apt-get; otherwise says what to run.
+browser:
+	@missing=""; \
+	[ -x /usr/bin/chromium ] || missing="$$missing chromium"; \
+	command -v mpiexec >/dev/null || missing="$$missing openmpi-bin"; \
+	{ command -v slurmctld || [ -x /usr/sbin/slurmctld ]; } >/dev/null || missing="$$missing slurm-wlm"; \
+	if [ -z "$$missing" ]; then echo "Chromium, mpiexec and Slurm are installed"; \
+	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+		echo "missing:$$missing; install as root with: apt-get install -y$$missing (their tests are skipped until then)"; \
+	else export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y --no-install-recommends $$missing || \
+		{ apt-get update && apt-get install -y --no-install-recommends $$missing; }; fi
 
 lab: setup
 	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root,)

@@ -1,0 +1,286 @@
+"""Two hosts on one machine: the cluster launchers really run, across a real network link.
+
+Two Linux network namespaces joined by a veth pair are two hosts: each has its own
+interfaces and ports, and they reach each other only at 10.231.0.1 and 10.231.0.2 (a test
+subnet that exists inside the namespaces only, on an interface named lab0 on both). On them:
+  - torchrun: labkit/jobs/torchrun_multi_node.sh in each namespace, c10d rendezvous on host A;
+  - mpiexec: labkit/jobs/pbs_mpiexec.pbs with a PBS-style host file naming both addresses;
+    Open MPI reaches host B through an rsh agent that is `ip netns exec` instead of ssh;
+  - Slurm: slurmctld and slurmd (a one-node cluster on host A's loopback, written config,
+    auth/none), and labkit/jobs/slurm.sbatch submitted with sbatch;
+each running `python -m labkit.apps.train` on gloo, whose final weights and losses must
+equal the single-process `labkit.train_loop.train` (the comparison of test_train_scripts).
+And a fault: a rank on host B is killed mid-run; every process on both hosts must end.
+
+Needs root and a working `ip netns` (CI runs as root); otherwise skipped with one line.
+Every namespace, daemon and process is removed at the end, also when a test fails.
+Cost: about 1 minute per launcher on two idle cores (each starts 4 ranks that import torch).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from test_train_scripts import COMMON, REPO, _check, _env, _report, _run, reference  # noqa: F401
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+JOBS = REPO / "labkit" / "jobs"
+ADDRS = ("10.231.0.1", "10.231.0.2")
+IFNAME = "lab0"  # the same name on both hosts: one GLOO_SOCKET_IFNAME for all
+HYBRID = ["--strategy", "hybrid", "--dp", "2", "--pp", "2", "--microbatches", "2", "--model", "tiny"]
+FAULT_DEADLINE = 180  # s from the kill until every process has ended (see the fault test)
+INSTALL = "make browser (as root: apt-get install -y chromium openmpi-bin slurm-wlm)"
+
+
+def _sh(*cmd, check=True, env=None):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=check, env=env)
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "two-host tests need root for `ip netns` (CI runs as root)"
+    if shutil.which("ip") is None:
+        return "two-host tests need `ip` (apt-get install -y iproute2)"
+    probe = f"lkprobe{os.getpid()}"
+    made = _sh("ip", "netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` fails here: {(made.stderr.strip().splitlines() or ['?'])[-1]}"
+    _sh("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def _pids(ns: str) -> list[int]:
+    out = _sh("ip", "netns", "pids", ns, check=False).stdout
+    return [int(p) for p in out.split()]
+
+
+def _kill_all_in(ns: str):
+    for pid in _pids(ns):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _in(ns: str, *cmd) -> list[str]:
+    return ["ip", "netns", "exec", ns, *map(str, cmd)]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """Two namespaces, a and b, joined by a veth pair; removed with all their processes at the end."""
+    reason = _why_not()
+    if reason:
+        pytest.skip(reason)
+    tag = f"lk{os.getpid() % 100000}"
+    ns = (f"{tag}a", f"{tag}b")
+    try:
+        for name in ns:
+            _sh("ip", "netns", "add", name)
+        _sh("ip", "link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb")
+        for name, end, addr in zip(ns, (f"{tag}va", f"{tag}vb"), ADDRS):
+            _sh("ip", "link", "set", end, "netns", name)
+            _sh("ip", "-n", name, "link", "set", end, "name", IFNAME)
+            _sh("ip", "-n", name, "addr", "add", f"{addr}/24", "dev", IFNAME)
+            _sh("ip", "-n", name, "link", "set", IFNAME, "up")
+            _sh("ip", "-n", name, "link", "set", "lo", "up")
+        yield SimpleNamespace(ns=ns, addrs=ADDRS, tag=tag)
+    except subprocess.CalledProcessError as err:
+        pytest.fail(f"setting up the namespaces failed: {' '.join(err.cmd)}: {err.stderr.strip()}")
+    finally:
+        for name in ns:
+            _kill_all_in(name)
+            _sh("ip", "netns", "del", name, check=False)  # deletes its veth end, and so the pair
+        _sh("ip", "link", "del", f"{tag}va", check=False)  # if it never moved into a namespace
+        assert not [n for n in ns if n in _sh("ip", "netns", "list").stdout], "a namespace was left behind"
+
+
+@pytest.fixture
+def nothing_left(hosts):
+    """After each test: no process may remain in either namespace (then they are killed anyway)."""
+    yield
+    left = {name: _pids(name) for name in hosts.ns}
+    for name in hosts.ns:
+        _kill_all_in(name)
+    assert not any(left.values()), f"processes left running on the hosts: {left}"
+
+
+def _torchrun_jobs(hosts, port, job_id, args, **extra):
+    jobs = []
+    for ns, addr in zip(hosts.ns, hosts.addrs):
+        env = _env(HEAD=hosts.addrs[0], NNODES="2", NPROC="2", PORT=str(port), JOB_ID=job_id, MODEL="tiny",
+                   PYTHON=sys.executable, TORCHRUN_ARGS=f"--local-addr {addr}", GLOO_SOCKET_IFNAME=IFNAME,
+                   **extra)
+        jobs.append((_in(ns, "bash", JOBS / "torchrun_multi_node.sh", *args), env))
+    return jobs
+
+
+def _the_report(outputs):
+    """Rank 0 prints the JSON report; which host it ran on is the rendezvous' choice."""
+    return _report(next((o for o in outputs if any(line.startswith("{") for line in o.splitlines())), outputs[0]))
+
+
+def test_torchrun_across_two_hosts_equals_single_process(hosts, reference, tmp_path, nothing_left):
+    saved = tmp_path / "weights.pt"
+    args = [*HYBRID, *COMMON, "--save", saved]
+    outputs = _run(_torchrun_jobs(hosts, 29500, f"labkit-test-{hosts.tag}", args, STEPS="3"))
+    _check(_the_report(outputs), saved, reference, "hybrid", 4)
+
+
+def test_mpiexec_across_two_hosts_equals_single_process(hosts, reference, tmp_path, nothing_left):
+    if shutil.which("mpiexec") is None:
+        pytest.skip(f"no mpiexec: install it with {INSTALL}")
+    flavour = _sh("mpiexec", "--version", check=False).stdout
+    if "Open MPI" not in flavour and "OpenRTE" not in flavour:
+        pytest.skip("the rsh agent below is written for Open MPI's mpiexec (apt-get install -y openmpi-bin)")
+    # Open MPI starts its daemon on a remote host with `<agent> <host> <command>`: ssh on a cluster,
+    # here `ip netns exec` into that host's namespace (each call logged, to prove host B was used).
+    agent, calls = tmp_path / "netns-rsh", tmp_path / "agent-calls.txt"
+    cases = "\n".join(f"  {addr}) ns={ns} ;;" for addr, ns in zip(hosts.addrs, hosts.ns))
+    agent.write_text(f'#!/bin/sh\nhost=$1; shift\ncase "$host" in\n{cases}\n'
+                     f'  *) echo "unknown host $host" >&2; exit 1 ;;\nesac\n'
+                     f'echo "$host $ns" >> {calls}\nexec ip netns exec "$ns" sh -c "$*"\n')
+    agent.chmod(0o755)
+    nodefile = tmp_path / "nodefile"  # what PBS writes: one line per process
+    nodefile.write_text("".join(f"{addr}\n" * 2 for addr in hosts.addrs))
+    saved = tmp_path / "weights.pt"
+    env = _env(PBS_NODEFILE=str(nodefile), PPN="2", MASTER_PORT="29501", PYTHON=sys.executable,
+               GLOO_SOCKET_IFNAME=IFNAME, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_plm_rsh_agent=str(agent), OMPI_MCA_oob_tcp_if_include=IFNAME,
+               OMPI_MCA_btl_tcp_if_include=IFNAME)
+    cmd = _in(hosts.ns[0], "bash", JOBS / "pbs_mpiexec.pbs", *HYBRID, *COMMON, "--save", saved)
+    (output,) = _run([(cmd, env)])
+    assert f"{hosts.addrs[1]} {hosts.ns[1]}" in calls.read_text(), "mpiexec never started anything on host B"
+    _check(_report(output), saved, reference, "hybrid", 4)
+
+
+SLURM_CONF = """\
+ClusterName=labkit
+SlurmctldHost=localhost(127.0.0.1)
+AuthType=auth/none
+CredType=cred/none
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.log
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+SlurmdParameters=config_overrides
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+NodeName=localhost NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+def test_slurm_one_node_cluster_runs_the_sbatch_script(hosts, reference, tmp_path, nothing_left):
+    missing = [d for d in ("slurmctld", "slurmd", "sbatch", "sinfo") if shutil.which(d) is None
+               and not os.path.exists(f"/usr/sbin/{d}")]
+    if missing:
+        pytest.skip(f"no {', '.join(missing)}: install it with {INSTALL}")
+    d = tmp_path / "slurm"
+    for sub in ("state", "spool"):
+        (d / sub).mkdir(parents=True)
+    conf = d / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(d=d))
+    # nsenter joins host A's network only; `ip netns exec` would also remount /sys, hiding the
+    # cgroup file systems slurmd needs ("No filesystem mounted on /sys/fs/cgroup").
+    netns = ["nsenter", f"--net=/var/run/netns/{hosts.ns[0]}"]
+    env = _env(SLURM_CONF=str(conf), PYTHON=sys.executable, MASTER_PORT="29502")
+    daemons = []
+    try:
+        for cmd in (["slurmctld", "-D", "-i"], ["slurmd", "-D", "-N", "localhost"]):
+            log = open(d / f"{cmd[0]}.out", "w")
+            daemons.append(subprocess.Popen([*netns, _sbin(cmd[0]), *cmd[1:], "-f", str(conf)], env=env, cwd=d,
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + 60
+        while "idle" not in _sh(*netns, "sinfo", "-h", "-o", "%T", check=False, env=env).stdout:
+            for proc in daemons:
+                if proc.poll() is not None:
+                    out = (d / f"{Path(proc.args[2]).name}.out").read_text().strip().splitlines()
+                    pytest.skip(f"{Path(proc.args[2]).name} cannot run here: {out[-1] if out else proc.returncode}")
+            if time.monotonic() > deadline:
+                pytest.fail("the Slurm node did not become idle within 60 s: " + (d / "slurmd.log").read_text()[-1000:])
+            time.sleep(0.5)
+        saved = tmp_path / "weights.pt"
+        cmd = [*netns, "sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
+               "--cpus-per-task=1", f"--output={d}/job-%j.out", f"--chdir={REPO}", JOBS / "slurm.sbatch",
+               "--model", "tiny", "--strategy", "dp", "--dp", "2", *COMMON, "--save", saved]
+        _run([(list(map(str, cmd)), env)])
+        (job_out,) = d.glob("job-*.out")
+        _check(_report(job_out.read_text()), saved, reference, "dp", 2)
+    finally:
+        for proc in daemons:  # SIGTERM: they shut down cleanly; SIGKILL if they do not
+            proc.terminate()
+        for proc in daemons:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _sbin(name):
+    return shutil.which(name) or f"/usr/sbin/{name}"
+
+
+def test_killing_a_rank_on_host_b_ends_every_process_on_both_hosts(hosts, tmp_path, nothing_left):
+    import psutil
+
+    args = [*HYBRID, "--steps", "500", "--batch-size", "8", "--seq-len", "32", "--impl", "solutions"]
+    logs = [open(tmp_path / f"host-{h}.log", "w+") for h in "ab"]
+    agents = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+              for (cmd, env), log in zip(_torchrun_jobs(hosts, 29503, f"labkit-fault-{hosts.tag}", args), logs)]
+    def text():
+        return "".join(Path(log.name).read_text() for log in logs)
+
+    try:
+        deadline = time.monotonic() + 240
+        while "step    1" not in text():  # mid-run: a step is done, hundreds to go
+            if any(a.poll() is not None for a in agents) or time.monotonic() > deadline:
+                pytest.fail(f"training never got going:\n{text()[-3000:]}")
+            time.sleep(0.5)
+        workers = [p for p in psutil.Process(agents[1].pid).children(recursive=True)  # the ranks on host B
+                   if "labkit.apps.train" in " ".join(p.cmdline()) and "torch.distributed.run" not in p.cmdline()]
+        assert len(workers) == 2, workers
+        workers[0].kill()
+        killed = time.monotonic()
+        # Bound: the peers see the dead rank's closed sockets at once; labkit's exit handler then
+        # waits up to 60 s for the ranks that never finish, and torchrun gives SIGTERM'd workers
+        # 30 s. Far below the process-group timeout (torch's default for gloo: 30 min).
+        for agent in agents:
+            agent.wait(timeout=max(1, FAULT_DEADLINE - (time.monotonic() - killed)))
+        ended = time.monotonic() - killed
+        assert all(a.returncode != 0 for a in agents), [a.returncode for a in agents]
+        print(f"both torchruns ended {ended:.0f} s after rank kill (exit codes {[a.returncode for a in agents]})")
+        for ns in hosts.ns:  # nothing of the job left on either host
+            deadline = time.monotonic() + 10
+            while _pids(ns) and time.monotonic() < deadline:
+                time.sleep(0.2)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"processes still running {FAULT_DEADLINE} s after a rank was killed:\n{text()[-3000:]}")
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+        for log in logs:
+            log.close()
