@@ -34,5 +34,7 @@ def test_notebook_runs_to_the_end_on_untouched_stubs(path: Path, monkeypatch):
         text = str(error)
         pytest.fail(f"{path.name} stops on the untouched stubs:\n{text[-3000:]}", pytrace=False)
     said = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", []))
-    assert "Traceback" not in said, f"{path.name} prints a traceback on the untouched stubs"
+    if any("impl(" in "".join(cell.source) for cell in nb.cells if cell.cell_type == "code"):
+        # it really ran on the stubs, and said so in the stub's own words
+        assert "is not implemented yet" in said, f"{path.name} never met a stub: did it run on exercises/?"
     assert os.environ["LABKIT_IMPL"] == "exercises"
