@@ -17,6 +17,13 @@ from labkit.schedules import (DeadlockError, ScheduleError, interleaved_schedule
                               zero_bubble_schedule)
 from labkit.timeline import Timeline
 
+# Pipelined gradients against one model, in float32: the same products, but each parameter's
+# gradient is a sum over m <= 8 micro-batches instead of one batched reduction. Each extra addition
+# rounds by at most 2**-24 of the running sum, so an element differs by at most
+# m * 6e-8 * max|partial gradient| (~1e-1 here) = 5e-8 absolute and 5e-7 relative: atol 1e-6 and
+# rtol 1e-4 leave 20x and 200x margin on any CPU, and a wrong micro-batch or stage is off by >1e-3.
+F32_GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+
 pl = impl("pipeline", "solutions")
 ACT = (2, 4, 8)  # micro-batch, seq, d_model of the synthetic stages
 
@@ -153,7 +160,7 @@ def test_subgroup_with_global_neighbour_ranks_equals_single_model():
     stages = make_stages(ref, 2)
     for rank, (grads, got_loss) in enumerate(results):
         for n, p in stages[rank % 2].named_parameters():
-            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} {n}: {m}")
+            torch.testing.assert_close(grads[n], p.grad, **F32_GRAD_TOL, msg=lambda m: f"rank {rank} {n}: {m}")
         if rank % 2:
             torch.testing.assert_close(got_loss, loss.detach())
 
@@ -221,7 +228,7 @@ def test_interleaved_two_ranks_two_chunks_equals_single_model():
         got = {**results[0][m][0], **results[1][m][0]}
         assert set(got) == set(want)
         for n in want:
-            torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=lambda msg: f"m={m} {n}: {msg}")
+            torch.testing.assert_close(got[n], want[n], **F32_GRAD_TOL, msg=lambda msg: f"m={m} {n}: {msg}")
         torch.testing.assert_close(results[1][m][1], loss.detach())  # stage 3 lives on rank 1
         assert results[0][m][1] is None
 
@@ -252,7 +259,7 @@ def test_zero_bubble_three_ranks_equals_single_model():
     for s, stage in enumerate(make_stages(ref, 3)):
         grads, got_loss, stats = results[s]
         for n, p in stage.named_parameters():
-            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"stage {s} {n}: {m}")
+            torch.testing.assert_close(grads[n], p.grad, **F32_GRAD_TOL, msg=lambda m: f"stage {s} {n}: {m}")
         assert stats["peak_inflight"] == 3 - s  # held from F until W: 1F1B's memory
     torch.testing.assert_close(results[2][1], loss.detach())
 
@@ -308,5 +315,5 @@ def test_torch_pipelining_schedule1f1b_on_gloo_equals_single_model_and_our_order
     ref(x, y).backward()
     for s, stage in enumerate(make_stages(ref, 2)):
         for n, p in stage.named_parameters():
-            torch.testing.assert_close(results[s][0][n], p.grad, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(results[s][0][n], p.grad, **F32_GRAD_TOL)
     assert [r[1] for r in results] == pl.one_f_one_b_schedule(2, 4)

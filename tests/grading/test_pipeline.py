@@ -17,6 +17,13 @@ from labkit.launch import LaunchError, launch
 from labkit.schedules import first_difference, parse_schedule, simulate, theoretical_bubble, validate
 from labkit.cases import launch_timeout
 
+# Pipelined gradients against one model, in float32: the same products, but each parameter's
+# gradient is a sum over m <= 8 micro-batches instead of one batched reduction. Each extra addition
+# rounds by at most 2**-24 of the running sum, so an element differs by at most
+# m * 6e-8 * max|partial gradient| (~1e-1 here) = 5e-8 absolute and 5e-7 relative: atol 1e-6 and
+# rtol 1e-4 leave 20x and 200x margin on any CPU, and a wrong micro-batch or stage is off by >1e-3.
+F32_GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+
 HUNG = []  # a launch of this module that timed out: the later real-rank tests are not run
 
 PM = [(p, m) for p in range(1, 7) for m in range(1, 11)]
@@ -147,7 +154,7 @@ def _assert_equals_single_model(results, p, where):
             grads, loss, by_mb = results[s][key]
             for n, param in stages[s].named_parameters():
                 try:
-                    torch.testing.assert_close(grads[n], param.grad, rtol=1e-4, atol=1e-6)
+                    torch.testing.assert_close(grads[n], param.grad, **F32_GRAD_TOL)
                 except AssertionError as err:
                     raise AssertionError(f"{where(key)}, stage {s}, {n}: "
                                          f"{_first_wrong_microbatch(by_mb, p, s, key[1])}\n{err}") from None
@@ -169,7 +176,7 @@ def _first_wrong_microbatch(by_mb, p, s, m):
             got = by_mb[n].get(mb)
             if got is None:
                 return f"micro-batch {mb} never ran its backward on this stage"
-            if not torch.allclose(got, param.grad, rtol=1e-4, atol=1e-6):
+            if not torch.allclose(got, param.grad, **F32_GRAD_TOL):
                 err = (got - param.grad).abs().max().item()
                 return f"micro-batch {mb} is the first whose gradient differs (parameter {n}, max error {err:.2e})"
     return "every micro-batch's own gradient is right, but their sum in .grad is not (accumulate, do not overwrite)"
