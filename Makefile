@@ -81,9 +81,9 @@ grade: setup
 bench: setup
 	@for script in bench/*.py; do echo "== $$script --quick"; LABKIT_QUICK=1 $(BIN)/python $$script --quick || exit 1; done
 
-# Maintainers: regenerate exercises/ from solutions/ (edited exercises are kept, see labkit/stubgen.py).
+# Maintainers: regenerate exercises/ from solutions/ (edited exercises are kept, see labkit/grading/stubgen.py).
 stubs: setup
-	$(BIN)/python -m labkit.stubgen
+	$(BIN)/python -m labkit.grading.stubgen
 
 notebooks-clean: setup
 	$(BIN)/jupyter nbconvert --clear-output --inplace notebooks/*.ipynb

@@ -6,7 +6,7 @@
 2 and 4 ranks (labkit.launch, gloo on CPU or nccl with a GPU per rank), float32
 tensors from 1 KB to 64 MB. The three all-reduces are interleaved call by call
 so that noise from other processes hits them alike; each time is the slowest
-rank's, median over iterations (labkit.bandwidth, nccl-tests definitions).
+rank's, median over iterations (labkit.links.bandwidth, nccl-tests definitions).
 Prints a table of busbw, then as its last line one JSON object with the 4-rank
 64 MB figures: ring, naive and torch busbw in GB/s and ratio = ring / torch.
 --quick: fewer sizes and iterations, still including 4 ranks x 64 MB.
@@ -34,7 +34,7 @@ def iterations(nbytes, quick):
 def run_rank(rank, world_size, sizes, quick):
     import torch.distributed as dist
 
-    from labkit import bandwidth
+    from labkit.links import bandwidth
     from labkit.grading import impl
 
     allreduce = impl("allreduce")
@@ -51,8 +51,8 @@ def main():
     args = parser.parse_args()
     os.environ["LABKIT_IMPL"] = args.impl
 
-    from labkit import bandwidth
-    from labkit.launch import launch
+    from labkit.links import bandwidth
+    from labkit.launching.launcher import launch
 
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     rows, start = [], time.time()

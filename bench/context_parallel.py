@@ -74,7 +74,7 @@ def run_rank(rank, c, s, steps):
     import torch.distributed as dist
 
     from labkit.grading import impl
-    from labkit.timeline import Timeline, busy_time
+    from labkit.measure.timeline import Timeline, busy_time
 
     ra, cpm = impl("ring_attention"), impl("context_parallel")
     q, k, v = inputs(s)
@@ -118,7 +118,7 @@ def main():
 
     import warnings
 
-    from labkit.launch import OversubscriptionWarning, launch
+    from labkit.launching.launcher import OversubscriptionWarning, launch
 
     warnings.simplefilter("ignore", OversubscriptionWarning)
     c, s, steps = (2, 1024, 5) if args.quick else (4, 4096, 5)

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from labkit.data import get_batch, load_tokens  # noqa: E402
 from labkit.grading import impl  # noqa: E402
-from labkit.launch import OversubscriptionWarning, launch  # noqa: E402
+from labkit.launching.launcher import OversubscriptionWarning, launch  # noqa: E402
 from labkit.model import build_model  # noqa: E402
 
 MODES = ("flat", "bucketed", "ddp")

@@ -4,7 +4,7 @@
 
 1. all_to_all_single (solutions/all_to_all.py, isend/irecv) against torch's
    dist.all_to_all_single on 4 ranks (gloo on CPU), equal splits, float32, interleaved call
-   by call; the slowest rank's time, median over iterations (labkit.bandwidth).
+   by call; the slowest rank's time, median over iterations (labkit.links.bandwidth).
    busbw = algbw x (N-1)/N (nccl-tests: each rank keeps 1/N of its data).
 2. One training step (forward, backward, gradient all-reduce) of tiny-moe with its experts
    sharded over 4 ranks (ep=4, each rank B/4 rows) against the single-device model on the
@@ -35,7 +35,7 @@ def a2a_rank(rank, world_size, sizes, iters):
     import torch
     import torch.distributed as dist
 
-    from labkit import bandwidth
+    from labkit.links import bandwidth
     from labkit.grading import impl
 
     hand = impl("all_to_all").all_to_all_single
@@ -98,8 +98,8 @@ def main():
     args = parser.parse_args()
     os.environ["LABKIT_IMPL"] = args.impl
 
-    from labkit.bandwidth import human_bytes
-    from labkit.launch import launch
+    from labkit.links.bandwidth import human_bytes
+    from labkit.launching.launcher import launch
 
     sizes = [64 << 10, 4 * MB, 32 * MB] if args.quick else [64 << 10, MB, 4 * MB, 16 * MB, 64 * MB]
     iters = 5 if args.quick else 11

@@ -21,7 +21,7 @@ import torch.multiprocessing as tmp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import labkit  # noqa: E402
-from labkit.launch import OversubscriptionWarning  # noqa: E402
+from labkit.launching.launcher import OversubscriptionWarning  # noqa: E402
 
 
 def noop(rank, world_size):

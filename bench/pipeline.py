@@ -11,9 +11,9 @@ seed model's width, so a micro-batch is 16/m rows), each configuration runs one 
 step (it also opens the gloo connections) and then a few measured steps; the reported
 step is the median by bubble (the lower median for an even count). Columns:
 
-    bubble      measured idle fraction of the step (labkit.timeline.bubble_fraction)
+    bubble      measured idle fraction of the step (labkit.measure.timeline.bubble_fraction)
     theory      (p-1)/(m+p-1), or (p-1)/(vm+p-1) for interleaved 1F1B with v = 2 stages
-                per rank (each t_F/2 + t_B/2 long), or for ZB (labkit.schedules.
+                per rank (each t_F/2 + t_B/2 long), or for ZB (labkit.parallel.schedules.
                 zero_bubble_schedule, B and W t_B/2 each) its unit-time simulation; abs.err = measured - theory (percentage points),
                 rel.err = measured / theory - 1
     step        measured step time; ideal = (m+p-1)(t_F+t_B), interleaved (vm+p-1)(t_F+t_B)/v
@@ -48,9 +48,9 @@ V = 2  # stages per rank of the interleaved schedule, each t_F / V long
 def run_rank(rank, world_size, t_f, steps):
     import torch
 
-    from labkit import schedules
+    from labkit.parallel import schedules
     from labkit.grading import impl
-    from labkit.timeline import Timeline
+    from labkit.measure.timeline import Timeline
 
     pl = impl("pipeline")
     tl, out = Timeline(), {}
@@ -88,9 +88,9 @@ def main():
 
     import warnings
 
-    from labkit.launch import OversubscriptionWarning, launch
-    from labkit.schedules import simulate, theoretical_bubble, zero_bubble_schedule
-    from labkit.timeline import bubble_fraction, window
+    from labkit.launching.launcher import OversubscriptionWarning, launch
+    from labkit.parallel.schedules import simulate, theoretical_bubble, zero_bubble_schedule
+    from labkit.measure.timeline import bubble_fraction, window
 
     warnings.simplefilter("ignore", OversubscriptionWarning)  # the stages sleep: cores are not the limit
     t_f = args.t_f or (0.03 if args.quick else 0.05)

@@ -2,7 +2,7 @@
 
     python bench/single_device.py [--quick] [--config tiny] [--device cpu|cuda] [--dtype fp32|bf16]
 
-The lab's step is `labkit.train_loop.train_step` as notebook 01 uses it (AdamW with
+The lab's step is `labkit.training.loop.train_step` as notebook 01 uses it (AdamW with
 parameter groups, learning-rate schedule, gradient clipping, input checks). The plain loop
 is what one writes first: logits, F.cross_entropy, zero_grad, backward, AdamW.step.
 Both train the same model (same seed) on the same batches; the timed segments alternate
@@ -10,7 +10,7 @@ Both train the same model (same seed) on the same batches; the timed segments al
 median over rounds of lab tokens/s / plain tokens/s (aim: >= 0.95). On a CPU, time is the
 process's CPU time (tokens per CPU-second), which other jobs on a shared machine do not
 distort; on a GPU it is the wall clock.
-On a GPU the table adds MFU (labkit.metrics), and without --quick the `seed` config too.
+On a GPU the table adds MFU (labkit.measure.metrics), and without --quick the `seed` config too.
 Last line of stdout: one JSON object.
 """
 import argparse
@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from labkit.data import get_batch, load_tokens
-from labkit.metrics import format_rate, mfu
+from labkit.measure.metrics import format_rate, mfu
 from labkit.model import build_model
-from labkit.train_loop import TrainConfig, lr_at, make_optimizer, train_step
+from labkit.training.loop import TrainConfig, lr_at, make_optimizer, train_step
 
 
 def plain_loop(model, opt, batches, autocast):

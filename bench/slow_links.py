@@ -3,7 +3,7 @@
     python bench/slow_links.py [--quick] [--impl solutions|exercises] [--steps S]
 
 Two ranks (labkit.launch) train the same small model on the same TinyStories batches with AdamW,
-inside `labkit.shaper.SlowLink` (the in-process shaper: every collective sleeps latency + wire
+inside `labkit.links.shaper.SlowLink` (the in-process shaper: every collective sleeps latency + wire
 bytes / bandwidth, and is counted). For each bandwidth: DP (one all-reduce of the gradients per
 step), DiLoCo with H = 8 (inner AdamW, outer SGD-Nesterov) and PowerSGD rank 4 with error feedback.
 The target is DP's final validation loss at that bandwidth (same run), so DP reaches it by

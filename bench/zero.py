@@ -40,7 +40,7 @@ def run_rank(rank, world_size, model_name, steps, batch, seq):
 
     from labkit.data import get_batch, load_tokens
     from labkit.grading import impl
-    from labkit.launch import rank_device
+    from labkit.launching.launcher import rank_device
     from labkit.model import build_model
 
     zero, zero2, fsdp = impl("zero"), impl("zero2"), impl("fsdp")
@@ -128,7 +128,7 @@ def main():
 
     import torch
 
-    from labkit.launch import launch
+    from labkit.launching.launcher import launch
 
     # torch imports modules lazily at the first backward and the first optimizer: pay it once
     # here rather than in every rank's first timed step

@@ -1,6 +1,6 @@
-# GENERATED from solutions/all_to_all.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/all_to_all.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/12_experts.ipynb.
-# untouched-stub fingerprint: ca9b5e60efae8643
+# untouched-stub fingerprint: cf0e7c2cc7db88ec
 """All-to-all from point-to-point messages (notebook 12_experts).
 
 In an all-to-all every rank holds one chunk FOR every rank: rank i's chunk j goes to
@@ -20,7 +20,7 @@ raises the same ValueError when they do not match, instead of hanging.
 import torch
 import torch.distributed as dist
 
-from labkit.collective_checks import _DTYPES, _metadata_device, group_info
+from labkit.comm.checks import _DTYPES, _metadata_device, group_info
 
 NOTEBOOK = "12_experts"
 

@@ -1,6 +1,6 @@
-# GENERATED from solutions/allreduce.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/allreduce.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/03_allreduce.ipynb.
-# untouched-stub fingerprint: 8de40a6c94ab10f9
+# untouched-stub fingerprint: 7659e291bac1a48c
 """All-reduce by hand: through a master, and around a ring (notebook 03_allreduce).
 
 All-reduce: every rank starts with a tensor of the same size; afterwards every
@@ -22,7 +22,7 @@ raise ValueError on every rank (`check_tensors`), instead of hanging.
 import torch
 import torch.distributed as dist
 
-from labkit.collective_checks import check_tensors, group_info
+from labkit.comm.checks import check_tensors, group_info
 
 NOTEBOOK = "03_allreduce"
 

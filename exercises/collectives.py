@@ -1,6 +1,6 @@
-# GENERATED from solutions/collectives.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/collectives.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/02_collectives.ipynb.
-# untouched-stub fingerprint: f7622e3fbcdaba14
+# untouched-stub fingerprint: 806da3d0988559b2
 """Collectives built from point-to-point messages (notebook 02_collectives).
 
 Each function behaves like its torch.distributed namesake, same arguments and
@@ -22,7 +22,7 @@ the ranks, so a mismatch raises a ValueError on every rank instead of hanging.
 import torch
 import torch.distributed as dist
 
-from labkit.collective_checks import check_tensors, group_info, require_contiguous
+from labkit.comm.checks import check_tensors, group_info, require_contiguous
 
 NOTEBOOK = "02_collectives"
 

@@ -1,6 +1,6 @@
-# GENERATED from solutions/context_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/context_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
-# untouched-stub fingerprint: b87a070e79dffb15
+# untouched-stub fingerprint: 2f58f11404d1f09f
 """Context parallelism: the sequence split over a CP group, and the model run on it (notebook 11_long_sequences).
 
 Each of the c ranks of a context-parallel (CP) group holds some pieces of the sequence. How
@@ -17,7 +17,7 @@ reached through the same package: exercises use exercises.ring_attention) over t
 import torch
 import torch.distributed as dist
 
-from labkit.timeline import NullTimeline
+from labkit.measure.timeline import NullTimeline
 
 NOTEBOOK = "11_long_sequences"
 

@@ -1,4 +1,4 @@
-# GENERATED from solutions/data_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/data_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/04_data_parallel.ipynb.
 # untouched-stub fingerprint: e0df57a7dc12c196
 """Data parallelism by hand (notebook 04_data_parallel).

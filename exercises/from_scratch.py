@@ -1,4 +1,4 @@
-# GENERATED from solutions/from_scratch.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/from_scratch.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/00_setup.ipynb.
 # untouched-stub fingerprint: e25e9ab53c235a0c
 """A distributed job from scratch, without labkit (notebook 00_setup).

@@ -1,4 +1,4 @@
-# GENERATED from solutions/fsdp.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/fsdp.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/09_zero_fsdp.ipynb.
 # untouched-stub fingerprint: da2cc2df4ced0657
 """ZeRO-3 / FSDP by hand: parameters sharded per block, gathered just in time (notebook 09_zero_fsdp).

@@ -1,4 +1,4 @@
-# GENERATED from solutions/hierarchical.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/hierarchical.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/03_allreduce.ipynb.
 # untouched-stub fingerprint: 8a503a4c4bb49a5f
 """A two-level (hierarchical) all-reduce, the shape real clusters use (notebook 03_allreduce, stretch).

@@ -1,6 +1,6 @@
-# GENERATED from solutions/hybrid.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/hybrid.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/07_hybrid.ipynb.
-# untouched-stub fingerprint: 3572eb3bd87050ac
+# untouched-stub fingerprint: e3b4e91151fe5db0
 """DP x PP hybrid: several pipelines trained as data-parallel replicas (notebook 07_hybrid).
 
 The ranks form one grid ``torch.arange(world_size).view(dp, pp)``:
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from labkit.grading import impl
 from labkit.mesh import shard_rows
-from labkit.timeline import NullTimeline
+from labkit.measure.timeline import NullTimeline
 
 NOTEBOOK = "07_hybrid"
 

@@ -1,12 +1,12 @@
-# GENERATED from solutions/pipeline.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/pipeline.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/06_microbatches.ipynb.
-# untouched-stub fingerprint: 7f7f07511cfeda6a
+# untouched-stub fingerprint: 2cb4e2fa2c50e549
 """Micro-batch pipeline schedules and the executor that runs them (notebook 06_microbatches).
 
 A schedule is data: one list of actions per rank, ``"{stage}F{mb}"`` / ``"{stage}B{mb}"``.
 `gpipe_schedule` and `one_f_one_b_schedule` build the two classic ones (the variants,
-`interleaved_schedule` and `zero_bubble_schedule`, live in `labkit.schedules`).
-`labkit.schedules.lower` turns any of them into what each rank runs, its compute actions
+`interleaved_schedule` and `zero_bubble_schedule`, live in `labkit.parallel.schedules`).
+`labkit.parallel.schedules.lower` turns any of them into what each rank runs, its compute actions
 with the messages made explicit (``1RECV_F0 1F0 1SEND_F0 ... 1RECV_B0 1B0 1SEND_B0``);
 the checks, the simulation, the drawing and `run_schedule` below all read that one list.
 
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit import schedules
-from labkit.timeline import NullTimeline
+from labkit.parallel import schedules
+from labkit.measure.timeline import NullTimeline
 
 from labkit.grading import impl
 
@@ -59,7 +59,7 @@ def one_f_one_b_schedule(n_stages: int, n_microbatches: int) -> list[list[str]]:
 def communicate(op: schedules.Action, tensor, peer: int, *, group=None, blocking: bool = False):
     """Post ONE lowered message of this rank; return its ``Work`` handle, or None once it is done.
 
-    op: a lowered `labkit.schedules.Action` (``op.kind``, ``op.stage``, ``op.mb``):
+    op: a lowered `labkit.parallel.schedules.Action` (``op.kind``, ``op.stage``, ``op.mb``):
         ``SEND_F`` / ``SEND_B`` send ``tensor`` (the activation, the input gradient) to ``peer``;
         ``RECV_F`` / ``RECV_B`` receive into ``tensor``, an empty buffer of the right shape.
     peer: the GLOBAL rank of the other side (pass ``group=group`` too).
@@ -97,7 +97,7 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
 
     stage_module: this rank's stage (`labkit.model.make_stage` or `SyntheticStage`), or a
         dict {stage: module} when the rank holds several stages (interleaved schedules).
-    schedule: action lists indexed by pipeline rank, or their `labkit.schedules.lower`;
+    schedule: action lists indexed by pipeline rank, or their `labkit.parallel.schedules.lower`;
         this rank runs ``lower(schedule)[stage]``.
     stage: this rank's position in the pipeline (its stage when it holds one).
     inputs: token ids [B, T] on the rank of stage 0; targets [B, T] on the rank of the last
@@ -106,12 +106,12 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
     prev_rank / next_rank: GLOBAL ranks of the previous / next pipeline position (default
         position -/+ 1 modulo the number of positions), with ``group`` their process group
         (a DP x PP hybrid passes its row's). Stage s+1 lives on the next position.
-    timeline: a `labkit.timeline.Timeline` to record F/B/W/send/recv/wait spans into.
+    timeline: a `labkit.measure.timeline.Timeline` to record F/B/W/send/recv/wait spans into.
     loss_scale: multiplies each micro-batch loss; default 1/m, so that the accumulated
         ``.grad`` equal the full-batch mean-loss gradient.
     blocking_send: `communicate` with ``blocking=True`` (to show the deadlock); default isend/irecv.
     check: simulate the whole lowered schedule first (default), so that a malformed or
-        deadlocking schedule raises `labkit.schedules.ScheduleError` on every rank
+        deadlocking schedule raises `labkit.parallel.schedules.ScheduleError` on every rank
         before any message is sent.
     dtype: of the activations and gradients received; default: the stage's parameters' dtype
         (float64 stages, as in the lab's proofs, exchange float64).

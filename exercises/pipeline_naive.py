@@ -1,6 +1,6 @@
-# GENERATED from solutions/pipeline_naive.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/pipeline_naive.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/05_pipeline_parallel.ipynb.
-# untouched-stub fingerprint: 84ee09a7f6c5574a
+# untouched-stub fingerprint: 457e382e78c0f516
 """Naive pipeline parallelism: one batch, one stage per rank (notebook 05_pipeline_parallel).
 
 The model is cut into consecutive stages (`labkit.model.make_stage`); rank s holds stage s.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from labkit.timeline import NullTimeline
+from labkit.measure.timeline import NullTimeline
 
 NOTEBOOK = "05_pipeline_parallel"
 

@@ -1,6 +1,6 @@
-# GENERATED from solutions/ring_attention.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/ring_attention.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
-# untouched-stub fingerprint: 7728f3f4a6eecc2e
+# untouched-stub fingerprint: d12f41d0c9231c83
 """Context parallelism: ring attention over a CP group (notebook 11_long_sequences).
 
 Each of the c ranks of a context-parallel (CP) group holds some pieces of the sequence (see
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit.timeline import NullTimeline
+from labkit.measure.timeline import NullTimeline
 
 from .context_parallel import SPLITS, check_mask, local_slices, pair_kind
 

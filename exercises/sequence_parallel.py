@@ -1,4 +1,4 @@
-# GENERATED from solutions/sequence_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/sequence_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
 # untouched-stub fingerprint: dd1089109a024ad0
 """Megatron sequence parallelism (SP) on top of notebook 08's tensor parallelism (notebook 11_long_sequences).

@@ -1,4 +1,4 @@
-# GENERATED from solutions/single_device.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/single_device.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/01_single_device.ipynb.
 # untouched-stub fingerprint: b5e718f2cbe5652b
 """Training on one device, from first principles (notebook 01_single_device).

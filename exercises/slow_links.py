@@ -1,4 +1,4 @@
-# GENERATED from solutions/slow_links.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/slow_links.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/13_slow_links_and_failures.ipynb.
 # untouched-stub fingerprint: f9241a120368fdf7
 """Training over slow links (notebook 13_slow_links_and_failures): DiLoCo and PowerSGD.

@@ -1,4 +1,4 @@
-# GENERATED from solutions/tensor_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/tensor_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/08_tensor_parallel.ipynb.
 # untouched-stub fingerprint: 765bec573a5f7a36
 """Tensor parallelism, Megatron-style (notebook 08_tensor_parallel).

@@ -1,6 +1,6 @@
-# GENERATED from solutions/zero.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/zero.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/09_zero_fsdp.ipynb.
-# untouched-stub fingerprint: 54f90f1ee2a23012
+# untouched-stub fingerprint: dd29c14e091855e3
 """ZeRO stage 1 by hand: an optimizer with its state sharded over the ranks (notebook 09_zero_fsdp).
 
 Plain data parallelism keeps a full copy of the optimizer state on every rank: for Adam,
@@ -17,7 +17,7 @@ state of 1/N of the parameters only:
 A reduce-scatter plus an all-gather move the same bytes as DP's one all-reduce (a ring
 all-reduce IS a reduce-scatter followed by an all-gather), so ZeRO-1 saves memory at no
 extra communication. ZeRO-2 would also free the gradients outside the shard, ZeRO-3
-(FSDP) the parameters too (gathered layer by layer when needed): see labkit.memory.
+(FSDP) the parameters too (gathered layer by layer when needed): see labkit.measure.memory.
 
 Every function here is collective over `group` (None: the default group).
 """

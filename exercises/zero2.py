@@ -1,4 +1,4 @@
-# GENERATED from solutions/zero2.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/zero2.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/09_zero_fsdp.ipynb.
 # untouched-stub fingerprint: 4a4cb05fc8f8a91f
 """ZeRO-2 by hand: optimizer state AND gradients sharded over the ranks (notebook 09_zero_fsdp).

@@ -3,16 +3,19 @@
 - `launch`: run a function on N ranks (fork, or torchrun/Slurm/mpiexec), never hang silently.
 - `%load_ext labkit` then `%%ranks N`: run a notebook cell on N ranks.
 - `labkit.grading.impl(topic)`: your exercise module or the reference one.
-- `labkit.mesh.Mesh`: the N-D device mesh (dp, pp, ep, cp, tp); `labkit.needs_exercise()`: a cell that
-  needs an unwritten exercise prints one line and the notebook goes on.
-- `labkit.model`, `labkit.data`, `labkit.timeline`, `labkit.viz`: the model, the data, timelines and plots.
-"""
-from .launch import LaunchError, StubNotImplemented, launch, rank_device
-from .magic import load_ipython_extension
-from .notebook import install_ipython_display, needs_exercise, not_yet
-from .settings import quick
+- `labkit.Mesh` (`labkit.mesh.Mesh`): the one topology, an N-D device mesh (dp, pp, ep, cp, tp).
+- `labkit.needs_exercise()`: a cell that needs an unwritten exercise prints one line and the notebook goes on.
 
-__all__ = ["launch", "LaunchError", "StubNotImplemented", "rank_device", "quick",
+The package is grouped by job: `launching/`, `comm/`, `links/`, `model/`, `data/`, `training/`,
+`measure/`, `parallel/` (the core), and above it `grading/` and `apps/`. CONTRIBUTING.md maps every module.
+"""
+from labkit.launching.launcher import LaunchError, StubNotImplemented, launch, rank_device
+from labkit.launching.magic import load_ipython_extension
+from labkit.launching.notebook import install_ipython_display, needs_exercise, not_yet
+from labkit.mesh import Mesh
+from labkit.settings import quick
+
+__all__ = ["launch", "LaunchError", "StubNotImplemented", "rank_device", "Mesh", "quick",
            "load_ipython_extension", "needs_exercise", "not_yet"]
 
 install_ipython_display()  # in a notebook: launch errors read as their report, not labkit's frames

@@ -17,7 +17,7 @@ raises the same ValueError when they do not match, instead of hanging.
 import torch
 import torch.distributed as dist
 
-from labkit.collective_checks import _DTYPES, _metadata_device, group_info
+from labkit.comm.checks import _DTYPES, _metadata_device, group_info
 
 NOTEBOOK = "12_experts"
 

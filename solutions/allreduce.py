@@ -19,7 +19,7 @@ raise ValueError on every rank (`check_tensors`), instead of hanging.
 import torch
 import torch.distributed as dist
 
-from labkit.collective_checks import check_tensors, group_info
+from labkit.comm.checks import check_tensors, group_info
 
 NOTEBOOK = "03_allreduce"
 

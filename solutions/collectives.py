@@ -19,7 +19,7 @@ the ranks, so a mismatch raises a ValueError on every rank instead of hanging.
 import torch
 import torch.distributed as dist
 
-from labkit.collective_checks import check_tensors, group_info, require_contiguous
+from labkit.comm.checks import check_tensors, group_info, require_contiguous
 
 NOTEBOOK = "02_collectives"
 

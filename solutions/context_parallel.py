@@ -14,7 +14,7 @@ reached through the same package: exercises use exercises.ring_attention) over t
 import torch
 import torch.distributed as dist
 
-from labkit.timeline import NullTimeline
+from labkit.measure.timeline import NullTimeline
 
 NOTEBOOK = "11_long_sequences"
 

@@ -4,7 +4,7 @@ The E experts of each MoE layer are split over the `ep` ranks of an EP group: ra
 holds experts r*E/ep ... (r+1)*E/ep - 1; everything else (attention, norms, router,
 embeddings) is replicated. Every rank routes ITS OWN tokens, then one MoE layer is:
 
-    dispatch   sort the kept picks by expert (labkit.moe.sort_by_expert); exchange the
+    dispatch   sort the kept picks by expert (labkit.model.moe.sort_by_expert); exchange the
                counts (how many rows each rank sends to each of my experts); all-to-all
                the rows, so each rank receives the tokens of its own experts
     compute    run each local expert on all the rows it received, from every rank
@@ -13,7 +13,7 @@ embeddings) is replicated. Every rank routes ITS OWN tokens, then one MoE layer 
 
 The all-to-all is differentiable: its backward is the all-to-all with the sizes swapped
 (the gradient of a row goes back where the row came from). Routing, capacity and drops
-are labkit.moe's, per sequence, so EP drops exactly the tokens one device drops, and the
+are labkit.model.moe's, per sequence, so EP drops exactly the tokens one device drops, and the
 forward pass and every gradient equal the single-device MoE (solutions/all_to_all.py
 moves the rows).
 
@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit import moe as moe_lib
+from labkit.model import moe as moe_lib
 from labkit.grading import impl
-from labkit.timeline import NullTimeline
+from labkit.measure.timeline import NullTimeline
 
 NOTEBOOK = "12_experts"
 
@@ -101,7 +101,7 @@ class Plan:
 def dispatch(x: torch.Tensor, routing, group=None):
     """Send every kept pick's token row to the rank that holds its expert.
 
-    x [B, T, D] (or [N, D]): this rank's tokens; routing: their labkit.moe.Routing.
+    x [B, T, D] (or [N, D]): this rank's tokens; routing: their labkit.model.moe.Routing.
     Returns (received [R, D], plan). The received rows come grouped by source rank
     (group rank 0 first) and, inside, by local expert; plan.recv_counts [ep, L] says how
     many: rows of rank s for local expert e. Expert e lives on group rank e // L.
@@ -129,7 +129,7 @@ def compute_experts(experts, received: torch.Tensor, recv_counts: torch.Tensor) 
     received: rows grouped by source rank, then local expert (recv_counts [ep, L] rows each).
     Each expert runs once, on its rows from all ranks, source rank 0 first (so with the
     batch split in rank order it sees its tokens in the single-device order).
-    Hint: gather the rows expert by expert, `labkit.moe.run_experts(experts, rows, counts)`
+    Hint: gather the rows expert by expert, `labkit.model.moe.run_experts(experts, rows, counts)`
     runs experts[e] on counts[e] consecutive rows, then put the outputs back in place.
     """
     ### BEGIN SOLUTION
@@ -151,7 +151,7 @@ def combine(rows: torch.Tensor, plan: Plan, routing, group=None) -> torch.Tensor
     rows: compute_experts's output (the received order). Returns y [N, D], N = this
     rank's tokens: y[n] = sum of gate x expert output over n's kept picks (0 if none).
     Collective over `group`. Hint: `all_to_all` (differentiable) with dispatch's sizes
-    swapped, then `labkit.moe.unpermute(rows, plan.tokens, gates, N)`.
+    swapped, then `labkit.model.moe.unpermute(rows, plan.tokens, gates, N)`.
     """
     ### BEGIN SOLUTION
     back = all_to_all(rows, plan.send_splits, plan.recv_splits, group)  # sizes reversed
@@ -165,7 +165,7 @@ def combine(rows: torch.Tensor, plan: Plan, routing, group=None) -> torch.Tensor
 
 
 class EPMoE(nn.Module):
-    """A labkit.moe.MoE whose experts are split over `group`: this rank keeps experts
+    """A labkit.model.moe.MoE whose experts are split over `group`: this rank keeps experts
     ep_rank*L ... (ep_rank+1)*L - 1 (in `.experts`, keyed by their global index, so parameter
     names match the single-device model's) and the router. Same forward contract as MoE."""
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from labkit.grading import impl
 from labkit.mesh import shard_rows
-from labkit.timeline import NullTimeline
+from labkit.measure.timeline import NullTimeline
 
 NOTEBOOK = "07_hybrid"
 

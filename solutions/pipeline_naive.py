@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from labkit.timeline import NullTimeline
+from labkit.measure.timeline import NullTimeline
 
 NOTEBOOK = "05_pipeline_parallel"
 

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit.timeline import NullTimeline
+from labkit.measure.timeline import NullTimeline
 
 from .context_parallel import SPLITS, check_mask, local_slices, pair_kind
 

@@ -14,7 +14,7 @@ state of 1/N of the parameters only:
 A reduce-scatter plus an all-gather move the same bytes as DP's one all-reduce (a ring
 all-reduce IS a reduce-scatter followed by an all-gather), so ZeRO-1 saves memory at no
 extra communication. ZeRO-2 would also free the gradients outside the shard, ZeRO-3
-(FSDP) the parameters too (gathered layer by layer when needed): see labkit.memory.
+(FSDP) the parameters too (gathered layer by layer when needed): see labkit.measure.memory.
 
 Every function here is collective over `group` (None: the default group).
 """

@@ -1,4 +1,4 @@
-"""Fixtures shared by the test modules (the --impl switch and the grade table live in labkit/pytest_plugin.py)."""
+"""Fixtures shared by the test modules (the --impl switch and the grade table live in labkit/grading/plugin.py)."""
 import pytest
 import torch
 

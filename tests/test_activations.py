@@ -1,4 +1,4 @@
-"""Activation recomputation (ModelConfig.recompute) and the saved-for-backward counter (labkit.activations).
+"""Activation recomputation (ModelConfig.recompute) and the saved-for-backward counter (labkit.measure.activations).
 
 One process, tiny model; a few seconds.
 """
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from labkit.activations import SavedTensors, block_activation_elements, megatron_bytes, recompute_peak_elements
+from labkit.measure.activations import SavedTensors, block_activation_elements, megatron_bytes, recompute_peak_elements
 from labkit.model import build_model, get_config
 
 

@@ -1,4 +1,4 @@
-"""labkit.cases: many grading cases in one launch, and one exercise's mistake costs only its own cases.
+"""labkit.grading.cases: many grading cases in one launch, and one exercise's mistake costs only its own cases.
 
 Each test builds a tiny grading module of two "exercises" with a deliberate mistake in one.
 """
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit.cases import CaseTimeout, Outcomes, launch_cases, run_cases
+from labkit.grading.cases import CaseTimeout, Outcomes, launch_cases, run_cases
 
 CASE_TIMEOUT = 3  # the cases below take milliseconds when they do not hang
 
@@ -78,7 +78,7 @@ def test_a_wrong_result_on_some_ranks_fails_only_its_case_and_the_rest_run_again
 def test_untouched_stubs_stay_in_one_launch(monkeypatch):
     import sys
 
-    launch_module = sys.modules["labkit.launch"]
+    launch_module = sys.modules["labkit.launching.launcher"]
     calls = []
     real = launch_module.launch
     monkeypatch.setattr(launch_module, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))

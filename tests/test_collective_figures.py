@@ -1,4 +1,4 @@
-"""labkit.apps.collective_figures and labkit.bandwidth: the recorded moves are the ring's, the
+"""labkit.apps.collective_figures and labkit.links.bandwidth: the recorded moves are the ring's, the
 formulas are nccl-tests'; a wrong ring is drawn, its first wrong message marked. One 4-rank launch
 per recorded function (about 3 s on 2 cores)."""
 import os
@@ -9,7 +9,7 @@ import torch
 
 matplotlib.use("Agg")
 
-from labkit import bandwidth  # noqa: E402
+from labkit.links import bandwidth  # noqa: E402
 from labkit.apps import collective_figures  # noqa: E402
 
 

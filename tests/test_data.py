@@ -1,4 +1,4 @@
-"""labkit.data and labkit.train_tokenizer: corpora, tokenizers, token cache, batches and the sharding rule.
+"""labkit.data and labkit.data.train_tokenizer: corpora, tokenizers, token cache, batches and the sharding rule.
 
 The `datasets` test takes a few seconds (importing `datasets` is slow); the rest is fast.
 """
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import labkit.data as data
+import labkit.data.corpus as data
 from labkit.data import (check_seq_len, check_vocab, get_batch, get_tokenizer, load_stories, load_text,
                          load_tokens, split_tokens)
 from labkit.model import get_config
@@ -27,7 +27,7 @@ def test_tokenizer_has_4096_pieces_and_round_trips_unicode_and_newlines():
 
 
 def test_shipped_tokenizer_is_reproduced_byte_identical_by_training_twice():
-    from labkit.train_tokenizer import TOKENIZER_PATH, train
+    from labkit.data.train_tokenizer import TOKENIZER_PATH, train
 
     first, second = train(), train()
     assert first == second

@@ -2,7 +2,7 @@
 must: each proven here with a deliberately wrong implementation (a mutant) written below, run
 through the grading module's own cases. Not grading tests: no learner code runs here.
 
-labkit.diagnose on hand-made tensors first (no process), then one 4-rank launch per mutant
+labkit.grading.diagnose on hand-made tensors first (no process), then one 4-rank launch per mutant
 family (about 40 s of wall time on 2 busy cores).
 """
 import copy
@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import diagnose
+from labkit.grading import diagnose
 from labkit.grading import impl
-from labkit.launch import LaunchError, launch
+from labkit.launching.launcher import LaunchError, launch
 
 GRADING = Path(__file__).resolve().parent / "grading"
 TIMEOUT = 60
@@ -45,7 +45,7 @@ def with_mutant(topic, **replacements):
     return module
 
 
-# --- labkit.diagnose, by hand ---------------------------------------------------------------
+# --- labkit.grading.diagnose, by hand ---------------------------------------------------------------
 
 
 def test_rank_tags_decode_to_ranks_and_counts():
@@ -115,7 +115,7 @@ def _ring_wrong_chunk_index(tensor, group=None):
 
 
 def _bitmask_with(rank, world_size, mutant):
-    from labkit.cases import run_cases
+    from labkit.grading.cases import run_cases
 
     grading = grading_module("allreduce")
     os.environ["LABKIT_IMPL"] = "solutions"
@@ -178,7 +178,7 @@ MUTANTS = {"broadcast_ignores_group": _broadcast_ignores_group,
 
 
 def _dp_group_cases_with(rank, world_size, exercise, mutant_name):
-    from labkit.cases import run_cases
+    from labkit.grading.cases import run_cases
 
     mutated = SimpleNamespace(**vars(with_mutant("data_parallel")))  # the reference keeps its functions
     setattr(mutated, exercise, MUTANTS[mutant_name])
@@ -203,7 +203,7 @@ def test_dp_group_cases_catch_a_mutant(exercise, mutant, message):
 
 def test_dp_group_cases_pass_the_reference():
     def run(rank, world_size):
-        from labkit.cases import run_cases
+        from labkit.grading.cases import run_cases
         return run_cases(grading_module("data_parallel").group_cases(with_mutant("data_parallel"), rank))
     for outcomes in launch(run, 4, timeout=TIMEOUT):
         assert all(status == "ok" for status, _ in outcomes.values()), outcomes

@@ -13,9 +13,9 @@ import textwrap
 
 import pytest
 
-from labkit import stubgen
+from labkit.grading import stubgen
 from labkit.grading import REPO_ROOT, current_impl, impl
-from labkit.registry import exercise_blocks, exercises
+from labkit.grading.registry import exercise_blocks, exercises
 
 SOLUTION = textwrap.dedent('''\
     """A topic."""
@@ -127,9 +127,9 @@ def test_switch_selects_the_module(monkeypatch):
 
 @maintainers_only
 def test_exercises_are_in_sync_with_solutions():
-    """If this fails: maintainers run `python -m labkit.stubgen` and commit exercises/."""
+    """If this fails: maintainers run `python -m labkit.grading.stubgen` and commit exercises/."""
     stale, _, _ = stubgen.sync(REPO_ROOT, check=True)
-    assert not stale, f"out of date: {[p.name for p in stale]}: run `python -m labkit.stubgen`"
+    assert not stale, f"out of date: {[p.name for p in stale]}: run `python -m labkit.grading.stubgen`"
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +214,7 @@ def test_grade_table_reports_passed_not_implemented_failed_and_timed_out(tmp_pat
             while True:
                 pass
     '''))
-    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "labkit.pytest_plugin", "--grade", "-q",
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "labkit.grading.plugin", "--grade", "-q",
                           f"--tb={tb}", "--grade-json", "grade.json", "-p", "no:cacheprovider", "test_fake.py"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=180).stdout
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("ex_")}

@@ -1,7 +1,7 @@
-"""labkit.memory: the ZeRO paper's numbers, and parameter counts against the real model."""
+"""labkit.measure.memory: the ZeRO paper's numbers, and parameter counts against the real model."""
 import pytest
 
-from labkit import memory
+from labkit.measure import memory
 from labkit.model import build_model, get_config
 
 

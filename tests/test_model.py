@@ -203,11 +203,11 @@ def test_stages_in_sequence_give_exactly_the_full_models_logits_and_gradients(n_
         assert torch.equal(p.grad, full_grads[n]), f"{n}: {(p.grad - full_grads[n]).abs().max()}"  # the same kernels, in the same order
 
 
-# --- labkit.metrics and labkit.train_loop: FLOP counts and the training loop on this model
+# --- labkit.measure.metrics and labkit.training.loop: FLOP counts and the training loop on this model
 
 
 def test_matmul_params_counts_every_parameter_but_the_embedding():
-    from labkit.metrics import matmul_params
+    from labkit.measure.metrics import matmul_params
 
     for name in ("tiny", "seed"):
         model = build_model(name)
@@ -215,14 +215,14 @@ def test_matmul_params_counts_every_parameter_but_the_embedding():
 
 
 def test_flops_per_token_is_6n_plus_attention_term():
-    from labkit.metrics import flops_per_token, matmul_params
+    from labkit.measure.metrics import flops_per_token, matmul_params
 
     cfg = get_config("seed")
     assert flops_per_token(cfg, 256) == 6 * matmul_params(cfg) + 12 * 6 * 288 * 256
 
 
 def test_peak_flops_by_device_name_whole_words_and_none_when_unknown():
-    from labkit.metrics import lookup_peak
+    from labkit.measure.metrics import lookup_peak
 
     assert lookup_peak("NVIDIA H100 80GB HBM3") == 989e12
     assert lookup_peak("NVIDIA H100 PCIe") == 756e12
@@ -233,7 +233,7 @@ def test_peak_flops_by_device_name_whole_words_and_none_when_unknown():
 
 
 def test_mfu_is_none_on_cpu_rather_than_a_made_up_number():
-    from labkit.metrics import mfu
+    from labkit.measure.metrics import mfu
 
     assert mfu(1e4, get_config("tiny"), 128, device="cpu") is None
 
@@ -241,7 +241,7 @@ def test_mfu_is_none_on_cpu_rather_than_a_made_up_number():
 def test_short_training_run_brings_the_loss_well_below_ln_vocab():
     """30 AdamW steps of 8 x 32 tokens of TinyStories: from ln(4096) = 8.3 to below 6.5 (~2 s)."""
     from labkit.data import load_tokens
-    from labkit.train_loop import TrainConfig, train
+    from labkit.training.loop import TrainConfig, train
 
     cfg = TrainConfig.quick(steps=30, batch_size=8, seq_len=32, warmup=5)
     history = train(build_model("tiny"), load_tokens(), cfg, progress=False)

@@ -1,10 +1,10 @@
-"""labkit.moe: the reference mixture-of-experts layer and the tiny-moe config (a few seconds)."""
+"""labkit.model.moe: the reference mixture-of-experts layer and the tiny-moe config (a few seconds)."""
 import math
 
 import pytest
 import torch
 
-from labkit import moe
+from labkit.model import moe
 from labkit.model import build_model, get_config, lm_loss
 
 

@@ -9,7 +9,7 @@ subnet that exists inside the namespaces only, on an interface named lab0 on bot
   - Slurm: slurmctld and slurmd (a one-node cluster on host A's loopback, written config,
     auth/none), and labkit/jobs/slurm.sbatch submitted with sbatch;
 each running `python -m labkit.apps.train` on gloo, whose final weights and losses must
-equal the single-process `labkit.train_loop.train` (the comparison of test_train_scripts).
+equal the single-process `labkit.training.loop.train` (the comparison of test_train_scripts).
 And a fault: a rank on host B is killed mid-run; every process on both hosts must end.
 
 Needs root and a working `ip netns` (CI runs as root); otherwise skipped with one line.

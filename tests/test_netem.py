@@ -1,4 +1,4 @@
-"""labkit.netem: the real shaper (tc netem on a veth pair between two namespaces) when root allows it.
+"""labkit.links.netem: the real shaper (tc netem on a veth pair between two namespaces) when root allows it.
 
 Where the kernel has no netem (or there is no root), the netem test is skipped and says why;
 the plumbing (namespaces, veth, gloo over it) is still tested when root and `ip` are there.
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import netem
-from labkit.launch import launch
+from labkit.links import netem
+from labkit.launching.launcher import launch
 
 OK, WHY = netem.probe()
 PLUMBING = netem.probe_plumbing()

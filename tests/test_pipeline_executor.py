@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from labkit.grading import impl
-from labkit.launch import LaunchError, launch
-from labkit.schedules import (DeadlockError, ScheduleError, interleaved_schedule, lower, simulate,
+from labkit.launching.launcher import LaunchError, launch
+from labkit.parallel.schedules import (DeadlockError, ScheduleError, interleaved_schedule, lower, simulate,
                               zero_bubble_schedule)
-from labkit.timeline import Timeline
+from labkit.measure.timeline import Timeline
 
 # Pipelined gradients against one model, in float32: the same products, but each parameter's
 # gradient is a sum over m <= 8 micro-batches instead of one batched reduction. Each extra addition
@@ -147,7 +147,7 @@ def _subgroup_rank(rank, world_size, x, y, m):
     return {n: p.grad for n, p in st.named_parameters()}, loss
 
 
-@pytest.mark.filterwarnings("ignore::labkit.launch.OversubscriptionWarning")
+@pytest.mark.filterwarnings("ignore::labkit.launching.launcher.OversubscriptionWarning")
 def test_subgroup_with_global_neighbour_ranks_equals_single_model():
     from labkit.model import build_model, make_stages
 
@@ -177,7 +177,7 @@ def test_interleaved_schedule_valid_and_bubble_shrinks_by_chunks(p, v, m):
 
 
 def validate_ok(schedule):
-    from labkit.schedules import validate
+    from labkit.parallel.schedules import validate
 
     return validate(schedule)
 
@@ -246,7 +246,7 @@ def _zero_bubble_rank(rank, world_size, x, y, m):
     return {n: p.grad for n, p in st.named_parameters()}, loss, stats
 
 
-@pytest.mark.filterwarnings("ignore::labkit.launch.OversubscriptionWarning")
+@pytest.mark.filterwarnings("ignore::labkit.launching.launcher.OversubscriptionWarning")
 def test_zero_bubble_three_ranks_equals_single_model():
     from labkit.model import build_model, make_stages
 

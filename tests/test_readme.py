@@ -1,19 +1,19 @@
 """README's notebook table agrees with the notebooks (their headers are the single source of the times).
 
 Every notebook of notebooks/ (11, 12, 13 ... included, as they are added) must have a row, and
-the row's time must be its header's "about NN min". Fix: `python -m labkit.readme`.
+the row's time must be its header's "about NN min". Fix: `python -m labkit.apps.readme`.
 """
 import json
 
 import pytest
 
-from labkit import readme
+from labkit.apps import readme
 
 
 def test_readme_table_agrees_with_the_notebook_headers():
     text = (readme.REPO_ROOT / "README.md").read_text(encoding="utf-8")
     diff = readme.differences(text, readme.render(text, readme.REPO_ROOT / "notebooks"))
-    assert not diff, "\n".join(diff) + "\nrun `python -m labkit.readme` to regenerate the README's table"
+    assert not diff, "\n".join(diff) + "\nrun `python -m labkit.apps.readme` to regenerate the README's table"
 
 
 def test_every_notebook_header_says_how_long_it_takes():

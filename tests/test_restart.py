@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from labkit.checkpoint import CorruptCheckpoint, checkpoints, read_verified, save_state, load_state, write_verified
-from labkit.launch import launch
-from labkit.restart import elastic_train, launch_with_restarts, small_config
+from labkit.training.checkpoint import CorruptCheckpoint, checkpoints, read_verified, save_state, load_state, write_verified
+from labkit.launching.launcher import launch
+from labkit.launching.restart import elastic_train, launch_with_restarts, small_config
 
 TIMEOUT = 90
 
@@ -96,7 +96,7 @@ def test_torchrun_max_restarts_after_a_killed_rank_equals_uninterrupted(tmp_path
     """The real elastic agent: torchrun sees rank 1 die (SIGKILL), stops rank 0, starts both again."""
     out = tmp_path / "final.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--monitor-interval", "0.5", "-m", "labkit.restart",
+           "--max-restarts", "1", "--monitor-interval", "0.5", "-m", "labkit.launching.restart",
            "--dir", str(tmp_path / "ckpts"), "--out", str(out), "--kill-at", "5"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LABKIT_IMPL": os.environ.get("LABKIT_IMPL", "solutions")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

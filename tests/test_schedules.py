@@ -1,10 +1,10 @@
-"""labkit.schedules: parsing, lowering, checks and the unit-time simulation, on hand-written schedules.
+"""labkit.parallel.schedules: parsing, lowering, checks and the unit-time simulation, on hand-written schedules.
 
 No processes; the whole file runs in about a second (the torch comparison imports torch).
 """
 import pytest
 
-from labkit.schedules import (Action, DeadlockError, ScheduleError, check_schedule, first_difference,
+from labkit.parallel.schedules import (Action, DeadlockError, ScheduleError, check_schedule, first_difference,
                               format_schedule, ideal_bubble, lower, parse_action, parse_schedule, peak_inflight,
                               simulate, theoretical_bubble, validate, zero_bubble_schedule)
 
@@ -263,7 +263,7 @@ def agg():
 
 
 def test_plot_schedule_draws_backward_before_forward_and_outlines_it(agg):
-    from labkit import viz
+    from labkit.measure import viz
 
     ax = viz.plot_schedule([["0F0", "0B0"], ["1B0", "1F0"]]).axes[0]
     assert ax.get_title().startswith("WRONG: rank 1, action 1B0: backward before forward")
@@ -272,7 +272,7 @@ def test_plot_schedule_draws_backward_before_forward_and_outlines_it(agg):
 
 
 def test_plot_schedule_draws_a_deadlock_and_marks_where_each_rank_waits(agg):
-    from labkit import viz
+    from labkit.measure import viz
 
     ax = viz.plot_schedule([["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B0", "1B1"]]).axes[0]
     assert ax.get_title().startswith("WRONG: the schedule deadlocks")
@@ -282,15 +282,15 @@ def test_plot_schedule_draws_a_deadlock_and_marks_where_each_rank_waits(agg):
 
 
 def test_plot_schedule_of_an_unparseable_schedule_shows_the_error(agg):
-    from labkit import viz
+    from labkit.measure import viz
 
     ax = viz.plot_schedule([["0F0", "0B0"], ["1F0", "1b0"]]).axes[0]
     assert "cannot draw this schedule" in _texts(ax)[0] and "'1b0'" in _texts(ax)[0]
 
 
 def test_plot_timeline_marks_the_first_span_out_of_the_schedules_order(agg):
-    from labkit import viz
-    from labkit.timeline import Span
+    from labkit.measure import viz
+    from labkit.measure.timeline import Span
 
     ran = [Span(kind, start, start + (1.0 if kind == "F" else 2.0), rank, rank, mb)  # GPipe, measured
            for rank, kind, mb, start in [(0, "F", 0, 0.0), (0, "F", 1, 1.0), (0, "B", 0, 5.0), (0, "B", 1, 7.0),

@@ -1,4 +1,4 @@
-"""labkit.shaper: the in-process slow link counts bytes exactly, adds alpha + bytes/beta, changes no number.
+"""labkit.links.shaper: the in-process slow link counts bytes exactly, adds alpha + bytes/beta, changes no number.
 
 One launch of 2 ranks (a few seconds). The only timing check is a lower bound that
 time.sleep guarantees (elapsed >= the emulated seconds), never an upper one.
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit.launch import launch
-from labkit.shaper import SlowLink, fit_alpha_beta, model_seconds, wire_bytes
+from labkit.launching.launcher import launch
+from labkit.links.shaper import SlowLink, fit_alpha_beta, model_seconds, wire_bytes
 
 
 def _ranks(rank, world_size):

@@ -1,10 +1,10 @@
-"""labkit.timeline: exact numbers on synthetic spans, plus one multi-rank gather and clock test."""
+"""labkit.measure.timeline: exact numbers on synthetic spans, plus one multi-rank gather and clock test."""
 import json
 
 import pytest
 
-from labkit.launch import launch
-from labkit.timeline import (NullTimeline, Span, Timeline, bubble_fraction, busy_time, chrome_trace,
+from labkit.launching.launcher import launch
+from labkit.measure.timeline import (NullTimeline, Span, Timeline, bubble_fraction, busy_time, chrome_trace,
                              rank_stats, window, write_chrome_trace)
 
 # GPipe, p = 2, m = 2, t_F = 1, t_B = 2 (the unit-time picture), with communication spans
@@ -85,7 +85,7 @@ def _gather_rank(rank, world_size, estimate):
     return tl.gather(dst=0), tl.all_gather(), tl.origin, offset
 
 
-@pytest.mark.filterwarnings("ignore::labkit.launch.OversubscriptionWarning")
+@pytest.mark.filterwarnings("ignore::labkit.launching.launcher.OversubscriptionWarning")
 @pytest.mark.parametrize("estimate", [False, True], ids=["one_host_shared_clock", "ping_pong_estimate"])
 def test_gather_three_ranks(estimate):
     out = launch(_gather_rank, 3, estimate, timeout=60)
@@ -105,7 +105,7 @@ def test_gather_three_ranks(estimate):
         assert origins[0] == origins[1] == origins[2]
 
 
-# ------------------------------------------------------------------ the pictures (labkit.viz)
+# ------------------------------------------------------------------ the pictures (labkit.measure.viz)
 def _bars(ax):
     """(x, width, row) of every compute box drawn, rows read back from their y position."""
     out = []
@@ -120,7 +120,7 @@ def _bars(ax):
 def test_plot_timeline_draws_every_compute_span_at_its_time():
     import matplotlib
     matplotlib.use("Agg")
-    from labkit import viz
+    from labkit.measure import viz
 
     fig = viz.plot_timeline(SPANS, unit="s")
     ax = fig.axes[0]
@@ -132,7 +132,7 @@ def test_plot_timeline_draws_every_compute_span_at_its_time():
 def test_plot_schedule_draws_the_simulation():
     import matplotlib
     matplotlib.use("Agg")
-    from labkit import viz
+    from labkit.measure import viz
 
     schedule = [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1F1", "1B0", "1B1"]]
     fig = viz.plot_schedule(schedule)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from labkit import data
+from labkit.data import corpus as data
 
 
 def test_load_tokens_writes_the_shard_at_token_cache_path(tmp_path, monkeypatch):

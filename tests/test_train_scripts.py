@@ -2,7 +2,7 @@
 
 Each distributed strategy (dp, pp, hybrid) runs as a separate job under `torchrun
 --standalone` on CPU (gloo), as a learner would start it, and its final weights (saved
-with --save) and losses must equal `labkit.train_loop.train`'s, run here in one process;
+with --save) and losses must equal `labkit.training.loop.train`'s, run here in one process;
 so must the single strategy, run in this process. Two more jobs start the ranks by hand
 with the variables Slurm's srun and MPICH's mpiexec (PBS) set, which is how those
 launchers hand a rank its identity.
@@ -25,7 +25,7 @@ import torch
 from labkit.data import load_tokens
 from labkit.model import build_model
 from labkit.apps.train import main, parse_args, train_config
-from labkit.train_loop import train
+from labkit.training.loop import train
 
 REPO = Path(__file__).resolve().parent.parent
 # float64: N ranks sum gradients in another order than one process, and AdamW's first steps move a

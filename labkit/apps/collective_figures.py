@@ -27,7 +27,7 @@ if __name__ == "__main__":
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
-IMGS = Path(__file__).resolve().parent.parent / "imgs"
+IMGS = Path(__file__).resolve().parents[2] / "imgs"
 LETTERS = "ABCDEFGH"
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 
@@ -153,7 +153,7 @@ def draw_point_to_point():
 # --- the real moves of an all-reduce
 def _contents(value, world_size):
     """The ranks whose values `value` holds, a rank repeated when counted more than once."""
-    from labkit.diagnose import decode
+    from labkit.grading.diagnose import decode
 
     counts = decode(int(value), world_size)
     return None if counts is None else [r for r, c in sorted(counts.items()) for _ in range(c)]
@@ -169,7 +169,7 @@ def _record_rank(rank, world_size, topic, function, numel, fn=None):
     import torch
     import torch.distributed as dist
 
-    from labkit.diagnose import tagged
+    from labkit.grading.diagnose import tagged
     from labkit.grading import impl
 
     module = impl(topic)
@@ -216,7 +216,7 @@ def record_moves(world_size: int = 4, function: str = "ring_allreduce", numel: i
     rank. `.final[rank][chunk]`: what each chunk holds at the end. Works on wrong code too.
     Uses the current LABKIT_IMPL; `fn(tensor)`: record that all-reduce instead (e.g. a
     deliberately wrong one)."""
-    from labkit.launch import launch
+    from labkit.launching.launcher import launch
 
     per_rank = launch(_record_rank, world_size, topic, function, numel or 2 * world_size, fn, timeout=timeout)
     moves = Moves(send for sends, _ in per_rank for send in sends)

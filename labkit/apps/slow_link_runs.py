@@ -5,7 +5,7 @@
     run = merge(per_rank)        # {"loss", "tokens", "seconds", "wire_bytes", "val_loss", ...}
 
 Every method trains the same model from the same weights on the same global batches
-(labkit.data's seed rule, rows sharded by rank), with AdamW, inside one `labkit.shaper.SlowLink`
+(labkit.data's seed rule, rows sharded by rank), with AdamW, inside one `labkit.links.shaper.SlowLink`
 that slows and counts every collective. DiLoCo and PowerSGD come from the learner's
 `slow_links` module (or the reference) through the switch.
 """
@@ -36,8 +36,8 @@ def train_over_link(rank, world_size, method="dp", steps=48, bandwidth=5e6, late
     from labkit.data import get_batch, load_tokens, split_tokens
     from labkit.grading import impl
     from labkit.model import build_model
-    from labkit.shaper import SlowLink
-    from labkit.train_loop import evaluate
+    from labkit.links.shaper import SlowLink
+    from labkit.training.loop import evaluate
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: use one of {METHODS}")

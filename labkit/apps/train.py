@@ -10,12 +10,12 @@
     report = main(["--strategy", "hybrid", "--dp", "2", "--pp", "2", "--steps", "5"])
 
 Strategies, as (dp, pp) meshes of notebook 07 (world size = dp x pp):
-    single  one process: labkit.train_loop's step (the reference)
+    single  one process: labkit.training.loop's step (the reference)
     dp      dp replicas: impl("data_parallel") shard, all-reduce the gradients (notebook 04)
     pp      pp stages, 1F1B micro-batches: impl("pipeline").run_schedule (notebook 06)
     hybrid  dp pipelines of pp stages: impl("hybrid").hybrid_step (notebook 07)
 Every strategy trains the same model on the same global batches with the same AdamW,
-learning-rate schedule and gradient clipping as `labkit.train_loop`, so its losses and
+learning-rate schedule and gradient clipping as `labkit.training.loop`, so its losses and
 final weights equal the single-process run's (up to float rounding; tests/test_train_scripts.py).
 
 `labkit.launch` does the process work: run plainly, it forks the ranks; under torchrun
@@ -25,7 +25,7 @@ PMI_RANK) it runs this process as its rank. The world size then comes from the l
 Reported, the same way for every strategy and machine: tokens/s = global batch tokens x
 timed steps / wall time of those steps (the first step, which warms up, is not timed),
 per device, and MFU = tokens/s x FLOPs per token / (peak FLOP/s x devices) from
-`labkit.metrics` (None on a CPU: no honest peak). The last line of stdout is one JSON object.
+`labkit.measure.metrics` (None on a CPU: no honest peak). The last line of stdout is one JSON object.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def parse_args(argv=None):
 
 def scheduled_world_size() -> int | None:
     """The world size a launcher (torchrun, srun, mpiexec) set for this process, else None."""
-    from labkit.scheduled import scheduled_world
+    from labkit.launching.cluster import scheduled_world
 
     world = scheduled_world()
     return None if world is None else world["world_size"]
@@ -111,8 +111,8 @@ def _global_grad_clip(params, max_norm: float, group, reduce: bool = True) -> No
 
 
 def train_config(args):
-    """The `labkit.train_loop.TrainConfig` of a run: AdamW, warm-up + cosine, clipping at 1.0."""
-    from labkit.train_loop import TrainConfig
+    """The `labkit.training.loop.TrainConfig` of a run: AdamW, warm-up + cosine, clipping at 1.0."""
+    from labkit.training.loop import TrainConfig
 
     return TrainConfig.quick(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                              lr=args.lr, min_lr=args.lr / 10, warmup=max(1, args.steps // 10), seed=args.seed)
@@ -145,10 +145,10 @@ def train_rank(rank: int, world_size: int, args) -> dict:
 
     from labkit.data import get_batch, load_tokens
     from labkit.grading import impl
-    from labkit.launch import rank_device
+    from labkit.launching.launcher import rank_device
     from labkit.mesh import shard_rows
     from labkit.model import build_model, make_stage
-    from labkit.train_loop import lr_at, make_optimizer
+    from labkit.training.loop import lr_at, make_optimizer
 
     device = rank_device()
     cfg = train_config(args)
@@ -219,7 +219,7 @@ def report(results, args, world_size: int) -> dict:
     """Merge the ranks' results: losses, tokens/s, MFU, a weights checksum."""
     import torch
 
-    from labkit import metrics
+    from labkit.measure import metrics
     from labkit.model import get_config
 
     config = get_config(args.model)
@@ -265,16 +265,16 @@ def main(argv=None) -> dict:
     import torch
     import torch.distributed as dist
 
-    from labkit.launch import launch
+    from labkit.launching.launcher import launch
 
-    import labkit.data, labkit.model, labkit.train_loop  # noqa: E401,F401 - imported once, inherited by forked ranks
+    import labkit.data, labkit.model, labkit.training.loop  # noqa: E401,F401 - imported once, inherited by forked ranks
     results = launch(train_rank, world_size, args, timeout=args.timeout)
     out, weights = report(results, args, world_size)
     leader = not dist.is_initialized() or dist.get_rank() == 0
     if leader:
         if args.save:
             torch.save(weights, args.save)
-        from labkit.metrics import format_rate
+        from labkit.measure.metrics import format_rate
 
         mfu_text = "n/a (no known peak FLOP/s for this device)" if out["mfu"] is None else f"{out['mfu']:.1%}"
         print(f"{args.strategy} dp={args.dp} pp={args.pp} m={args.microbatches} on {world_size} rank(s), "

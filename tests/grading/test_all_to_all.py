@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit.cases import expect_case, launch_cases, run_cases
+from labkit.grading.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
 
 SUBGROUPS = [(1, 3), (0, 2, 3)]  # on 4 ranks

@@ -7,7 +7,7 @@ Every case is compared with torch's own `dist.all_reduce` on the same inputs:
 exactly for int64, with assert_close for floats (the order of the additions
 differs). To keep launches few, ONE launch per world size (1, 2, 3, 4) runs
 every case of every function; each test below then reads its case's outcome.
-The "bitmask" cases feed rank r the value 16**r (`labkit.diagnose.rank_tag`), so a wrong
+The "bitmask" cases feed rank r the value 16**r (`labkit.grading.diagnose.rank_tag`), so a wrong
 sum names the first wrong chunk, on which rank, and whose values it holds or misses; they
 have their own launch per world size (2, 3, 4), so that they report even when the other
 cases hang. About 15 s on 2 cores.
@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import diagnose
-from labkit.cases import expect_case, launch_cases, run_cases
+from labkit.grading import diagnose
+from labkit.grading.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
 
 FUNCTIONS = ("ring_allreduce", "naive_allreduce", "pipelined_ring_allreduce", "tree_allreduce")

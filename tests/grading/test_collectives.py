@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit.cases import expect_case, launch_cases, run_cases
+from labkit.grading.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
 
 FUNCTIONS = ("broadcast", "reduce", "all_gather", "scatter", "reduce_scatter")

@@ -5,10 +5,10 @@ b rows each must end with the same weights as one process with N x b rows.
 OddNet carries the awkward cases: a frozen layer, a layer never used (grad None
 everywhere), a layer used only when the batch holds token RARE (grad None on the
 ranks whose rows lack it) and an output head tied to the embedding.
-The subgroup cases (group=) run in ONE 4-rank launch (labkit.cases): two disjoint groups
+The subgroup cases (group=) run in ONE 4-rank launch (labkit.grading.cases): two disjoint groups
 [1, 3] and [0, 2] whose group ranks differ from their global ranks, each with its own
 source and its own data, so that mixing the groups, or ignoring group=, shows.
-Mismatches name the first differing parameter and by how much (`labkit.diagnose`).
+Mismatches name the first differing parameter and by how much (`labkit.grading.diagnose`).
 The whole file: about 12 s of CPU, 30-50 s of wall time on 2 busy shared cores.
 """
 import functools
@@ -19,12 +19,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import diagnose
-from labkit.cases import expect_case, launch_cases, run_cases
-from labkit.checkpoint import load_checkpoint, save_checkpoint
+from labkit.grading import diagnose
+from labkit.grading.cases import expect_case, launch_cases, run_cases
+from labkit.training.checkpoint import load_checkpoint, save_checkpoint
 from labkit.grading import impl
-from labkit.launch import launch
-from labkit.cases import launch_timeout
+from labkit.launching.launcher import launch
+from labkit.grading.cases import launch_timeout
 
 V, D, T, RARE = 32, 16, 5, 0
 GLOBAL_BATCH = 8

@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import moe
-from labkit.cases import expect_case, launch_cases, run_cases
+from labkit.model import moe
+from labkit.grading.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
 from labkit.mesh import Mesh, shard_rows
 from labkit.model import build_model, get_config

@@ -1,7 +1,7 @@
 """Grading tests for notebook 09_zero_fsdp: ZeRO-3 / FSDP by hand (FlatShard, ZeRO3).
 
 Run: pytest tests/grading/test_fsdp.py   (add --impl=solutions for the reference)
-All cases of one world size run in one launch (labkit.cases). Models run in float64 because
+All cases of one world size run in one launch (labkit.grading.cases). Models run in float64 because
 N ranks sum gradients in another order than one process (see tests/grading/test_zero.py for
 why atol=1e-8 is sound after a few AdamW steps); where the arithmetic is the same (gathering
 shards, a mean of two numbers) the check is torch.equal. Cases: the tiny transformer (forward,
@@ -16,12 +16,12 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.cases import expect_case, launch_cases, run_cases
+from labkit.grading.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
-from labkit.launch import launch
+from labkit.launching.launcher import launch
 from labkit.model import build_model
-from labkit.timeline import Timeline
-from labkit.cases import launch_timeout
+from labkit.measure.timeline import Timeline
+from labkit.grading.cases import launch_timeout
 
 TIMEOUT = launch_timeout(40)  # a hang is reported by the launcher, with stacks
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

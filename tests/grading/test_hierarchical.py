@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit.cases import expect_case, launch_cases, run_cases
+from labkit.grading.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
 
 pytestmark = pytest.mark.exercise("hierarchical_allreduce")

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import diagnose
+from labkit.grading import diagnose
 from labkit.data import get_batch, load_tokens
 from labkit.grading import impl
-from labkit.launch import launch
+from labkit.launching.launcher import launch
 from labkit.model import build_model, make_stage
-from labkit.cases import launch_timeout
+from labkit.grading.cases import launch_timeout
 
 # The grid torch.arange(world).view(dp, pp), written out by hand: rows are pipelines,
 # columns are the replicas of one stage.

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from labkit.grading import impl
-from labkit.launch import LaunchError, launch
-from labkit.schedules import first_difference, parse_schedule, simulate, theoretical_bubble, validate
-from labkit.cases import launch_timeout
+from labkit.launching.launcher import LaunchError, launch
+from labkit.parallel.schedules import first_difference, parse_schedule, simulate, theoretical_bubble, validate
+from labkit.grading.cases import launch_timeout
 
 # Pipelined gradients against one model, in float32: the same products, but each parameter's
 # gradient is a sum over m <= 8 micro-batches instead of one batched reduction. Each extra addition
@@ -207,7 +207,7 @@ def your_lines(report: str) -> str:
 
 
 @pytest.mark.exercise("communicate")
-@pytest.mark.filterwarnings("ignore::labkit.launch.OversubscriptionWarning")
+@pytest.mark.filterwarnings("ignore::labkit.launching.launcher.OversubscriptionWarning")
 def test_communicate_two_ranks_one_f_one_b_no_hang_and_blocking_gpipe():
     # Short timeout: the work takes well under a second; a blocking send in 1F1B never ends.
     try:
@@ -230,7 +230,7 @@ def test_communicate_two_ranks_one_f_one_b_no_hang_and_blocking_gpipe():
 # forward_step / backward_step (notebook 05) are graded in test_pipeline_naive.py; marking them
 # here too would show them "not implemented" in the table until the schedules are written.
 @pytest.mark.exercise("gpipe_schedule", "one_f_one_b_schedule", "communicate")
-@pytest.mark.filterwarnings("ignore::labkit.launch.OversubscriptionWarning")
+@pytest.mark.filterwarnings("ignore::labkit.launching.launcher.OversubscriptionWarning")
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_pipeline_gradients_equal_single_device_m_1_2_4_8(p):
     if HUNG:

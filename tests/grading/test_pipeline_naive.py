@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from labkit.grading import impl
-from labkit.launch import LaunchError, launch
+from labkit.launching.launcher import LaunchError, launch
 
 # Pipelined gradients against one model, in float32: the same products, but each parameter's
 # gradient is a sum over m <= 8 micro-batches instead of one batched reduction. Each extra addition
@@ -157,7 +157,7 @@ def _launch_or_show_your_lines(fn, world_size):
 
 
 @pytest.mark.exercise("naive_step")
-@pytest.mark.filterwarnings("ignore::labkit.launch.OversubscriptionWarning")
+@pytest.mark.filterwarnings("ignore::labkit.launching.launcher.OversubscriptionWarning")
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_naive_step_real_ranks_equals_single_model_p_2_3_4(p):
     from labkit.model import make_stages

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit.cases import expect_case, launch_cases, run_cases
+from labkit.grading.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
 
 F64 = torch.float64
@@ -100,7 +100,7 @@ def check_ring(rank, c, split, mask, s):
 
 def check_overlap_timeline(rank, c):
     """The block in hand is computed while the next one travels: one F span per step, c-1 recvs."""
-    from labkit.timeline import Timeline
+    from labkit.measure.timeline import Timeline
     ra, cpm = impl("ring_attention"), impl("context_parallel")
     tl = Timeline()
     q, k, v, _ = qkv(4 * c)

@@ -10,7 +10,7 @@ assert_close's tolerances is tight). One launch per TP size (2, 4); about 20 s o
 import pytest
 import torch
 
-from labkit.cases import expect_case, launch_cases, run_cases
+from labkit.grading.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
 
 F64 = torch.float64

@@ -5,7 +5,7 @@ Run: pytest tests/grading/test_slow_links.py   (add --impl=solutions for the ref
 The references: single-process training on the whole global batch (DP's proof), torch's
 own all-reduce, and the error-feedback bookkeeping summed by hand. Where N ranks and one
 process add in different orders, the proofs run in float64 (tolerances below). Bytes are
-counted with `labkit.shaper.SlowLink` (infinite bandwidth: it only counts). ONE launch per
+counted with `labkit.links.shaper.SlowLink` (infinite bandwidth: it only counts). ONE launch per
 world size (2 and 3) runs every case. About 10 s on 2 cores.
 """
 import functools
@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.cases import expect_case, launch_cases, run_cases
+from labkit.grading.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
 from labkit.mesh import shard_rows
-from labkit.shaper import SlowLink
+from labkit.links.shaper import SlowLink
 
 ROWS = 4  # rows per rank
 # float64 tolerance for "equal up to the order of additions": each step rounds at ~1e-16

@@ -4,7 +4,7 @@ Run: pytest tests/grading/test_tensor_parallel.py   (add --impl=solutions for th
 Every test runs the sharded layer on 2 and 4 ranks and compares, on every rank, with the
 unsharded layer run in the same process: the output, dL/dinput, and the gradient of each
 sharded weight against the matching slice of the full layer's gradient. The group= cases run
-the same checks in two disjoint TP groups [1, 3] and [0, 2] of 4 ranks (one launch, labkit.cases),
+the same checks in two disjoint TP groups [1, 3] and [0, 2] of 4 ranks (one launch, labkit.grading.cases),
 each group with its own layer. About 20 s on 2 cores.
 """
 import functools
@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit import diagnose
-from labkit.cases import expect_case, launch_cases, run_cases
+from labkit.grading import diagnose
+from labkit.grading.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
-from labkit.launch import launch
+from labkit.launching.launcher import launch
 from labkit.model import SwiGLU, Attention, build_model, get_config
-from labkit.cases import launch_timeout
+from labkit.grading.cases import launch_timeout
 
 TIMEOUT = launch_timeout(20)  # a hang is reported by the launcher, with stacks, in seconds
 

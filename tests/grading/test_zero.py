@@ -30,12 +30,12 @@ import pytest
 import torch
 from torch import nn
 
-from labkit import memory
+from labkit.measure import memory
 from labkit.grading import impl
-from labkit.launch import launch
+from labkit.launching.launcher import launch
 from labkit.mesh import Mesh
 from labkit.model import build_model
-from labkit.cases import launch_timeout
+from labkit.grading.cases import launch_timeout
 
 TIMEOUT = launch_timeout(20)  # a hang is reported by the launcher, with stacks, in seconds
 STEPS = 4

@@ -1,7 +1,7 @@
 """Grading tests for notebook 09_zero_fsdp: ZeRO-2 (Zero2Optimizer), gradients sharded in backward.
 
 Run: pytest tests/grading/test_zero2.py   (add --impl=solutions for the reference)
-All cases of one world size run in one launch (labkit.cases). Each rank trains on its slice of
+All cases of one world size run in one launch (labkit.grading.cases). Each rank trains on its slice of
 every global batch; in the same process an unsharded copy trains on the whole batch (float64:
 the sums are ordered differently, see tests/grading/test_zero.py for why atol=1e-8 is sound)
 and, on 2 ranks, a plain-DP copy that must agree bit for bit (a sum of two numbers has one
@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.cases import expect_case, launch_cases, run_cases
+from labkit.grading.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
-from labkit.launch import launch
+from labkit.launching.launcher import launch
 from labkit.model import build_model
-from labkit.cases import launch_timeout
+from labkit.grading.cases import launch_timeout
 
 TIMEOUT = launch_timeout(30)  # a hang is reported by the launcher, with stacks
 STEPS = 3

@@ -1,0 +1,1 @@
+"""Measuring: timelines, plots, throughput and MFU, memory per rank, activation memory."""
