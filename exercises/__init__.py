@@ -1,1 +1,1 @@
-"""Your code: fill in the stubs (generated from solutions/ by `python -m labkit.stubgen`)."""
+"""Your code: fill in the stubs (generated from solutions/ by `python -m labkit.grading.stubgen`)."""
