@@ -1,0 +1,10 @@
+"""The one communication layer: every torch.distributed op the lab calls, seen in one place.
+
+- `labkit.comm.ops`: the table of ops, each with its payload S and bus factor (nccl-tests).
+- `labkit.comm.intercept`: `with intercept(hook):` runs hooks around every table op.
+- `labkit.comm.traffic`: `with count_traffic() as traffic:` counts calls and bytes per op and group.
+
+`labkit.shaper.SlowLink`, `labkit.diagnose.watch_groups` and the figure recorder of
+`labkit.apps.collective_figures` are hooks of `intercept`. The rule that makes this work:
+code calls ``dist.<op>(...)`` at call time, never an op bound at import.
+"""
