@@ -115,5 +115,5 @@ OPS: dict[str, Op] = {name: Op(name, payload, bus) for name, payload, bus in _RO
 def wire(op: str, payload: int, n: int) -> Fraction:
     """Wire bytes of one call: payload x bus factor of `op` on n ranks (exact)."""
     if op not in OPS:
-        raise ValueError(f"unknown op {op!r}: the table (labkit.comm.ops.OPS) knows {sorted(OPS)}")
+        raise ValueError(f"unknown collective {op!r}: the table labkit.comm.ops.OPS knows {sorted(OPS)}; add a row there")
     return payload * OPS[op].bus_factor(n)
