@@ -1,6 +1,6 @@
 """What SlowLink sees of one ZeRO-2 step, one ZeRO-3 step and one sequence-parallel block, on 2 ranks.
 
-    python bench/slow_link_traffic.py [--impl solutions|exercises]
+    python bench/slow_link_traffic.py [--quick] [--impl solutions|exercises]
 
 Inside `labkit.shaper.SlowLink(inf)` (it only counts: no sleep) each rank runs, on the tiny
 model: a ZeRO-2 step (Zero2Optimizer, 0.05 MB buckets), a ZeRO-3 step (ZeRO3 over its 4
@@ -48,6 +48,7 @@ def one_rank(rank, world):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="accepted for make bench: the run is always this small")
     parser.add_argument("--impl", default=os.environ.get("LABKIT_IMPL", "solutions"))
     args = parser.parse_args()
     os.environ["LABKIT_IMPL"] = args.impl
