@@ -166,7 +166,6 @@ def _record_rank(rank, world_size, topic, function, numel, fn=None):
     and what each chunk holds at the end. Nothing is asserted: a wrong all-reduce is recorded
     as it ran, so that it can be drawn and its first wrong message marked.
     """
-    import torch
     import torch.distributed as dist
 
     from labkit.comm.intercept import Hook, intercept

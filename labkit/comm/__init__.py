@@ -3,6 +3,7 @@
 - `labkit.comm.ops`: the table of ops, each with its payload S and bus factor (nccl-tests).
 - `labkit.comm.intercept`: `with intercept(hook):` runs hooks around every table op.
 - `labkit.comm.traffic`: `with count_traffic() as traffic:` counts calls and bytes per op and group.
+- `labkit.comm.bypass`: finds ops bound at import (which no interception can see), from the source.
 
 `labkit.shaper.SlowLink`, `labkit.diagnose.watch_groups` and the figure recorder of
 `labkit.apps.collective_figures` are hooks of `intercept`. The rule that makes this work:
