@@ -1,6 +1,6 @@
 # GENERATED from solutions/expert_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/12_experts.ipynb.
-# untouched-stub fingerprint: d60d40240d892da0
+# untouched-stub fingerprint: c93ae9002b6bf42b
 """Expert parallelism (EP), and EP x DP (notebook 12_experts).
 
 The E experts of each MoE layer are split over the `ep` ranks of an EP group: rank r
@@ -30,7 +30,6 @@ own rows (1/world of the batch). `gradient_groups` says which group each paramet
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -44,29 +43,13 @@ from labkit.measure.timeline import NullTimeline
 NOTEBOOK = "12_experts"
 
 # ---------------------------------------------------------------------------------------
-# The differentiable all-to-all, with an optional log of the bytes it sends to other ranks
-
-_traffic = None
-
-
-@contextlib.contextmanager
-def count_traffic():
-    """Log every all-to-all in the block: yields a list of bytes each sent to OTHER ranks."""
-    global _traffic
-    previous, _traffic = _traffic, []
-    try:
-        yield _traffic
-    finally:
-        _traffic = previous
+# The differentiable all-to-all (labkit.comm.traffic.count_traffic counts its messages)
 
 
 def _exchange(x, out_splits, in_splits, group):
     x = x.contiguous()
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     impl("all_to_all").all_to_all_single(out, x, out_splits, in_splits, group=group)
-    if _traffic is not None:
-        me = dist.get_rank(group)
-        _traffic.append((sum(in_splits) - in_splits[me]) * x[0:1].numel() * x.element_size())
     return out
 
 

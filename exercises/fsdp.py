@@ -1,6 +1,6 @@
 # GENERATED from solutions/fsdp.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/09_zero_fsdp.ipynb.
-# untouched-stub fingerprint: da2cc2df4ced0657
+# untouched-stub fingerprint: 77d1ef8573d869fc
 """ZeRO-3 / FSDP by hand: parameters sharded per block, gathered just in time (notebook 09_zero_fsdp).
 
 ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients; ZeRO-3 shards the parameters
@@ -42,8 +42,6 @@ from torch import nn
 from .zero import flatten_padded, reduce_scatter_mean, shard_size
 
 NOTEBOOK = "09_zero_fsdp"
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class FlatShard:

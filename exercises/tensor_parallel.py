@@ -1,6 +1,6 @@
 # GENERATED from solutions/tensor_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/08_tensor_parallel.ipynb.
-# untouched-stub fingerprint: 765bec573a5f7a36
+# untouched-stub fingerprint: a61c61befe9dd4cd
 """Tensor parallelism, Megatron-style (notebook 08_tensor_parallel).
 
 A linear layer y = x W^T + b can be cut across the ranks of a TP group in two ways:
@@ -20,7 +20,6 @@ only its slice and the result can be compared with the unsharded layer exactly.
 Every function here is collective over `group` (None: the default group). Without an
 initialised process group the world is one rank, and nothing is communicated.
 """
-import contextlib
 import copy
 
 import torch
@@ -47,27 +46,12 @@ def check_divisible(size: int, world: int, what: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# Communication, with an optional log so the notebook can count what each layer sends
-
-_log = None
-
-
-@contextlib.contextmanager
-def count_collectives():
-    """Record the collectives issued inside the block: yields a list of (name, numel) pairs."""
-    global _log
-    previous, _log = _log, []
-    try:
-        yield _log
-    finally:
-        _log = previous
+# Communication (labkit.comm.traffic.count_traffic counts it: it sees every dist.<op> call)
 
 
 def _all_reduce(x, group):
     if tp_world(group)[1] == 1:
         return x
-    if _log is not None:
-        _log.append(("all_reduce", x.numel()))
     x = x.contiguous()  # in place: the callers pass a clone, never a tensor autograd still needs
     dist.all_reduce(x, group=group)
     return x
@@ -77,8 +61,6 @@ def _all_gather_last(x, group):
     _, world = tp_world(group)
     if world == 1:
         return x
-    if _log is not None:
-        _log.append(("all_gather", x.numel() * world))
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)

@@ -1,6 +1,6 @@
 # GENERATED from solutions/zero.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/09_zero_fsdp.ipynb.
-# untouched-stub fingerprint: dd29c14e091855e3
+# untouched-stub fingerprint: 01e61e8443e6982d
 """ZeRO stage 1 by hand: an optimizer with its state sharded over the ranks (notebook 09_zero_fsdp).
 
 Plain data parallelism keeps a full copy of the optimizer state on every rank: for Adam,
@@ -29,10 +29,6 @@ from torch import nn
 
 NOTEBOOK = "09_zero_fsdp"
 
-# torch 2.13 names the flat collectives *_single (the older names still work, deprecated).
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 def shard_size(numel: int, world_size: int) -> int:
     """Elements per rank once `numel` is padded to a multiple of world_size: ceil(numel / N)."""
@@ -60,7 +56,7 @@ def reduce_scatter_mean(flat: torch.Tensor, group=None, via_allreduce: bool = Fa
     else:
         out = torch.empty(size, dtype=flat.dtype, device=flat.device)
         # SUM then divide (not ReduceOp.AVG): AVG is missing on some backends and versions
-        _reduce_scatter(out, flat.contiguous(), group=group)
+        dist.reduce_scatter_single(out, flat.contiguous(), group=group)
     return out.div_(world)
 
 
@@ -68,7 +64,7 @@ def all_gather_flat(shard: torch.Tensor, group=None) -> torch.Tensor:
     """Concatenate every rank's 1-D `shard` (same length everywhere) in rank order."""
     world = dist.get_world_size(group)
     out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
-    _all_gather(out, shard.contiguous(), group=group)
+    dist.all_gather_single(out, shard.contiguous(), group=group)
     return out
 
 

@@ -1,6 +1,6 @@
 # GENERATED from solutions/zero2.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/09_zero_fsdp.ipynb.
-# untouched-stub fingerprint: 4a4cb05fc8f8a91f
+# untouched-stub fingerprint: 3cf9e016b7b21b56
 """ZeRO-2 by hand: optimizer state AND gradients sharded over the ranks (notebook 09_zero_fsdp).
 
 ZeRO-1 still builds every rank's full gradient, then reduce-scatters it in the step. ZeRO-2
@@ -26,8 +26,6 @@ from torch import nn
 from .zero import all_gather_flat, flatten_padded, optimizer_state_bytes, shard_size
 
 NOTEBOOK = "09_zero_fsdp"
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Zero2Optimizer:

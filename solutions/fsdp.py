@@ -40,8 +40,6 @@ from .zero import flatten_padded, reduce_scatter_mean, shard_size
 
 NOTEBOOK = "09_zero_fsdp"
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 class FlatShard:
     """One ZeRO-3 unit: the trainable parameters `params` of one module, stored flat and sharded.
@@ -91,7 +89,7 @@ class FlatShard:
         if self.work is not None or self.gathered_bytes() > 0:
             return None
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
-        work = _all_gather(self.flat, self.shard.detach(), group=self.group, async_op=async_op)
+        work = dist.all_gather_single(self.flat, self.shard.detach(), group=self.group, async_op=async_op)
         if async_op:
             self.work = work
         return work

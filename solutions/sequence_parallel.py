@@ -16,7 +16,6 @@ The norms' weights are replicated but each rank's copy sees only s/t tokens: the
 are partial sums, added over the TP group by `allreduce_norm_grads` (as Megatron does).
 Every function with a group is collective over it (None: the default group).
 """
-import contextlib
 import copy
 
 import torch
@@ -28,18 +27,6 @@ from labkit.grading import impl
 
 NOTEBOOK = "11_long_sequences"
 SEQ = 1  # activations are [batch, sequence, features]
-_log = None
-
-
-@contextlib.contextmanager
-def count_collectives():
-    """Record the collectives issued inside the block: yields a list of (name, numel of the full tensor)."""
-    global _log
-    previous, _log = _log, []
-    try:
-        yield _log
-    finally:
-        _log = previous
 
 
 def _world(group):
@@ -51,8 +38,6 @@ def all_gather_sequence(x, group=None):
     _, world = _world(group)
     if world == 1:
         return x
-    if _log is not None:
-        _log.append(("all_gather", x.numel() * world))
     local = x.movedim(SEQ, 0).contiguous()  # [n, B, d]: the collective stacks along dim 0
     out = torch.empty((world * local.shape[0],) + local.shape[1:], dtype=x.dtype, device=x.device)
     dist.all_gather_single(out, local, group=group)
@@ -65,8 +50,6 @@ def reduce_scatter_sequence(x, group=None):
     if world == 1:
         return x
     n = impl("tensor_parallel").check_divisible(x.shape[SEQ], world, "sequence length s")
-    if _log is not None:
-        _log.append(("reduce_scatter", x.numel()))
     out = torch.empty((n,) + x.movedim(SEQ, 0).shape[1:], dtype=x.dtype, device=x.device)
     dist.reduce_scatter_single(out, x.movedim(SEQ, 0).contiguous(), group=group)
     return out.movedim(0, SEQ).contiguous()
@@ -208,12 +191,3 @@ def allreduce_norm_grads(block: ParallelBlock):
     for norm in (block.attention_norm, block.ffn_norm):
         if norm.weight.grad is not None and _world(block.group)[1] > 1:
             dist.all_reduce(norm.weight.grad, group=block.group)
-
-
-def comm_bytes_per_rank(log, world: int, bytes_per_elem: int = 4) -> float:
-    """Bytes one rank sends for a collective log (ring algorithms), full-tensor numels as logged.
-
-    all-reduce of N elements: 2(t-1)/t N; all-gather to N and reduce-scatter from N: (t-1)/t N each.
-    """
-    factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
-    return sum(factor[name] * (world - 1) / world * numel * bytes_per_elem for name, numel in log)

@@ -26,10 +26,6 @@ from torch import nn
 
 NOTEBOOK = "09_zero_fsdp"
 
-# torch 2.13 names the flat collectives *_single (the older names still work, deprecated).
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 def shard_size(numel: int, world_size: int) -> int:
     """Elements per rank once `numel` is padded to a multiple of world_size: ceil(numel / N)."""
@@ -57,7 +53,7 @@ def reduce_scatter_mean(flat: torch.Tensor, group=None, via_allreduce: bool = Fa
     else:
         out = torch.empty(size, dtype=flat.dtype, device=flat.device)
         # SUM then divide (not ReduceOp.AVG): AVG is missing on some backends and versions
-        _reduce_scatter(out, flat.contiguous(), group=group)
+        dist.reduce_scatter_single(out, flat.contiguous(), group=group)
     return out.div_(world)
 
 
@@ -65,7 +61,7 @@ def all_gather_flat(shard: torch.Tensor, group=None) -> torch.Tensor:
     """Concatenate every rank's 1-D `shard` (same length everywhere) in rank order."""
     world = dist.get_world_size(group)
     out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
-    _all_gather(out, shard.contiguous(), group=group)
+    dist.all_gather_single(out, shard.contiguous(), group=group)
     return out
 
 

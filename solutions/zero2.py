@@ -24,8 +24,6 @@ from .zero import all_gather_flat, flatten_padded, optimizer_state_bytes, shard_
 
 NOTEBOOK = "09_zero_fsdp"
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 class Zero2Optimizer:
     """ZeRO-2: Zero2Optimizer(model, optimizer_class=torch.optim.AdamW, bucket_size_mb=25.0, group=None, **defaults).
@@ -124,7 +122,7 @@ class Zero2Optimizer:
         for p in bucket:
             p.grad = None  # the full gradient lives on only in `flat`, until the collective is done
         out = torch.empty(self.sizes[i], dtype=flat.dtype, device=flat.device)
-        work = _reduce_scatter(out, flat, group=self.group, async_op=True)
+        work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
         self._pending[i] = (work, out, flat)
         self._next = i + 1
         self._track()

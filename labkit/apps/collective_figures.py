@@ -166,9 +166,9 @@ def _record_rank(rank, world_size, topic, function, numel, fn=None):
     and what each chunk holds at the end. Nothing is asserted: a wrong all-reduce is recorded
     as it ran, so that it can be drawn and its first wrong message marked.
     """
-    import torch
     import torch.distributed as dist
 
+    from labkit.comm.intercept import Hook, intercept
     from labkit.grading.diagnose import tagged
     from labkit.grading import impl
 
@@ -182,20 +182,24 @@ def _record_rank(rank, world_size, topic, function, numel, fn=None):
         return [_contents(tensor[bounds[c]], world_size) if bounds[c + 1] > bounds[c] else []
                 for c in range(world_size)]
 
-    def recording(original):
-        def wrapper(t, dst=None, group=None, tag=0, group_dst=None):
-            peer = group_dst if group_dst is not None else dist.get_group_rank(group or dist.group.WORLD, dst)
+    class Recorder(Hook):
+        """Records each send/isend before it runs, with what its rank holds at that moment."""
+
+        def before(self, call):
+            if call.op not in ("send", "isend"):
+                return
+            t, a = call.arguments["tensor"], call.arguments
+            group = a.get("group") or dist.group.WORLD
+            peer = a["group_dst"] if a.get("group_dst") is not None else dist.get_group_rank(group, a["dst"])
             offset = (t.data_ptr() - base) // t.element_size()
             inside = 0 <= offset < numel and t.numel() > 0
             chunk = bisect.bisect_right(bounds, offset) - 1 if inside and t.numel() < numel else None
-            sends.append(dict(src=rank, dst=peer, chunk=chunk, numel=t.numel(), bytes=t.numel() * t.element_size(),
+            sends.append(dict(src=rank, dst=peer, chunk=chunk, numel=t.numel(), bytes=call.payload,
                               ranks=_contents(t.reshape(-1)[0], world_size) if t.numel() else [],
                               held=held()))
-            return original(t, dst=dst, group=group, tag=tag, group_dst=group_dst)
-        return wrapper
 
-    dist.isend, dist.send = recording(dist.isend), recording(dist.send)
-    fn(tensor)
+    with intercept(Recorder()):
+        fn(tensor)
     for step, send in enumerate(sends):
         send["step"] = step
     return sends, held()

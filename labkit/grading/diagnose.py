@@ -152,58 +152,48 @@ def assert_same_named(got: dict, want: dict, what: str = "tensor", where: str = 
 
 # --- collectives on the wrong group ---------------------------------------------------------
 
-_WATCHED = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
-            "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
-            "send", "recv", "isend", "irecv", "broadcast_object_list", "all_gather_object")
-
-
 class WrongGroupError(AssertionError):
     """A collective ran on another group than the one the exercise was given."""
 
 
 class watch_groups:
-    """Inside the block, a torch.distributed collective on any group but `group` raises
-    WrongGroupError BEFORE it runs (so it cannot hang or disturb the other ranks):
+    """Inside the block, a torch.distributed op (any of labkit.comm.ops) on any group but `group`
+    raises WrongGroupError BEFORE it runs (so it cannot hang or disturb the other ranks):
     "all_reduce on the default group (ranks [0, 1, 2, 3]) ... pass group=group".
 
     `what`: the exercise, named in the message. Catches code that ignores its group=
-    argument; a rank not in `group` must issue no collective at all.
+    argument; a rank not in `group` must issue no collective at all. A hook of
+    labkit.comm.intercept: it composes with SlowLink and count_traffic.
     """
 
     def __init__(self, group, what: str):
-        self.group, self.what, self.saved = group, what, {}
+        self.group, self.what, self._block = group, what, None
 
-    def __enter__(self):
-        import inspect
-
+    def before(self, call) -> None:
         import torch.distributed as dist
 
-        wanted = dist.get_process_group_ranks(self.group or dist.group.WORLD)
-        for name in _WATCHED:
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-            self.saved[name] = original
-            signature = inspect.signature(original)
+        if call.ranks != self.wanted:
+            used = call.group
+            label = "the default group" if used is None or used is dist.group.WORLD else "a group"
+            raise WrongGroupError(
+                f"{self.what} was given group= the ranks {self.wanted}, but it called dist.{call.op} on "
+                f"{label} (ranks {call.ranks}): pass group=group to every collective, and give "
+                f"src/dst as global ranks (or group_src/group_dst as ranks in the group)")
 
-            def spy(*args, _original=original, _name=name, _signature=signature, **kwargs):
-                bound = _signature.bind_partial(*args, **kwargs)
-                used = bound.arguments.get("group")
-                ranks = dist.get_process_group_ranks(used or dist.group.WORLD)
-                if ranks != wanted:
-                    label = "the default group" if used is None or used is dist.group.WORLD else "a group"
-                    raise WrongGroupError(
-                        f"{self.what} was given group= the ranks {wanted}, but it called dist.{_name} on "
-                        f"{label} (ranks {ranks}): pass group=group to every collective, and give "
-                        f"src/dst as global ranks (or group_src/group_dst as ranks in the group)")
-                return _original(*args, **kwargs)
+    def after(self, call, result) -> None:
+        pass
 
-            setattr(dist, name, spy)
+    def __enter__(self):
+        import torch.distributed as dist
+
+        from labkit.comm.intercept import intercept
+
+        self.wanted = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        self._block = intercept(self)
+        self._block.__enter__()
         return self
 
     def __exit__(self, *exc):
-        import torch.distributed as dist
-
-        for name, original in self.saved.items():
-            setattr(dist, name, original)
+        block, self._block = self._block, None
+        block.__exit__(*exc)
         return False

@@ -10,58 +10,33 @@ namespaces, `labkit.links.netem`) needs root, the netem kernel module and networ
 This one needs nothing and is *deterministic*: the time it adds and the bytes it counts
 depend only on the calls made, never on the machine's load, so tests can check them.
 
-The contract, per call of a wrapped function on a group of N ranks:
-- payload S = the collective's size in bytes, as nccl-tests counts it (all-reduce and
-  broadcast: the tensor; all-gather: the gathered output; reduce-scatter: the input;
-  send/recv: the message);
-- wire bytes = what one rank puts on its link = S x the bus factor of `labkit.links.bandwidth`
-  (all-reduce 2(N-1)/N, all-gather and reduce-scatter (N-1)/N, broadcast, send, recv 1;
+The contract, per call of a `labkit.comm.ops` op on a group of N ranks (every op the lab
+calls: the *_single/_tensor forms, all_to_all_single, point-to-point, batch_isend_irecv, barrier):
+- payload S = the op's size in bytes, as nccl-tests counts it (the table in labkit.comm.ops);
+- wire bytes = what one rank puts on its link = S x the op's bus factor (all-reduce 2(N-1)/N,
+  all-gather, reduce-scatter and all-to-all (N-1)/N, broadcast, send, recv 1, barrier 0;
   0 when N = 1: nothing leaves the process);
 - after the real call returns, the rank sleeps `latency + wire / bandwidth` (nothing when
   N = 1). Every rank makes the same calls, so every rank sleeps alike: the link is slow for all.
 
-Only attribute look-ups through the `torch.distributed` module (`dist.all_reduce(...)`, as
-the lab's code and torch's DDP communication hooks write it) go through the link; DDP's
-own C++ reducer and torch's internal helpers do not. `async_op=True` calls sleep at once.
+It is a hook of `labkit.comm.intercept`: only calls looked up on the `torch.distributed`
+module at call time (`dist.all_reduce(...)`, as the lab's code and torch's DDP communication
+hooks write it) go through the link; DDP's own C++ reducer, torch's internal helpers and an op
+bound at import time do not. `async_op=True` calls sleep at once.
 """
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
 import torch.distributed as dist
 
-# op name -> (bus factor for N ranks, how to get S in bytes from the call's arguments)
-_BUS = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "all_gather": lambda n: (n - 1) / n,
-    "all_gather_into_tensor": lambda n: (n - 1) / n,
-    "reduce_scatter_tensor": lambda n: (n - 1) / n,
-    "send": lambda n: 1.0, "recv": lambda n: 1.0, "isend": lambda n: 1.0, "irecv": lambda n: 1.0,
-}
-
-
-def _nbytes(t) -> int:
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return t.numel() * t.element_size()
-
-
-def _payload(op: str, args, kwargs) -> int:
-    if op in ("all_gather", "all_gather_into_tensor"):
-        return _nbytes(args[0] if args else kwargs.get("tensor_list", kwargs.get("output_tensor")))
-    if op == "reduce_scatter_tensor":
-        return _nbytes(args[1] if len(args) > 1 else kwargs["input"])
-    return _nbytes(args[0] if args else kwargs["tensor"])
-
+from labkit.comm import ops
+from labkit.comm.intercept import Hook, intercept
 
 def wire_bytes(op: str, payload: int, world_size: int) -> float:
     """Bytes one rank puts on its link for a collective of `payload` bytes on `world_size` ranks."""
-    if op not in _BUS:
-        raise ValueError(f"unknown collective {op!r}: known are {sorted(_BUS)}")
-    return 0.0 if world_size == 1 else payload * _BUS[op](world_size)
+    return float(ops.wire(op, payload, world_size))
 
 
 def model_seconds(wire: float, bandwidth: float, latency: float, calls: int = 1) -> float:
@@ -86,14 +61,15 @@ def fit_alpha_beta(wire: list, seconds: list) -> tuple[float, float]:
     return alpha, 1.0 / inv_beta
 
 
-class SlowLink:
+class SlowLink(Hook):
     """Context manager: inside it, this process's collectives (see module docstring) are slowed and counted.
 
     ``SlowLink(bandwidth, latency=0.0, sleep=True)``: bandwidth in bytes/s (> 0, ``inf`` for
     an infinitely fast link that only counts), latency in seconds (>= 0). ``sleep=False``
     counts bytes and emulated seconds without sleeping. Counters: ``calls``, ``payload_bytes``,
     ``wire_bytes``, ``seconds`` (emulated time added) and ``by_op`` {op: calls}; ``reset()``.
-    Not re-entrant: one SlowLink active per process at a time.
+    Not re-entrant: one SlowLink active per process at a time (it composes with other hooks,
+    e.g. `labkit.comm.traffic.count_traffic`).
     """
 
     _active = None
@@ -104,44 +80,35 @@ class SlowLink:
         if not latency >= 0:
             raise ValueError(f"latency must be >= 0 seconds; got {latency!r}")
         self.bandwidth, self.latency, self.sleep = float(bandwidth), float(latency), sleep
-        self._saved = {}
+        self._block = None
         self.reset()
 
     def reset(self) -> None:
         self.calls, self.payload_bytes, self.wire_bytes, self.seconds, self.by_op = 0, 0, 0.0, 0.0, {}
 
-    def _wrap(self, op: str, real):
-        @functools.wraps(real)
-        def slowed(*args, **kwargs):
-            out = real(*args, **kwargs)
-            n = dist.get_world_size(kwargs.get("group"))
-            payload = _payload(op, args, kwargs)
-            wire = wire_bytes(op, payload, n)
-            delay = 0.0 if n == 1 else model_seconds(wire, self.bandwidth, self.latency)
-            self.calls += 1
-            self.by_op[op] = self.by_op.get(op, 0) + 1
-            self.payload_bytes += payload
-            self.wire_bytes += wire
-            self.seconds += delay
-            if self.sleep and delay > 0:
-                time.sleep(delay)
-            return out
-        return slowed
+    def after(self, call, result) -> None:
+        wire = float(call.wire)
+        delay = model_seconds(wire, self.bandwidth, self.latency) if call.member and len(call.ranks) > 1 else 0.0
+        self.calls += 1
+        self.by_op[call.op] = self.by_op.get(call.op, 0) + 1
+        self.payload_bytes += call.payload
+        self.wire_bytes += wire
+        self.seconds += delay
+        if self.sleep and delay > 0:
+            time.sleep(delay)
 
     def __enter__(self) -> "SlowLink":
         if SlowLink._active is not None:
             raise RuntimeError("a SlowLink is already active in this process: leave it first")
         SlowLink._active = self
-        for op in _BUS:
-            self._saved[op] = getattr(dist, op)
-            setattr(dist, op, self._wrap(op, self._saved[op]))
+        self._block = intercept(self)
+        self._block.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for op, real in self._saved.items():
-            setattr(dist, op, real)
-        self._saved.clear()
+        block, self._block = self._block, None
         SlowLink._active = None
+        block.__exit__(*exc)
 
     def __repr__(self) -> str:
         return (f"SlowLink({self.bandwidth / 1e6:g} MB/s, {self.latency * 1e3:g} ms: {self.calls} calls, "

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from labkit.grading.cases import expect_case, launch_cases, run_cases
+from labkit.comm.traffic import count_traffic
 from labkit.grading import impl
 
 F64 = torch.float64
@@ -38,7 +39,7 @@ def check_pair(rank, t):
 def check_block(rank, t, s):
     """SP block == unsharded block forward and backward; same bytes as TP, 4 collectives each way."""
     from labkit.model import build_model
-    sp, tp = impl("sequence_parallel"), impl("tensor_parallel")
+    sp = impl("sequence_parallel")
     model = build_model("tiny", seed=0).double()
     block = model.layers[1]
     g = torch.Generator().manual_seed(1)
@@ -48,9 +49,9 @@ def check_block(rank, t, s):
     y_ref.backward(dy)
     pb = sp.ParallelBlock(block, sequence_parallel=True)
     xs = x.chunk(t, dim=1)[rank].clone().requires_grad_()
-    with sp.count_collectives() as forward_log:
+    with count_traffic() as forward:
         y = pb(xs, model.rope)
-    with sp.count_collectives() as backward_log:
+    with count_traffic() as backward:
         y.backward(dy.chunk(t, dim=1)[rank])
     sp.allreduce_norm_grads(pb)
     torch.testing.assert_close(y, y_ref.chunk(t, dim=1)[rank])
@@ -61,23 +62,23 @@ def check_block(rank, t, s):
                               ("w2", "feed_forward", 1)):
         full_grad = getattr(getattr(block, parent), name).weight.grad
         torch.testing.assert_close(getattr(pb, name).grad, full_grad.chunk(t, dim=dim)[rank])
-    numel = 2 * s * 64
-    assert forward_log == [("all_gather", numel), ("reduce_scatter", numel)] * 2
-    assert backward_log == [("all_gather", numel), ("reduce_scatter", numel)] * 2
+    size = 2 * s * 64 * 8  # bytes of the full [B, s, d] float64 activation: S of each collective
+    assert forward.log() == [("all_gather_single", size), ("reduce_scatter_single", size)] * 2
+    assert backward.log() == [("all_gather_single", size), ("reduce_scatter_single", size)] * 2
     regather = sp.ParallelBlock(block, sequence_parallel=True, regather=True)  # Megatron: gather again in backward
     xg = x.chunk(t, dim=1)[rank].clone().requires_grad_()
-    with sp.count_collectives() as regather_log:
+    with count_traffic() as regather_log:
         y = regather(xg, model.rope)
         y.backward(dy.chunk(t, dim=1)[rank])
     torch.testing.assert_close(y, y_ref.chunk(t, dim=1)[rank])
     torch.testing.assert_close(xg.grad, xr.grad.chunk(t, dim=1)[rank])
     torch.testing.assert_close(regather.w3.grad, block.feed_forward.w3.weight.grad.chunk(t, dim=0)[rank])
-    assert sorted(regather_log) == sorted(forward_log + backward_log + [("all_gather", numel)] * 2)
+    assert sorted(regather_log.log()) == sorted(forward.log() + backward.log() + [("all_gather_single", size)] * 2)
     tp_block = sp.ParallelBlock(block, sequence_parallel=False)
-    with tp.count_collectives() as tp_log:
+    with count_traffic() as tp_traffic:
         tp_block(x.clone().requires_grad_(), model.rope).backward(dy)
-    assert tp_log == [("all_reduce", numel)] * 4
-    assert sp.comm_bytes_per_rank(forward_log + backward_log, t) == sp.comm_bytes_per_rank(tp_log, t)
+    assert tp_traffic.log() == [("all_reduce", size)] * 4
+    assert forward.wire() + backward.wire() == tp_traffic.wire()  # SP sends what TP sends (exact Fractions)
 
 
 def check_not_divisible(rank, t):

@@ -16,6 +16,7 @@ from torch import nn
 
 from labkit.grading import diagnose
 from labkit.grading.cases import expect_case, launch_cases, run_cases
+from labkit.comm.traffic import count_traffic
 from labkit.grading import impl
 from labkit.launching.launcher import launch
 from labkit.model import SwiGLU, Attention, build_model, get_config
@@ -121,9 +122,9 @@ def _mlp(rank, world, group=None, seed=0):
     y_ref, dx_ref, g_ref = reference(full, x, dy)
     mlp = tp.ParallelMLP(full, group=group)
     xs = x.clone().requires_grad_()
-    with tp.count_collectives() as forward_log:
+    with count_traffic() as forward:
         y = mlp(xs)
-    with tp.count_collectives() as backward_log:
+    with count_traffic() as backward:
         y.backward(dy)
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(xs.grad, dx_ref)
@@ -131,15 +132,15 @@ def _mlp(rank, world, group=None, seed=0):
                                {f"{name}.weight": block(g_ref[f"{name}.weight"], rank, world, dim)
                                 for name, dim in (("w1", 0), ("w3", 0), ("w2", 1))},
                                "weight gradient", f"TP rank {rank} of {world}")
-    return forward_log, backward_log
+    return forward.log(), backward.log()  # [(op, payload bytes)]: every dist.<op> call
 
 
 @pytest.mark.exercise("ParallelMLP")
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_parallel_mlp_equals_swiglu_with_one_allreduce_each_way(world):
     for forward_log, backward_log in launch(_mlp, world, timeout=TIMEOUT):
-        assert forward_log == [("all_reduce", 2 * 5 * 64)], "forward: one all-reduce of the output"
-        assert backward_log == [("all_reduce", 2 * 5 * 64)], "backward: one all-reduce of dL/dx"
+        assert forward_log == [("all_reduce", 2 * 5 * 64 * 4)], "forward: one all-reduce of the output"
+        assert backward_log == [("all_reduce", 2 * 5 * 64 * 4)], "backward: one all-reduce of dL/dx"
 
 
 def _attention(rank, world):
@@ -177,13 +178,13 @@ def _whole_model(rank, world):
     loss_ref = model(x, y)
     loss_ref.backward()
     tp_model = tp.parallelize_model(model)
-    with tp.count_collectives() as log:
+    with count_traffic() as traffic:
         loss = tp_model(x, y)
         loss.backward()
     torch.testing.assert_close(loss, loss_ref)
     # what tp_comm_per_layer promises: 4 all-reduces of [batch, seq, d_model] per layer and step
     per_layer = tp.tp_comm_per_layer(2, 16, 64, world, bytes_per_elem=4)
-    assert log == [("all_reduce", 2 * 16 * 64)] * (per_layer["allreduces"] * model.config.n_layers)
+    assert traffic.log() == [("all_reduce", 2 * 16 * 64 * 4)] * (per_layer["allreduces"] * model.config.n_layers)
     assert per_layer["activation_bytes"] == 2 * 16 * 64 * 4
     full = dict(model.named_parameters())
     got, want = {}, {}
