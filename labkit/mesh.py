@@ -76,7 +76,7 @@ class Mesh:
         self.sizes = {axis: sizes.get(axis, 1) for axis in self.axes}
         product = math.prod(self.sizes.values())
         if world_size != product:
-            shape = " x ".join(f"{a}={s}" for a, s in self.sizes.items() if s > 1) or "1"
+            shape = " x ".join(f"{a}={s}" for a, s in self.sizes.items() if s > 1 or a in sizes) or "1"
             raise ValueError(f"the mesh {shape} holds {product} ranks but world_size={world_size}: "
                              "choose axis sizes whose product is the number of ranks")
         initialised = dist.is_available() and dist.is_initialized()
