@@ -1,6 +1,6 @@
 # GENERATED from solutions/pipeline.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/06_microbatches.ipynb.
-# untouched-stub fingerprint: 7f7f07511cfeda6a
+# untouched-stub fingerprint: e3617add4e05bf89
 """Micro-batch pipeline schedules and the executor that runs them (notebook 06_microbatches).
 
 A schedule is data: one list of actions per rank, ``"{stage}F{mb}"`` / ``"{stage}B{mb}"``.
@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit import schedules
+from labkit.mesh import Mesh
 from labkit.timeline import NullTimeline
 
 from labkit.grading import impl
@@ -89,23 +90,24 @@ def activation_shape(config, batch_size: int, seq_len: int, n_microbatches: int)
     return (batch_size // n_microbatches, seq_len, config.d_model)
 
 
-def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: int, act_shape,
-                 prev_rank: int | None = None, next_rank: int | None = None, group=None, timeline=None,
-                 loss_scale: float | None = None, blocking_send: bool = False, check: bool = True,
-                 stats: dict | None = None, dtype=None):
+def run_schedule(stage_module, schedule, inputs=None, targets=None, *, mesh: Mesh, act_shape,
+                 timeline=None, loss_scale: float | None = None, blocking_send: bool = False,
+                 check: bool = True, stats: dict | None = None, dtype=None):
     """Run this rank's part of ``schedule`` (the FULL per-rank list) for one training step.
 
     stage_module: this rank's stage (`labkit.model.make_stage` or `SyntheticStage`), or a
         dict {stage: module} when the rank holds several stages (interleaved schedules).
     schedule: action lists indexed by pipeline rank, or their `labkit.schedules.lower`;
         this rank runs ``lower(schedule)[stage]``.
-    stage: this rank's position in the pipeline (its stage when it holds one).
+    mesh: the `labkit.mesh.Mesh` this rank is in; the pipeline is its ``"pp"`` axis. This rank's
+        position is ``mesh.coord("pp")`` (its stage when it holds one), the neighbours are
+        ``mesh.prev_rank("pp", wrap=True)`` / ``mesh.next_rank("pp", wrap=True)`` (GLOBAL ranks:
+        not position -/+ 1 when pp is not the mesh's innermost axis; wrapping, because an
+        interleaved schedule's last stage feeds the first rank's next chunk), on ``mesh.group("pp")``.
+        ``Mesh(world_size, pp=world_size)`` for a pipeline over every rank.
     inputs: token ids [B, T] on the rank of stage 0; targets [B, T] on the rank of the last
         stage (every rank can read the data); None elsewhere.
     act_shape: (B / m, T, d_model), see `activation_shape`; the same on every rank.
-    prev_rank / next_rank: GLOBAL ranks of the previous / next pipeline position (default
-        position -/+ 1 modulo the number of positions), with ``group`` their process group
-        (a DP x PP hybrid passes its row's). Stage s+1 lives on the next position.
     timeline: a `labkit.timeline.Timeline` to record F/B/W/send/recv/wait spans into.
     loss_scale: multiplies each micro-batch loss; default 1/m, so that the accumulated
         ``.grad`` equal the full-batch mean-loss gradient.
@@ -125,14 +127,19 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
     stage, None elsewhere. Gradients accumulate into ``.grad``.
     """
     lowered = schedules.lower(schedule)  # parsed and lowered once: this list is what runs
+    if mesh.size("pp") != len(lowered):
+        raise ValueError(f"the schedule has {len(lowered)} pipeline ranks but the mesh's pp axis has "
+                         f"{mesh.size('pp')} ({mesh}): build the schedule for mesh.size('pp') ranks")
     if check:
         schedules.simulate(lowered, blocking_send=blocking_send)
+    stage = mesh.coord("pp")  # this rank's position in the pipeline
     run = _setup(stage_module, lowered, inputs, targets, stage, act_shape, loss_scale)
     if run is None:
         return None
     dtype = dtype or run.dtype
-    prev_rank = (stage - 1) % len(lowered) if prev_rank is None else prev_rank
-    next_rank = (stage + 1) % len(lowered) if next_rank is None else next_rank
+    # the neighbours are the mesh's, global ranks; Stage s+1 lives on the next position
+    prev_rank, next_rank = mesh.prev_rank("pp", wrap=True), mesh.next_rank("pp", wrap=True)
+    group = mesh.group("pp")
     tl = timeline if timeline is not None else NullTimeline()
     steps = impl("pipeline_naive")  # notebook 05's forward_step / backward_step (yours, under exercises)
     box, saved, sends, loss = {}, {}, [], None  # box: tensors received / to send, by message
