@@ -50,10 +50,11 @@ def run_rank(rank, world_size, t_f, steps):
 
     from labkit.parallel import schedules
     from labkit.grading import impl
+    from labkit.mesh import Mesh
     from labkit.measure.timeline import Timeline
 
     pl = impl("pipeline")
-    tl, out = Timeline(), {}
+    tl, out, mesh = Timeline(), {}, Mesh(world_size, pp=world_size)
     for label, fn in SCHEDULES.items():
         for m in MS:
             act = pl.activation_shape(type("Cfg", (), {"d_model": D_MODEL}), BATCH, SEQ, m)
@@ -71,7 +72,7 @@ def run_rank(rank, world_size, t_f, steps):
                          for c in range(v)}
                 stats = {}
                 tl.sync()
-                pl.run_schedule(stage, schedule, inputs, tokens, stage=rank, act_shape=act, timeline=tl, stats=stats)
+                pl.run_schedule(stage, schedule, inputs, tokens, mesh=mesh, act_shape=act, timeline=tl, stats=stats)
                 runs.append((tl.gather(), stats))
             out[label, m] = runs[1:]
     return out

@@ -1,6 +1,6 @@
 # GENERATED from solutions/context_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
-# untouched-stub fingerprint: 2f58f11404d1f09f
+# untouched-stub fingerprint: fe018603c70d43e8
 """Context parallelism: the sequence split over a CP group, and the model run on it (notebook 11_long_sequences).
 
 Each of the c ranks of a context-parallel (CP) group holds some pieces of the sequence. How
@@ -11,12 +11,13 @@ A split is a list of (start, stop) pieces per rank; `take` cuts them out of a fu
 `pair_kind` says which (query piece, key piece) pairs a causal mask keeps, and
 `attention_work` counts the pairs each rank computes, without any process.
 
-`ContextParallel` runs labkit's model with every attention a ring (solutions/ring_attention.py,
-reached through the same package: exercises use exercises.ring_attention) over the mesh's cp group.
+`ContextParallel` runs labkit's model with every attention a ring (ring_attention.py, reached through
+``impl("ring_attention")``: exercises use exercises.ring_attention) over the mesh's cp axis.
 """
 import torch
 import torch.distributed as dist
 
+from labkit.grading import impl
 from labkit.measure.timeline import NullTimeline
 
 NOTEBOOK = "11_long_sequences"
@@ -126,8 +127,8 @@ class ContextParallel(torch.nn.Module):
         super().__init__()
         if mesh.size("cp") < 2:
             raise ValueError(f"{mesh} has no cp axis of size >= 2: build it with Mesh(world, cp=c)")
-        self.model, self.split, self.c = model, split, mesh.size("cp")
-        self.group, self.index = mesh.group("cp"), mesh.index("cp")
+        self.model, self.split, self.c, self.mesh = model, split, mesh.size("cp"), mesh
+        self.group, self.index = mesh.group("cp"), mesh.coord("cp")
         self.timeline = NullTimeline()
 
     def forward(self, tokens, targets):
@@ -141,15 +142,15 @@ class ContextParallel(torch.nn.Module):
 
     def blocks(self, x, pos, s: int):
         """The model's blocks on this rank's positions `pos` of an s-long sequence: x [B, n, d] -> [B, n, d]."""
-        from .ring_attention import ring_attention as ring  # here: ring_attention imports this module
-
+        ring = impl("ring_attention").ring_attention  # yours under exercises; no import between the two modules
         m = self.model
         for layer in m.layers:
             att, h = layer.attention, layer.attention_norm(x)
             B, n, D = h.shape
             heads = lambda t: t.view(B, n, att.n_heads, D // att.n_heads).transpose(1, 2)
             q, k = rotate(heads(att.wq(h)), m.rope, pos), rotate(heads(att.wk(h)), m.rope, pos)
-            y = ring(q, k, heads(att.wv(h)), self.group, self.split, "causal", s, self.timeline)
+            y = ring(q, k, heads(att.wv(h)), mesh=self.mesh, split=self.split, mask="causal", seq_len=s,
+                     timeline=self.timeline)
             x = x + att.wo(y.transpose(1, 2).reshape(B, n, D))
             x = x + layer.feed_forward(layer.ffn_norm(x))
         return x

@@ -1,11 +1,11 @@
 # GENERATED from solutions/hybrid.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/07_hybrid.ipynb.
-# untouched-stub fingerprint: e3b4e91151fe5db0
+# untouched-stub fingerprint: e5ac519edee9497f
 """DP x PP hybrid: several pipelines trained as data-parallel replicas (notebook 07_hybrid).
 
 The ranks form one grid ``torch.arange(world_size).view(dp, pp)``:
 
-    pp_rank:  0  1  2
+    pp coord: 0  1  2
     dp 0:   [ 0, 1, 2 ]   <- one pipeline (a row): stage s lives on column s
     dp 1:   [ 3, 4, 5 ]   <- another pipeline, same stages, other data
 
@@ -17,99 +17,67 @@ gradients of every stage among its replicas ONCE, after the flush, and steps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from labkit.grading import impl
-from labkit.mesh import shard_rows
+from labkit.mesh import Mesh, shard_rows
 from labkit.measure.timeline import NullTimeline
 
 NOTEBOOK = "07_hybrid"
 
 
-@dataclass(frozen=True)
-class Mesh:
-    """One rank's place in the (dp, pp) grid and the process groups it belongs to.
-
-    rank, world_size, dp, pp: the global rank, the number of ranks, the grid's shape.
-    dp_rank: which pipeline replica (the grid row); pp_rank: which stage (the column).
-    pipeline_ranks: the global ranks of this rank's pipeline, stage 0 first (its row).
-    dp_ranks: the global ranks holding the same stage, replica 0 first (its column).
-    prev_rank / next_rank: the global rank of the previous / next stage of this
-        pipeline, None on the first / last stage.
-    pp_group / dp_group: the process groups of pipeline_ranks / dp_ranks; None when
-        the mesh was computed without an initialised process group (layout only).
-    """
-
-    rank: int
-    world_size: int
-    dp: int
-    pp: int
-    dp_rank: int
-    pp_rank: int
-    pipeline_ranks: tuple
-    dp_ranks: tuple
-    prev_rank: int | None
-    next_rank: int | None
-    pp_group: object = None
-    dp_group: object = None
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
-
 def make_mesh(world_size: int, dp: int, pp: int, rank: int | None = None) -> Mesh:
-    """Place ``rank`` in the grid ``torch.arange(world_size).view(dp, pp)`` and build its groups.
+    """This rank's `labkit.mesh.Mesh` of the grid ``torch.arange(world_size).view(dp, pp)``, its groups made by hand.
 
-    Returns a `Mesh` (see its docstring) for ``rank`` (default: ``dist.get_rank()``).
-    Pipelines are the grid's rows, data-parallel groups its columns.
+    Start from the layout, ``mesh = Mesh(world_size, dp=dp, pp=pp, rank=rank, groups=False)``:
+    it checks the sizes (ValueError, before any group is created, when dp or pp is not
+    positive, when ``world_size != dp * pp``, when ``rank`` is not in ``range(world_size)``,
+    or when they disagree with the initialised process group) and answers the layout
+    questions: ``mesh.coord("dp")`` (which pipeline replica, the grid row),
+    ``mesh.coord("pp")`` (which stage, the column), ``mesh.prev_rank("pp")`` /
+    ``mesh.next_rank("pp")`` (global ranks of the neighbouring stages, None at the ends),
+    ``mesh.is_first("pp")`` / ``mesh.is_last("pp")``, ``mesh.ranks("pp")`` (its pipeline).
 
-    If torch.distributed is initialised, this creates the process groups: every rank must
-    call ``make_mesh`` with the same arguments, since ``dist.new_group`` is collective:
-    ALL ranks create ALL groups (every row, then every column) in the same order, and each
-    keeps the two it belongs to. Without a process group (``rank`` must then be given), it
-    only computes the layout, and ``pp_group`` / ``dp_group`` are None.
-
-    Raises ValueError, before any group is created, when dp or pp is not positive, when
-    ``world_size != dp * pp``, when ``rank`` is not in ``range(world_size)``, or when they
-    disagree with the initialised process group.
+    Your part: the process groups. If torch.distributed is initialised, every rank must
+    create ALL groups in the same order, since ``dist.new_group`` is collective: every row
+    of the grid (a pipeline), then every column (the replicas of one stage). Hand the two
+    this rank belongs to to the mesh: ``mesh.add_group("pp", its_row_group)`` and
+    ``mesh.add_group("dp", its_column_group)`` (add_group checks that a group holds the right
+    ranks). Without a process group (``rank`` given), return the layout alone.
+    Returns the mesh; then ``mesh.group("pp")`` / ``mesh.group("dp")`` are the groups.
     """
     raise NotImplementedError("exercise make_mesh is not implemented yet: edit exercises/hybrid.py, see notebooks/07_hybrid.ipynb")
 
 
-def replica_rows(x, mesh: Mesh):
-    """This replica's rows of a global batch tensor: rows dp_rank*b:(dp_rank+1)*b, b = B // dp.
+def replica_rows(x, *, mesh: Mesh):
+    """This replica's rows of a global batch tensor: rows i*b:(i+1)*b, i = mesh.coord("dp"), b = B // dp.
 
     The lab's one sharding rule (`labkit.mesh.shard_rows`, the same as notebook 04's
     ``shard_for_rank``), with the replica's index and count taken from the mesh.
     """
-    return shard_rows(x, mesh.dp_rank, mesh.dp)
+    return shard_rows(x, mesh.coord("dp"), mesh.size("dp"))
 
 
-def hybrid_step(stage_module, mesh: Mesh, x, y, n_microbatches: int, optimizer=None, *,
+def hybrid_step(stage_module, x, y, n_microbatches: int, optimizer=None, *, mesh: Mesh,
                 timeline=None, sync_grads: bool = True):
     """One DP x PP training step on this rank; returns the global batch's mean loss on
     the last stage (every replica's last stage returns the same value), None elsewhere.
 
-    stage_module: this rank's stage, ``labkit.model.make_stage(model, mesh.pp_rank, mesh.pp)``
+    mesh: this rank's (dp, pp) `labkit.mesh.Mesh` (your `make_mesh`): ``mesh.coord("dp")``,
+        ``mesh.size("dp")``, ``mesh.is_first("pp")``, ``mesh.is_last("pp")``, ``mesh.group("dp")``.
+    stage_module: this rank's stage, ``labkit.model.make_stage(model, mesh.coord("pp"), mesh.size("pp"))``
         (or a ``SyntheticStage`` of notebook 06, whose ``act_shape`` is the micro-batch's).
-    x, y: the GLOBAL batch [B, T] (the same on every rank). Replica ``mesh.dp_rank`` trains
-        on its rows (`replica_rows`), split into ``n_microbatches`` micro-batches.
+    x, y: the GLOBAL batch [B, T] (the same on every rank). Replica ``mesh.coord("dp")`` trains
+        on its rows (``replica_rows(x, mesh=mesh)``), split into ``n_microbatches`` micro-batches.
     The step:
       1. zero this stage's gradients;
       2. run the replica's rows through its pipeline with 1F1B: notebook 06's executor,
-         ``impl("pipeline").run_schedule``, on ``mesh.pp_group`` with the neighbours'
-         global ranks; the accumulated ``.grad`` is that of the replica's mean loss;
+         ``impl("pipeline").run_schedule(..., mesh=mesh, act_shape=...)``, which sends along
+         the mesh's pp axis; the accumulated ``.grad`` is that of the replica's mean loss;
       3. ONCE, after the pipeline's flush: average the stage's gradients over the
          replicas of this stage, ``impl("data_parallel").allreduce_gradients`` on
-         ``mesh.dp_group`` (recorded as an "allreduce" span); skipped when
+         ``mesh.group("dp")`` (recorded as an "allreduce" span); skipped when
          ``sync_grads=False`` (a caller that synchronised the gradients itself);
       4. ``optimizer.step()`` when an optimizer is given.
     Together: the gradient of the mean loss over the global batch, as one process computes it.
@@ -126,7 +94,7 @@ class PerMicrobatchAllReduce(torch.nn.Module):
     step) and makes every backward wait for the slowest replica. Still correct: each
     micro-batch's contribution (the change of ``.grad`` in its backward) is averaged on
     its own, with the same `allreduce_gradients` as `hybrid_step`. Use it as
-    ``hybrid_step(PerMicrobatchAllReduce(stage, mesh.dp_group), ..., sync_grads=False)``.
+    ``hybrid_step(PerMicrobatchAllReduce(stage, mesh.group("dp")), ..., mesh=mesh, sync_grads=False)``.
     The all-reduce runs at the end of each micro-batch's backward pass, queued from a
     hook on the stage's output, as torch's DDP does it.
     """

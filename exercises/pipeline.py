@@ -1,6 +1,6 @@
 # GENERATED from solutions/pipeline.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/06_microbatches.ipynb.
-# untouched-stub fingerprint: 2cb4e2fa2c50e549
+# untouched-stub fingerprint: 710f16addaa420f5
 """Micro-batch pipeline schedules and the executor that runs them (notebook 06_microbatches).
 
 A schedule is data: one list of actions per rank, ``"{stage}F{mb}"`` / ``"{stage}B{mb}"``.
@@ -18,15 +18,14 @@ deadlocks in it (two neighbours both sending: gloo's send waits for the receiver
 """
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from labkit.parallel import schedules
+from labkit.mesh import Mesh
+from labkit.parallel.stages import ActivationMemory, SyntheticStage, activation_shape  # noqa: F401 (re-exported)
 from labkit.measure.timeline import NullTimeline
 
 from labkit.grading import impl
@@ -76,36 +75,24 @@ def communicate(op: schedules.Action, tensor, peer: int, *, group=None, blocking
 
 
 # ----------------------------------------------------------------------------- executor
-def activation_shape(config, batch_size: int, seq_len: int, n_microbatches: int) -> tuple[int, int, int]:
-    """(micro-batch, seq_len, d_model): what flows between stages, known to every rank.
-
-    Receivers must allocate their buffer before the message arrives, so every rank derives
-    the shape from the model config and the batch size (no shape message is sent).
-    Raises ValueError when the batch does not split into n_microbatches equal parts.
-    """
-    if n_microbatches < 1 or batch_size % n_microbatches:
-        raise ValueError(f"batch size {batch_size} does not split into {n_microbatches} equal micro-batches: "
-                         f"choose n_microbatches among the divisors of {batch_size}")
-    return (batch_size // n_microbatches, seq_len, config.d_model)
-
-
-def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: int, act_shape,
-                 prev_rank: int | None = None, next_rank: int | None = None, group=None, timeline=None,
-                 loss_scale: float | None = None, blocking_send: bool = False, check: bool = True,
-                 stats: dict | None = None, dtype=None):
+def run_schedule(stage_module, schedule, inputs=None, targets=None, *, mesh: Mesh, act_shape,
+                 timeline=None, loss_scale: float | None = None, blocking_send: bool = False,
+                 check: bool = True, stats: dict | None = None, dtype=None):
     """Run this rank's part of ``schedule`` (the FULL per-rank list) for one training step.
 
     stage_module: this rank's stage (`labkit.model.make_stage` or `SyntheticStage`), or a
         dict {stage: module} when the rank holds several stages (interleaved schedules).
     schedule: action lists indexed by pipeline rank, or their `labkit.parallel.schedules.lower`;
         this rank runs ``lower(schedule)[stage]``.
-    stage: this rank's position in the pipeline (its stage when it holds one).
+    mesh: the `labkit.mesh.Mesh` this rank is in; the pipeline is its ``"pp"`` axis. This rank's
+        position is ``mesh.coord("pp")`` (its stage when it holds one), the neighbours are
+        ``mesh.prev_rank("pp", wrap=True)`` / ``mesh.next_rank("pp", wrap=True)`` (GLOBAL ranks:
+        not position -/+ 1 when pp is not the mesh's innermost axis; wrapping, because an
+        interleaved schedule's last stage feeds the first rank's next chunk), on ``mesh.group("pp")``.
+        ``Mesh(world_size, pp=world_size)`` for a pipeline over every rank.
     inputs: token ids [B, T] on the rank of stage 0; targets [B, T] on the rank of the last
         stage (every rank can read the data); None elsewhere.
     act_shape: (B / m, T, d_model), see `activation_shape`; the same on every rank.
-    prev_rank / next_rank: GLOBAL ranks of the previous / next pipeline position (default
-        position -/+ 1 modulo the number of positions), with ``group`` their process group
-        (a DP x PP hybrid passes its row's). Stage s+1 lives on the next position.
     timeline: a `labkit.measure.timeline.Timeline` to record F/B/W/send/recv/wait spans into.
     loss_scale: multiplies each micro-batch loss; default 1/m, so that the accumulated
         ``.grad`` equal the full-batch mean-loss gradient.
@@ -125,14 +112,19 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
     stage, None elsewhere. Gradients accumulate into ``.grad``.
     """
     lowered = schedules.lower(schedule)  # parsed and lowered once: this list is what runs
+    if mesh.size("pp") != len(lowered):
+        raise ValueError(f"the schedule has {len(lowered)} pipeline ranks but the mesh's pp axis has "
+                         f"{mesh.size('pp')} ({mesh}): build the schedule for mesh.size('pp') ranks")
     if check:
         schedules.simulate(lowered, blocking_send=blocking_send)
+    stage = mesh.coord("pp")  # this rank's position in the pipeline
     run = _setup(stage_module, lowered, inputs, targets, stage, act_shape, loss_scale)
     if run is None:
         return None
     dtype = dtype or run.dtype
-    prev_rank = (stage - 1) % len(lowered) if prev_rank is None else prev_rank
-    next_rank = (stage + 1) % len(lowered) if next_rank is None else next_rank
+    # the neighbours are the mesh's, global ranks; Stage s+1 lives on the next position
+    prev_rank, next_rank = mesh.prev_rank("pp", wrap=True), mesh.next_rank("pp", wrap=True)
+    group = mesh.group("pp")
     tl = timeline if timeline is not None else NullTimeline()
     steps = impl("pipeline_naive")  # notebook 05's forward_step / backward_step (yours, under exercises)
     box, saved, sends, loss = {}, {}, [], None  # box: tensors received / to send, by message
@@ -213,77 +205,4 @@ def _setup(stage_module, lowered, inputs, targets, stage, act_shape, loss_scale)
         x=inputs.chunk(m) if 0 in own else None, y=targets.chunk(m) if last in own else None,
         device=next(next(iter(modules.values())).parameters()).device,  # buffers live where the stage does
         dtype=next(next(iter(modules.values())).parameters()).dtype,
-        memory=_Memory({p.data_ptr() for mod in modules.values() for p in mod.parameters()}))
-
-
-class _Memory:
-    """Counts the micro-batches whose activations are held, and the bytes autograd saved for them."""
-
-    def __init__(self, param_ptrs):
-        self.param_ptrs, self.held = param_ptrs, {}
-        self.peak_count = self.peak_bytes = 0
-
-    @contextmanager
-    def count(self, s, mb):
-        seen = {}  # bytes of the tensors autograd saves for this micro-batch's backward, parameters excluded
-
-        def pack(t):
-            if t.data_ptr() not in self.param_ptrs:
-                seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-        self.held[s, mb] = sum(seen.values())
-        self.peak_count = max(self.peak_count, len(self.held))
-        self.peak_bytes = max(self.peak_bytes, sum(self.held.values()))
-
-    def free(self, s, mb):
-        self.held.pop((s, mb))
-
-
-# ----------------------------------------------------------------------- synthetic mode
-class _Delay(torch.autograd.Function):
-    """Identity that sleeps t_f in forward and t_b in backward."""
-
-    @staticmethod
-    def forward(ctx, x, t_f, t_b):
-        ctx.save_for_backward(x)  # counted like a real stage's saved activation
-        ctx.t_b = t_b
-        time.sleep(t_f)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.t_b)
-        return grad, None, None
-
-
-class SyntheticStage(nn.Module):
-    """A stand-in stage whose compute is a fixed delay: F sleeps t_f, B sleeps t_b (default 2 t_f).
-
-    Same interface as `labkit.model.Stage`: the first stage takes token ids [b, T], later
-    stages activations of ``act_shape`` = (b, T, D); the last stage returns a scalar loss
-    when given targets. Sleeping instead of computing makes schedule shapes crisp on a
-    few shared CPU cores: the ranks do not compete for cores while they "compute".
-    The backward has two paths: t_b - t_w towards the input and t_w towards the weight
-    (t_w = t_b / 2 by default), so a zero-bubble B (input gradient) sleeps t_b - t_w and
-    its W sleeps t_w; a full backward sleeps t_b. On the first stage a zero-bubble B has
-    an input gradient to compute only if the inputs are floating point (act_shape-sized
-    rows, e.g. zeros): give it those to time a zero-bubble schedule, token ids otherwise.
-    """
-
-    def __init__(self, stage: int, n_stages: int, act_shape, t_f: float = 0.01, t_b: float | None = None,
-                 t_w: float | None = None):
-        super().__init__()
-        self.stage, self.n_stages, self.act_shape = stage, n_stages, tuple(act_shape)
-        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
-        self.t_f, self.t_b = t_f, 2 * t_f if t_b is None else t_b
-        self.t_w = self.t_b / 2 if t_w is None else t_w
-        self.weight = nn.Parameter(torch.ones(()))
-
-    def forward(self, x, targets=None):
-        if self.is_first and not x.is_floating_point():  # token ids: stand in for the embedding's output
-            x = torch.ones(self.act_shape, device=self.weight.device, requires_grad=True)
-        y = _Delay.apply(x, self.t_f, self.t_b - self.t_w) * _Delay.apply(self.weight, 0.0, self.t_w)
-        return y.mean() if self.is_last and targets is not None else y
+        memory=ActivationMemory({p.data_ptr() for mod in modules.values() for p in mod.parameters()}))

@@ -1,6 +1,6 @@
 # GENERATED from solutions/pipeline_naive.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/05_pipeline_parallel.ipynb.
-# untouched-stub fingerprint: 457e382e78c0f516
+# untouched-stub fingerprint: 2402a99b8cabcc56
 """Naive pipeline parallelism: one batch, one stage per rank (notebook 05_pipeline_parallel).
 
 The model is cut into consecutive stages (`labkit.model.make_stage`); rank s holds stage s.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from labkit.mesh import Mesh
 from labkit.measure.timeline import NullTimeline
 
 NOTEBOOK = "05_pipeline_parallel"
@@ -63,31 +64,32 @@ def backward_step(inp, out, grad_out=None):
     raise NotImplementedError("exercise backward_step is not implemented yet: edit exercises/pipeline_naive.py, see notebooks/05_pipeline_parallel.ipynb")
 
 
-def naive_step(stage_module, x, targets, *, stage: int, n_stages: int, act_shape,
-               prev_rank=None, next_rank=None, group=None, timeline=None, dtype=torch.float32):
+def naive_step(stage_module, x, targets, *, mesh: Mesh, act_shape, timeline=None, dtype=torch.float32):
     """One pipelined forward and backward of a whole batch; returns the loss on the last stage.
 
     x: the batch's token ids [B, T] on stage 0 (ignored elsewhere); targets [B, T] on the
     last stage (ignored elsewhere). act_shape: (B, T, d_model), the shape of what flows
     between stages, known to every rank from the config so receivers can allocate it.
-    prev_rank / next_rank: GLOBAL ranks of the neighbouring stages (default stage -/+ 1),
-    with ``group`` their process group. Parameter gradients accumulate into ``.grad``.
+    mesh: the `labkit.mesh.Mesh`; the pipeline is its ``"pp"`` axis and this rank's stage is
+    ``mesh.coord("pp")``. Ask it for the neighbours: ``mesh.prev_rank("pp")`` and
+    ``mesh.next_rank("pp")`` are the GLOBAL ranks of the previous / next stage (None at the
+    ends), to use with ``group=mesh.group("pp")``. They are stage -/+ 1 only when pp is the
+    mesh's innermost axis: in ``Mesh(4, pp=2, tp=2)`` stage 1 of rank 0's pipeline is rank 2.
+    Parameter gradients accumulate into ``.grad``.
 
     Four parts, with blocking ``dist.send`` / ``dist.recv`` (one message at a time here):
-      1. unless first: receive the activation from prev_rank into a new buffer
+      1. unless first: receive the activation from the previous stage into a new buffer
          (``torch.empty(act_shape, dtype=dtype, device=device)``); `forward_step` makes it
          the leaf that requires grad;
       2. `forward_step` (the last stage passes its targets), then, unless last, send the
-         output (detached: data, no graph) to next_rank;
-      3. unless last: receive d loss / d output from next_rank (same shape);
-      4. `backward_step`, then, unless first, send d loss / d input to prev_rank.
+         output (detached: data, no graph) to the next stage;
+      3. unless last: receive d loss / d output from the next stage (same shape);
+      4. `backward_step`, then, unless first, send d loss / d input to the previous stage.
     Record each part on ``tl`` (``with tl.span("recv", stage, 0): ...``, and "F", "send",
     "B") so that notebook 05 can draw your run. Returns the loss (detached) on the last
     stage, None elsewhere.
     """
     tl = timeline if timeline is not None else NullTimeline()
     device = next(stage_module.parameters()).device  # receive buffers live where the stage does
-    first, last = stage == 0, stage == n_stages - 1
-    prev_rank = stage - 1 if prev_rank is None else prev_rank
-    next_rank = stage + 1 if next_rank is None else next_rank
+    stage, first, last = mesh.coord("pp"), mesh.is_first("pp"), mesh.is_last("pp")
     raise NotImplementedError("exercise naive_step is not implemented yet: edit exercises/pipeline_naive.py, see notebooks/05_pipeline_parallel.ipynb")

@@ -1,6 +1,6 @@
 # GENERATED from solutions/ring_attention.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
-# untouched-stub fingerprint: d12f41d0c9231c83
+# untouched-stub fingerprint: e33acf9e2cee1ec1
 """Context parallelism: ring attention over a CP group (notebook 11_long_sequences).
 
 Each of the c ranks of a context-parallel (CP) group holds some pieces of the sequence (see
@@ -15,7 +15,10 @@ the online softmax of flash attention.
 `ring_attention` is the autograd-aware entry point: forward = `ring_attention_forward`,
 backward = a second trip around the ring in which each key/value block travels with its
 gradient accumulators (dK, dV) and arrives home with every rank's contribution.
-Every function with a group is collective over it (None: the default group).
+The ring is the ``"cp"`` axis of a `labkit.mesh.Mesh` (default: every rank); every function
+that takes a mesh is collective over its cp group. The splits come from context_parallel.py
+through ``impl("context_parallel")`` at call time (that module's model reaches this one the same
+way: neither imports the other).
 """
 import math
 import time
@@ -23,9 +26,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from labkit.grading import impl
+from labkit.mesh import Mesh
 from labkit.measure.timeline import NullTimeline
-
-from .context_parallel import SPLITS, check_mask, local_slices, pair_kind
 
 NOTEBOOK = "11_long_sequences"
 
@@ -61,40 +64,43 @@ def merge_partials(out1, lse1, out2, lse2):
 # The ring
 
 
-class Ring:
-    """This rank's place in the ring: neighbours (global ranks), every rank's pieces, the mask.
+class RingPlan:
+    """What this rank computes at each step of the ring: every rank's pieces, the block pairs, the work.
 
-    q_local_len * c must be the full sequence length `seq_len` (when given): a ValueError
+    The topology is the mesh's: the ring is its ``"cp"`` axis, this rank's place in it
+    ``mesh.coord("cp")`` (`index`), its size ``mesh.size("cp")`` (`c`); `exchange` sends to
+    ``mesh.next_rank("cp", wrap=True)`` and receives from ``mesh.prev_rank("cp", wrap=True)``
+    (GLOBAL ranks: a CP group inside a larger mesh is not ranks 0..c-1) on ``mesh.group("cp")``.
+    local_len * c must be the full sequence length `seq_len` (when given): a ValueError
     otherwise, which is what a CP size that does not match the mesh's looks like.
     """
 
-    def __init__(self, local_len: int, group=None, split: str = "zigzag", mask="causal", seq_len=None, device=None):
-        if split not in SPLITS:
-            raise ValueError(f"split={split!r} is not one of {sorted(SPLITS)}")
-        self.mask = check_mask(mask)
-        initialised = dist.is_available() and dist.is_initialized()
-        self.rank, self.c = (dist.get_rank(group), dist.get_world_size(group)) if initialised else (0, 1)
+    def __init__(self, local_len: int, *, mesh: Mesh, split: str = "zigzag", mask="causal", seq_len=None,
+                 device=None):
+        cp = impl("context_parallel")  # the splits (yours, under exercises); no import cycle
+        if split not in cp.SPLITS:
+            raise ValueError(f"split={split!r} is not one of {sorted(cp.SPLITS)}")
+        self.mask, self.mesh = cp.check_mask(mask), mesh
+        self.index, self.c = mesh.coord("cp"), mesh.size("cp")
         s = local_len * self.c
         if seq_len is not None and seq_len != s:
             raise ValueError(f"this rank holds {local_len} positions and the CP group has {self.c} ranks, "
                              f"which makes {s}, not seq_len={seq_len}: shard the sequence over as many ranks as "
                              f"the CP group has (Mesh(world, cp={self.c}) takes {seq_len // self.c} per rank)")
-        ranks = dist.get_process_group_ranks(group) if initialised else [0]
-        self.send_to, self.recv_from = ranks[(self.rank + 1) % self.c], ranks[(self.rank - 1) % self.c]
-        self.group, self.seq_len, self.device = group, s, device
-        self.pieces = [SPLITS[split](s, self.c, r) for r in range(self.c)]
+        self.seq_len, self.device, self._cp = s, device, cp
+        self.pieces = [cp.SPLITS[split](s, self.c, r) for r in range(self.c)]
         self.work = [0] * self.c  # query x key pairs computed at each step (dense blocks)
 
     def holder(self, step: int) -> int:
-        """Whose key/value block this rank holds at `step`."""
-        return (self.rank - step) % self.c
+        """Whose key/value block (an index along cp) this rank holds at `step`."""
+        return (self.index - step) % self.c
 
     def pairs(self, step: int):
         """(q slice, k slice, q_pos or None, k_pos or None) for every pair of pieces that needs computing."""
-        out = []
-        for qp, qs in local_slices(self.pieces[self.rank]):
-            for kp, ks in local_slices(self.pieces[self.holder(step)]):
-                kind = pair_kind(qp, kp, self.mask)
+        cp, out = self._cp, []
+        for qp, qs in cp.local_slices(self.pieces[self.index]):
+            for kp, ks in cp.local_slices(self.pieces[self.holder(step)]):
+                kind = cp.pair_kind(qp, kp, self.mask)
                 if kind != "none":
                     pos = (torch.arange(*qp, device=self.device), torch.arange(*kp, device=self.device)) \
                         if kind == "some" else (None, None)
@@ -102,28 +108,39 @@ class Ring:
         return out
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0):
-        """Start sending to the next rank and receiving from the previous one: the two requests."""
-        return [dist.isend(send, self.send_to, group=self.group, tag=tag),
-                dist.irecv(recv, self.recv_from, group=self.group, tag=tag)]
+        """Start sending to the next rank along cp and receiving from the previous one: the two requests."""
+        mesh, group = self.mesh, self.mesh.group("cp")
+        return [dist.isend(send, mesh.next_rank("cp", wrap=True), group=group, tag=tag),
+                dist.irecv(recv, mesh.prev_rank("cp", wrap=True), group=group, tag=tag)]
 
 
-def ring_attention_forward(q, k, v, group=None, split: str = "zigzag", mask="causal", seq_len=None,
-                           timeline=NullTimeline()):
+def ring_mesh(mesh: Mesh | None) -> Mesh:
+    """`mesh`, or by default a ring over every rank: ``Mesh(world, cp=world)`` on the default group."""
+    if mesh is not None:
+        return mesh
+    initialised = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialised else 1
+    return Mesh(world, cp=world, rank=dist.get_rank() if initialised else 0, groups=False)
+
+
+def ring_attention_forward(q, k, v, *, mesh: Mesh | None = None, split: str = "zigzag", mask="causal",
+                           seq_len=None, timeline=NullTimeline()):
     """This rank's rows of attention over the whole sequence, with k/v blocks passed around the ring.
 
-    q, k, v [B, H, n, hd] are this rank's pieces (`take(x, SPLITS[split](s, c, rank))`), s = n*c.
-    Returns (out [B, H, n, hd], lse [B, H, n]), equal to full attention's rows at this rank's
-    positions. At each step, first start passing the block in hand on (`ring.exchange`), then
-    compute on it pair by pair (`ring.pairs(step)`: skipped pairs left out, a causal mask only
-    on pairs that straddle the diagonal), merging into (out, lse), then wait for the next block.
-    Records spans 'F' (compute, mb=step) and 'recv' (issue to arrival) on `timeline`, and the
-    work per step in ring.work; returns the Ring as a third value.
+    mesh: the `labkit.mesh.Mesh` whose ``"cp"`` axis is the ring (default: every rank, `ring_mesh`).
+    q, k, v [B, H, n, hd] are this rank's pieces (``take(x, SPLITS[split](s, c, mesh.coord("cp")))``),
+    s = n*c. Returns (out [B, H, n, hd], lse [B, H, n]), equal to full attention's rows at this
+    rank's positions. At each step, first start passing the block in hand on (`ring.exchange`),
+    then compute on it pair by pair (`ring.pairs(step)`: skipped pairs left out, a causal mask
+    only on pairs that straddle the diagonal), merging into (out, lse), then wait for the next
+    block. Records spans 'F' (compute, mb=step) and 'recv' (issue to arrival) on `timeline`, and
+    the work per step in ring.work; returns the `RingPlan` as a third value.
     """
-    ring = Ring(q.shape[-2], group, split, mask, seq_len, device=q.device)
+    ring = RingPlan(q.shape[-2], mesh=ring_mesh(mesh), split=split, mask=mask, seq_len=seq_len, device=q.device)
     raise NotImplementedError("exercise ring_attention_forward is not implemented yet: edit exercises/ring_attention.py, see notebooks/11_long_sequences.ipynb")
 
 
-def _ring_backward(q, k, v, out, lse, dout, ring: Ring):
+def _ring_backward(q, k, v, out, lse, dout, ring: RingPlan):
     """dQ, dK, dV of ring attention: each k/v block goes round once more with its dK/dV."""
     scale = 1 / math.sqrt(q.shape[-1])
     delta = (dout * out).sum(-1)  # rowsum(dO * O) = rowsum(P * dP), the softmax's backward term
@@ -160,8 +177,9 @@ class RingAttention(torch.autograd.Function):
     """Forward: ring_attention_forward. Backward: _ring_backward (saves only this rank's q, k, v, out, lse)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, split, mask, seq_len, timeline):
-        out, lse, ring = ring_attention_forward(q, k, v, group, split, mask, seq_len, timeline)
+    def forward(ctx, q, k, v, mesh, split, mask, seq_len, timeline):
+        out, lse, ring = ring_attention_forward(q, k, v, mesh=mesh, split=split, mask=mask, seq_len=seq_len,
+                                                timeline=timeline)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
         return out
@@ -172,6 +190,7 @@ class RingAttention(torch.autograd.Function):
         return *_ring_backward(q, k, v, out, lse, dout.contiguous(), ctx.ring), None, None, None, None, None
 
 
-def ring_attention(q, k, v, group=None, split="zigzag", mask="causal", seq_len=None, timeline=NullTimeline()):
+def ring_attention(q, k, v, *, mesh: Mesh | None = None, split="zigzag", mask="causal", seq_len=None,
+                   timeline=NullTimeline()):
     """Differentiable ring attention: this rank's output rows [B, H, n, hd] (see ring_attention_forward)."""
-    return RingAttention.apply(q, k, v, group, split, mask, seq_len, timeline)
+    return RingAttention.apply(q, k, v, mesh, split, mask, seq_len, timeline)

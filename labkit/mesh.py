@@ -21,8 +21,25 @@ a process group is initialised and ``groups=True``), for every single axis in `A
 order and then for each axis set in ``combined``; each rank keeps the groups it belongs to.
 Without a process group it is the layout only (pass ``rank=``): ``group()`` then raises.
 
-Notebook 07's learner builds the 2-D (dp, pp) case by hand (`solutions/hybrid.make_mesh`);
-this is the general one that `labkit.apps.train` and the later notebooks use.
+Questions the parallelisms ask of it (layout only, no process group needed):
+
+    mesh.coord("pp"), mesh.size("pp")         # this rank's stage, the number of stages
+    mesh.prev_rank("pp"), mesh.next_rank("pp") # GLOBAL ranks of the neighbouring stages, None at the ends
+    mesh.next_rank("cp", wrap=True)            # a ring: the last rank's next is the first
+    mesh.is_first("pp"), mesh.is_last("pp")
+
+Neighbours are global ranks along the axis, not rank +/- 1: in ``Mesh(4, pp=2, tp=2)`` stage 0
+on rank 0 sends to stage 1 on rank 2.
+
+Two vocabularies of axis names, one per mesh: the parallelism axes `AXES` above, or the two
+levels of a cluster `LEVELS` = (node, local) for the hierarchical all-reduce of notebook 03:
+``Mesh(world, node=n_nodes, local=node_size)`` puts ranks node by node (local inner: ranks
+of one node are neighbours), ``group("local")`` is this rank's node and ``group("node")`` the
+ranks with its local index on every node. (Physical levels are not a parallelism: they get
+their own names instead of borrowing dp/tp.)
+
+Notebook 07's learner builds the 2-D (dp, pp) groups by hand (`solutions/hybrid.make_mesh`)
+and hands them to a ``Mesh(..., groups=False)`` with `Mesh.add_group`, which checks them.
 """
 from __future__ import annotations
 
@@ -30,13 +47,15 @@ import itertools
 import math
 
 AXES = ("dp", "pp", "ep", "cp", "tp")  # outermost first
+LEVELS = ("node", "local")  # a cluster's two levels, outermost first (the other vocabulary)
 
 
 class Mesh:
     """A rank's place in the grid ``arange(world_size).view(dp, pp, ep, cp, tp)``.
 
-    ``Mesh(world_size, dp=1, pp=1, ep=1, cp=1, tp=1, rank=None, groups=True, combined=())``.
-    Unnamed axes have size 1. Raises ValueError (before any group is created) when a size
+    ``Mesh(world_size, dp=1, pp=1, ep=1, cp=1, tp=1, rank=None, groups=True, combined=())``,
+    or ``Mesh(world_size, node=n, local=l, ...)`` (the `LEVELS` vocabulary; one or the other).
+    Unnamed axes have size 1; ``mesh.axes`` is the vocabulary in use. Raises ValueError (before any group is created) when a size
     is not a positive int, an axis is unknown, the sizes' product is not ``world_size``,
     ``rank`` is out of range, or they disagree with the initialised process group.
     """
@@ -46,16 +65,18 @@ class Mesh:
         import torch
         import torch.distributed as dist
 
-        unknown = sorted(set(sizes) - set(AXES))
+        self.axes = LEVELS if set(sizes) & set(LEVELS) else AXES
+        unknown = sorted(set(sizes) - set(self.axes))
         if unknown:
-            raise ValueError(f"unknown mesh axis {unknown}: the axes are {AXES}")
+            raise ValueError(f"unknown mesh axis {unknown}: the axes are {AXES}, or {LEVELS} for a "
+                             "cluster's levels (not both in one mesh)")
         for axis, size in sizes.items():
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{axis}={size!r}: every axis size must be an int >= 1")
-        self.sizes = {axis: sizes.get(axis, 1) for axis in AXES}
+        self.sizes = {axis: sizes.get(axis, 1) for axis in self.axes}
         product = math.prod(self.sizes.values())
         if world_size != product:
-            shape = " x ".join(f"{a}={s}" for a, s in self.sizes.items() if s > 1) or "1"
+            shape = " x ".join(f"{a}={s}" for a, s in self.sizes.items() if s > 1 or a in sizes) or "1"
             raise ValueError(f"the mesh {shape} holds {product} ranks but world_size={world_size}: "
                              "choose axis sizes whose product is the number of ranks")
         initialised = dist.is_available() and dist.is_initialized()
@@ -74,7 +95,7 @@ class Mesh:
             raise ValueError(f"rank={rank!r} is not in range({world_size})")
         self.world_size, self.rank = world_size, rank
         self.grid = torch.arange(world_size).view(*self.sizes.values())
-        axis_sets = [(a,) for a in AXES] + [self._axis_set(c) for c in combined]
+        axis_sets = [(a,) for a in self.axes] + [self._axis_set(c) for c in combined]
         self._groups: dict[tuple, object] = {}
         if initialised and groups:
             for axes in dict.fromkeys(axis_sets):  # the same order on every rank
@@ -83,39 +104,39 @@ class Mesh:
     # -- layout (no process group needed)
 
     def coords(self, rank: int | None = None) -> dict:
-        """{axis: index} of ``rank`` (default: this rank), every axis in `AXES` order."""
+        """{axis: index} of ``rank`` (default: this rank), every axis in ``self.axes`` order."""
         rank = self.rank if rank is None else rank
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is not in range({self.world_size})")
         position = [int(i) for i in (self.grid == rank).nonzero()[0]]
-        return dict(zip(AXES, position))
+        return dict(zip(self.axes, position))
 
     def rank_of(self, **coords) -> int:
         """The global rank at these coordinates; axes left out are this rank's own."""
-        unknown = sorted(set(coords) - set(AXES))
+        unknown = sorted(set(coords) - set(self.axes))
         if unknown:
-            raise ValueError(f"unknown mesh axis {unknown}: the axes are {AXES}")
+            raise ValueError(f"unknown mesh axis {unknown}: the axes are {self.axes}")
         where = {**self.coords(), **coords}
         for axis, index in where.items():
             if not 0 <= index < self.sizes[axis]:
                 raise ValueError(f"{axis}={index} is outside the mesh ({axis} has size {self.sizes[axis]})")
-        return int(self.grid[tuple(where[a] for a in AXES)])
+        return int(self.grid[tuple(where[a] for a in self.axes)])
 
     def ranks(self, axes, rank: int | None = None) -> list[int]:
         """The global ranks of ``rank``'s group along ``axes`` (one axis or a tuple), in grid order."""
         axes = self._axis_set(axes)
         mine = self.coords(rank)
-        index = tuple(slice(None) if a in axes else mine[a] for a in AXES)
+        index = tuple(slice(None) if a in axes else mine[a] for a in self.axes)
         return self.grid[index].flatten().tolist()
 
     def all_ranks(self, axes) -> list[list[int]]:
         """Every group along ``axes``, as lists of global ranks, in the order they are created."""
         axes = self._axis_set(axes)
-        others = [range(self.sizes[a]) for a in AXES if a not in axes]
+        others = [range(self.sizes[a]) for a in self.axes if a not in axes]
         groups = []
         for fixed in itertools.product(*others):
             it = iter(fixed)
-            index = tuple(slice(None) if a in axes else next(it) for a in AXES)
+            index = tuple(slice(None) if a in axes else next(it) for a in self.axes)
             groups.append(self.grid[index].flatten().tolist())
         return groups
 
@@ -127,11 +148,45 @@ class Mesh:
         """How many ranks a group along ``axes`` holds."""
         return math.prod(self.sizes[a] for a in self._axis_set(axes))
 
+    def coord(self, axis: str) -> int:
+        """This rank's index along one axis (its stage along ``"pp"``, its replica along ``"dp"``)."""
+        return self.coords()[self._one_axis(axis)]
+
+    def is_first(self, axis: str) -> bool:
+        """Whether this rank is at index 0 along ``axis`` (the first pipeline stage along ``"pp"``)."""
+        return self.coord(axis) == 0
+
+    def is_last(self, axis: str) -> bool:
+        """Whether this rank is at the last index along ``axis``."""
+        return self.coord(axis) == self.sizes[self._one_axis(axis)] - 1
+
+    def prev_rank(self, axis: str, *, wrap: bool = False) -> int | None:
+        """GLOBAL rank one step back along ``axis``; None on the first, unless ``wrap`` (a ring)."""
+        return self._step(axis, -1, wrap)
+
+    def next_rank(self, axis: str, *, wrap: bool = False) -> int | None:
+        """GLOBAL rank one step on along ``axis``; None on the last, unless ``wrap`` (a ring)."""
+        return self._step(axis, +1, wrap)
+
+    def _step(self, axis, delta, wrap):
+        axis = self._one_axis(axis)
+        n, at = self.sizes[axis], self.coord(axis) + delta
+        if not 0 <= at < n and not wrap:
+            return None
+        return self.rank_of(**{axis: at % n})
+
     # -- process groups
 
     def group(self, axes):
-        """This rank's process group along ``axes`` (created by the constructor)."""
+        """This rank's process group along ``axes`` (created by the constructor, or `add_group`).
+
+        An axis set that spans the whole world gives the default group even without ``groups``.
+        """
+        import torch.distributed as dist
+
         axes = self._axis_set(axes)
+        if axes not in self._groups and self.size(axes) == self.world_size and dist.is_initialized():
+            return dist.group.WORLD
         if axes not in self._groups:
             if not self._groups:
                 raise ValueError("this Mesh has no process groups: it was built without an initialised "
@@ -139,6 +194,23 @@ class Mesh:
             raise ValueError(f"no group for axes {axes}: pass combined=[{axes}] to Mesh(...) so that "
                              "every rank creates it")
         return self._groups[axes]
+
+    def add_group(self, axes, group) -> None:
+        """Use ``group`` (made by hand with ``dist.new_group``) as this rank's group along ``axes``.
+
+        For a mesh built with ``groups=False`` whose groups its user creates (notebook 07).
+        Raises ValueError when the group's ranks are not this rank's slice of the grid along ``axes``.
+        """
+        import torch.distributed as dist
+
+        axes = self._axis_set(axes)
+        got, want = dist.get_process_group_ranks(group), self.ranks(axes)
+        if sorted(got) != want:
+            raise ValueError(f"the group given for {'/'.join(axes)} holds ranks {sorted(got)}, but rank "
+                             f"{self.rank}'s group along {'/'.join(axes)} is {want}: the ranks whose other "
+                             f"coordinates equal its own {self.coords()} in arange({self.world_size})"
+                             f".view({', '.join(f'{a}={n}' for a, n in self.sizes.items())})")
+        self._groups[axes] = group
 
     def _create_groups(self, axes):
         import torch.distributed as dist
@@ -157,10 +229,15 @@ class Mesh:
 
     def _axis_set(self, axes) -> tuple:
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        unknown = sorted(set(axes) - set(AXES))
+        unknown = sorted(set(axes) - set(self.axes))
         if unknown or not axes:
-            raise ValueError(f"unknown mesh axis {unknown or axes}: the axes are {AXES}")
-        return tuple(a for a in AXES if a in axes)  # canonical order
+            raise ValueError(f"unknown mesh axis {unknown or axes}: the axes are {self.axes}")
+        return tuple(a for a in self.axes if a in axes)  # canonical order
+
+    def _one_axis(self, axis) -> str:
+        if not isinstance(axis, str):
+            raise ValueError(f"{axis!r}: name one axis, such as 'pp'")
+        return self._axis_set(axis)[0]
 
     def __repr__(self) -> str:
         shape = ", ".join(f"{a}={s}" for a, s in self.sizes.items())

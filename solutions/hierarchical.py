@@ -17,8 +17,6 @@ tree follow the same idea.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
@@ -27,69 +25,56 @@ from labkit.mesh import Mesh
 NOTEBOOK = "03_allreduce"
 
 
-@dataclass
-class NodeGroups:
-    """This rank's two groups: `intra` (its node's ranks), `inter` (the same local index on every node)."""
-    node_size: int
-    n_nodes: int
-    node: int  # which node this rank is on
-    local: int  # its index inside the node (its group rank in `intra`)
-    intra: object
-    inter: object
+def node_mesh(node_size: int) -> Mesh:
+    """This rank's `labkit.mesh.Mesh` over a cluster of nodes of `node_size` consecutive ranks.
 
-
-def node_groups(node_size: int) -> NodeGroups:
-    """Create the intra- and inter-node groups for nodes of `node_size` consecutive ranks.
-
-    Collective: every rank of the world calls it, with the same node_size. The layout is the
-    lab's mesh with the node as the outer axis and the local index as the inner one (the
-    grid arange(world).view(n_nodes, node_size)). Raises ValueError on every rank when
-    node_size does not divide the world size (nodes would be unequal).
+    The mesh's cluster vocabulary: ``Mesh(world, node=world // node_size, local=node_size)``,
+    the grid arange(world).view(n_nodes, node_size), node outer, local inner. Then
+    ``mesh.group("local")`` holds this rank's node, ``mesh.group("node")`` the ranks with its
+    local index on every node, ``mesh.coord("local")`` is its index inside the node and
+    ``mesh.size("local")`` the node size. Collective: every rank of the world calls it, with the
+    same node_size. Raises ValueError on every rank when node_size does not divide the world size
+    (nodes would be unequal).
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
         raise ValueError(f"node_size must be an int >= 1, got {node_size!r}")
     if world % node_size:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise ValueError(f"node_size={node_size} does not divide the world size {world}: the nodes would "
                          f"be unequal; use one of {divisors}")
-    # dp = the node axis (outer), tp = the local axis (inner: neighbouring ranks share a node).
-    mesh = Mesh(world, dp=world // node_size, tp=node_size, rank=rank, groups=False)
-    intra = inter = None
-    for ranks in mesh.all_ranks("tp"):  # new_group is collective: all ranks, all groups, same order
-        group = dist.new_group(ranks)
-        intra = group if rank in ranks else intra
-    for ranks in mesh.all_ranks("dp"):
-        group = dist.new_group(ranks)
-        inter = group if rank in ranks else inter
-    return NodeGroups(node_size, world // node_size, mesh.coords()["dp"], mesh.coords()["tp"], intra, inter)
+    return Mesh(world, node=world // node_size, local=node_size)
 
 
-def hierarchical_allreduce(tensor: torch.Tensor, groups: NodeGroups, inter_allreduce=None) -> torch.Tensor:
+def hierarchical_allreduce(tensor: torch.Tensor, *, mesh: Mesh, inter_allreduce=None) -> torch.Tensor:
     """Sum `tensor` over every rank of the world, in place, in two levels; return `tensor`.
 
-    groups: from node_groups(node_size). Steps (docstring of the module):
+    mesh: from ``node_mesh(node_size)``, a Mesh with the axes ``node`` and ``local``; ask it for
+    ``mesh.size("local")`` (node_size), ``mesh.coord("local")`` (this rank's index in its node),
+    ``mesh.group("local")`` (its node's ranks) and ``mesh.group("node")`` (the same local index
+    on every node). Steps (docstring of the module):
       1. flatten (a contiguous copy), pad with zeros to a multiple of node_size, and
-         dist.reduce_scatter the node_size chunks over `groups.intra`: this rank keeps the
-         node's sum of chunk `groups.local`;
-      2. all-reduce that chunk over `groups.inter` with inter_allreduce(chunk, group=...)
+         dist.reduce_scatter the node_size chunks over ``mesh.group("local")``: this rank keeps
+         the node's sum of chunk ``mesh.coord("local")``;
+      2. all-reduce that chunk over ``mesh.group("node")`` with inter_allreduce(chunk, group=...)
          (default dist.all_reduce; pass your ring from notebook 03 to use it between nodes);
-      3. dist.all_gather the chunks over `groups.intra`, drop the padding, copy back into
+      3. dist.all_gather the chunks over ``mesh.group("local")``, drop the padding, copy back into
          `tensor` (which may be non-contiguous).
     Equal to dist.all_reduce(tensor) up to the order of the additions (exact for integers).
     """
     inter_allreduce = inter_allreduce or dist.all_reduce
     ### BEGIN SOLUTION
+    node_size, intra, inter = mesh.size("local"), mesh.group("local"), mesh.group("node")
     flat = tensor.detach().reshape(-1).clone()
-    chunk_len = -(-flat.numel() // groups.node_size)  # ceil: the last chunk is padded with zeros
-    padded = torch.zeros(chunk_len * groups.node_size, dtype=flat.dtype, device=flat.device)
+    chunk_len = -(-flat.numel() // node_size)  # ceil: the last chunk is padded with zeros
+    padded = torch.zeros(chunk_len * node_size, dtype=flat.dtype, device=flat.device)
     padded[:flat.numel()] = flat
-    pieces = list(padded.chunk(groups.node_size)) if chunk_len else [padded] * groups.node_size
+    pieces = list(padded.chunk(node_size)) if chunk_len else [padded] * node_size
     mine = torch.empty(chunk_len, dtype=flat.dtype, device=flat.device)
-    dist.reduce_scatter(mine, pieces, group=groups.intra)  # 1. node sum of chunk `local`
-    inter_allreduce(mine, group=groups.inter)  # 2. over the network, 1/node_size of the bytes
-    gathered = [torch.empty_like(mine) for _ in range(groups.node_size)]
-    dist.all_gather(gathered, mine, group=groups.intra)  # 3. every rank, every chunk
+    dist.reduce_scatter(mine, pieces, group=intra)  # 1. node sum of chunk `local`
+    inter_allreduce(mine, group=inter)  # 2. over the network, 1/node_size of the bytes
+    gathered = [torch.empty_like(mine) for _ in range(node_size)]
+    dist.all_gather(gathered, mine, group=intra)  # 3. every rank, every chunk
     with torch.no_grad():
         tensor.copy_(torch.cat(gathered)[:flat.numel()].view(tensor.shape))
     return tensor

@@ -2,7 +2,7 @@
 
 The ranks form one grid ``torch.arange(world_size).view(dp, pp)``:
 
-    pp_rank:  0  1  2
+    pp coord: 0  1  2
     dp 0:   [ 0, 1, 2 ]   <- one pipeline (a row): stage s lives on column s
     dp 1:   [ 3, 4, 5 ]   <- another pipeline, same stages, other data
 
@@ -14,143 +14,81 @@ gradients of every stage among its replicas ONCE, after the flush, and steps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from labkit.grading import impl
-from labkit.mesh import shard_rows
+from labkit.mesh import Mesh, shard_rows
 from labkit.measure.timeline import NullTimeline
 
 NOTEBOOK = "07_hybrid"
 
 
-@dataclass(frozen=True)
-class Mesh:
-    """One rank's place in the (dp, pp) grid and the process groups it belongs to.
-
-    rank, world_size, dp, pp: the global rank, the number of ranks, the grid's shape.
-    dp_rank: which pipeline replica (the grid row); pp_rank: which stage (the column).
-    pipeline_ranks: the global ranks of this rank's pipeline, stage 0 first (its row).
-    dp_ranks: the global ranks holding the same stage, replica 0 first (its column).
-    prev_rank / next_rank: the global rank of the previous / next stage of this
-        pipeline, None on the first / last stage.
-    pp_group / dp_group: the process groups of pipeline_ranks / dp_ranks; None when
-        the mesh was computed without an initialised process group (layout only).
-    """
-
-    rank: int
-    world_size: int
-    dp: int
-    pp: int
-    dp_rank: int
-    pp_rank: int
-    pipeline_ranks: tuple
-    dp_ranks: tuple
-    prev_rank: int | None
-    next_rank: int | None
-    pp_group: object = None
-    dp_group: object = None
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
-
 def make_mesh(world_size: int, dp: int, pp: int, rank: int | None = None) -> Mesh:
-    """Place ``rank`` in the grid ``torch.arange(world_size).view(dp, pp)`` and build its groups.
+    """This rank's `labkit.mesh.Mesh` of the grid ``torch.arange(world_size).view(dp, pp)``, its groups made by hand.
 
-    Returns a `Mesh` (see its docstring) for ``rank`` (default: ``dist.get_rank()``).
-    Pipelines are the grid's rows, data-parallel groups its columns.
+    Start from the layout, ``mesh = Mesh(world_size, dp=dp, pp=pp, rank=rank, groups=False)``:
+    it checks the sizes (ValueError, before any group is created, when dp or pp is not
+    positive, when ``world_size != dp * pp``, when ``rank`` is not in ``range(world_size)``,
+    or when they disagree with the initialised process group) and answers the layout
+    questions: ``mesh.coord("dp")`` (which pipeline replica, the grid row),
+    ``mesh.coord("pp")`` (which stage, the column), ``mesh.prev_rank("pp")`` /
+    ``mesh.next_rank("pp")`` (global ranks of the neighbouring stages, None at the ends),
+    ``mesh.is_first("pp")`` / ``mesh.is_last("pp")``, ``mesh.ranks("pp")`` (its pipeline).
 
-    If torch.distributed is initialised, this creates the process groups: every rank must
-    call ``make_mesh`` with the same arguments, since ``dist.new_group`` is collective:
-    ALL ranks create ALL groups (every row, then every column) in the same order, and each
-    keeps the two it belongs to. Without a process group (``rank`` must then be given), it
-    only computes the layout, and ``pp_group`` / ``dp_group`` are None.
-
-    Raises ValueError, before any group is created, when dp or pp is not positive, when
-    ``world_size != dp * pp``, when ``rank`` is not in ``range(world_size)``, or when they
-    disagree with the initialised process group.
+    Your part: the process groups. If torch.distributed is initialised, every rank must
+    create ALL groups in the same order, since ``dist.new_group`` is collective: every row
+    of the grid (a pipeline), then every column (the replicas of one stage). Hand the two
+    this rank belongs to to the mesh: ``mesh.add_group("pp", its_row_group)`` and
+    ``mesh.add_group("dp", its_column_group)`` (add_group checks that a group holds the right
+    ranks). Without a process group (``rank`` given), return the layout alone.
+    Returns the mesh; then ``mesh.group("pp")`` / ``mesh.group("dp")`` are the groups.
     """
     ### BEGIN SOLUTION
-    if dp < 1 or pp < 1:
-        raise ValueError(f"dp={dp} and pp={pp} must both be >= 1")
-    if world_size != dp * pp:
-        raise ValueError(f"world_size={world_size} must equal dp * pp = {dp} * {pp} = {dp * pp}: "
-                         "choose dp and pp whose product is the number of ranks")
-    initialised = dist.is_available() and dist.is_initialized()
-    if initialised:
-        if dist.get_world_size() != world_size:
-            raise ValueError(f"world_size={world_size} but the process group has "
-                             f"{dist.get_world_size()} ranks")
-        if rank is None:
-            rank = dist.get_rank()
-        elif rank != dist.get_rank():
-            raise ValueError(f"rank={rank} but this process is rank {dist.get_rank()}: "
-                             "leave rank=None inside a launched rank")
-    elif rank is None:
-        raise ValueError("no process group is initialised: pass rank=... to get the layout only")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank} is not in range({world_size})")
-
+    mesh = Mesh(world_size, dp=dp, pp=pp, rank=rank, groups=False)
+    if not (dist.is_available() and dist.is_initialized()):
+        return mesh
     grid = torch.arange(world_size).view(dp, pp)
-    dp_rank, pp_rank = divmod(rank, pp)  # the row-major position of rank in the grid
-    rows = [tuple(grid[i].tolist()) for i in range(dp)]          # pipelines
-    cols = [tuple(grid[:, j].tolist()) for j in range(pp)]       # replicas of each stage
-    pp_group = dp_group = None
-    if initialised:
-        # new_group is collective over the whole world: same calls, same order, on every rank.
-        for i, row in enumerate(rows):
-            group = dist.new_group(list(row))
-            if i == dp_rank:
-                pp_group = group
-        for j, col in enumerate(cols):
-            group = dist.new_group(list(col))
-            if j == pp_rank:
-                dp_group = group
-    pipeline = rows[dp_rank]
-    return Mesh(
-        rank=rank, world_size=world_size, dp=dp, pp=pp, dp_rank=dp_rank, pp_rank=pp_rank,
-        pipeline_ranks=pipeline, dp_ranks=cols[pp_rank],
-        prev_rank=pipeline[pp_rank - 1] if pp_rank > 0 else None,
-        next_rank=pipeline[pp_rank + 1] if pp_rank < pp - 1 else None,
-        pp_group=pp_group, dp_group=dp_group,
-    )
+    rows = [grid[i].tolist() for i in range(dp)]      # pipelines
+    cols = [grid[:, j].tolist() for j in range(pp)]   # replicas of each stage
+    # new_group is collective over the whole world: same calls, same order, on every rank.
+    for axis, slices in (("pp", rows), ("dp", cols)):
+        for ranks in slices:
+            group = dist.new_group(ranks)
+            if mesh.rank in ranks:
+                mesh.add_group(axis, group)
+    return mesh
     ### END SOLUTION
 
 
-def replica_rows(x, mesh: Mesh):
-    """This replica's rows of a global batch tensor: rows dp_rank*b:(dp_rank+1)*b, b = B // dp.
+def replica_rows(x, *, mesh: Mesh):
+    """This replica's rows of a global batch tensor: rows i*b:(i+1)*b, i = mesh.coord("dp"), b = B // dp.
 
     The lab's one sharding rule (`labkit.mesh.shard_rows`, the same as notebook 04's
     ``shard_for_rank``), with the replica's index and count taken from the mesh.
     """
-    return shard_rows(x, mesh.dp_rank, mesh.dp)
+    return shard_rows(x, mesh.coord("dp"), mesh.size("dp"))
 
 
-def hybrid_step(stage_module, mesh: Mesh, x, y, n_microbatches: int, optimizer=None, *,
+def hybrid_step(stage_module, x, y, n_microbatches: int, optimizer=None, *, mesh: Mesh,
                 timeline=None, sync_grads: bool = True):
     """One DP x PP training step on this rank; returns the global batch's mean loss on
     the last stage (every replica's last stage returns the same value), None elsewhere.
 
-    stage_module: this rank's stage, ``labkit.model.make_stage(model, mesh.pp_rank, mesh.pp)``
+    mesh: this rank's (dp, pp) `labkit.mesh.Mesh` (your `make_mesh`): ``mesh.coord("dp")``,
+        ``mesh.size("dp")``, ``mesh.is_first("pp")``, ``mesh.is_last("pp")``, ``mesh.group("dp")``.
+    stage_module: this rank's stage, ``labkit.model.make_stage(model, mesh.coord("pp"), mesh.size("pp"))``
         (or a ``SyntheticStage`` of notebook 06, whose ``act_shape`` is the micro-batch's).
-    x, y: the GLOBAL batch [B, T] (the same on every rank). Replica ``mesh.dp_rank`` trains
-        on its rows (`replica_rows`), split into ``n_microbatches`` micro-batches.
+    x, y: the GLOBAL batch [B, T] (the same on every rank). Replica ``mesh.coord("dp")`` trains
+        on its rows (``replica_rows(x, mesh=mesh)``), split into ``n_microbatches`` micro-batches.
     The step:
       1. zero this stage's gradients;
       2. run the replica's rows through its pipeline with 1F1B: notebook 06's executor,
-         ``impl("pipeline").run_schedule``, on ``mesh.pp_group`` with the neighbours'
-         global ranks; the accumulated ``.grad`` is that of the replica's mean loss;
+         ``impl("pipeline").run_schedule(..., mesh=mesh, act_shape=...)``, which sends along
+         the mesh's pp axis; the accumulated ``.grad`` is that of the replica's mean loss;
       3. ONCE, after the pipeline's flush: average the stage's gradients over the
          replicas of this stage, ``impl("data_parallel").allreduce_gradients`` on
-         ``mesh.dp_group`` (recorded as an "allreduce" span); skipped when
+         ``mesh.group("dp")`` (recorded as an "allreduce" span); skipped when
          ``sync_grads=False`` (a caller that synchronised the gradients itself);
       4. ``optimizer.step()`` when an optimizer is given.
     Together: the gradient of the mean loss over the global batch, as one process computes it.
@@ -160,29 +98,28 @@ def hybrid_step(stage_module, mesh: Mesh, x, y, n_microbatches: int, optimizer=N
     pipeline = impl("pipeline")
     data_parallel = impl("data_parallel")
     tl = timeline if timeline is not None else NullTimeline()
-    rows_x, rows_y = replica_rows(x, mesh), replica_rows(y, mesh)
+    rows_x, rows_y = replica_rows(x, mesh=mesh), replica_rows(y, mesh=mesh)
     if hasattr(stage_module, "config"):
         act_shape = pipeline.activation_shape(stage_module.config, rows_x.shape[0], x.shape[1], n_microbatches)
     else:  # a synthetic stage knows its micro-batch activation shape
         act_shape = tuple(stage_module.act_shape)
     stage_module.zero_grad(set_to_none=True)
-    schedule = pipeline.one_f_one_b_schedule(mesh.pp, n_microbatches)
+    schedule = pipeline.one_f_one_b_schedule(mesh.size("pp"), n_microbatches)
     loss = pipeline.run_schedule(
-        stage_module, schedule, rows_x if mesh.is_first_stage else None,
-        rows_y if mesh.is_last_stage else None, stage=mesh.pp_rank, act_shape=act_shape,
-        prev_rank=mesh.prev_rank, next_rank=mesh.next_rank, group=mesh.pp_group, timeline=tl)
+        stage_module, schedule, rows_x if mesh.is_first("pp") else None,
+        rows_y if mesh.is_last("pp") else None, mesh=mesh, act_shape=act_shape, timeline=tl)
     if sync_grads:
         # After the flush every micro-batch's gradient has been accumulated: one all-reduce
         # per step moves each gradient once, instead of once per micro-batch.
-        with tl.span("allreduce", mesh.pp_rank):
-            data_parallel.allreduce_gradients(stage_module, group=mesh.dp_group)
+        with tl.span("allreduce", mesh.coord("pp")):
+            data_parallel.allreduce_gradients(stage_module, group=mesh.group("dp"))
     if optimizer is not None:
         optimizer.step()
-    if mesh.is_last_stage:
+    if mesh.is_last("pp"):
         # each replica's loss is the mean over its rows: their average is the global mean
         loss = loss.detach().clone()
-        dist.all_reduce(loss, group=mesh.dp_group)
-        return loss / mesh.dp
+        dist.all_reduce(loss, group=mesh.group("dp"))
+        return loss / mesh.size("dp")
     return None
     ### END SOLUTION
 
@@ -195,7 +132,7 @@ class PerMicrobatchAllReduce(torch.nn.Module):
     step) and makes every backward wait for the slowest replica. Still correct: each
     micro-batch's contribution (the change of ``.grad`` in its backward) is averaged on
     its own, with the same `allreduce_gradients` as `hybrid_step`. Use it as
-    ``hybrid_step(PerMicrobatchAllReduce(stage, mesh.dp_group), ..., sync_grads=False)``.
+    ``hybrid_step(PerMicrobatchAllReduce(stage, mesh.group("dp")), ..., mesh=mesh, sync_grads=False)``.
     The all-reduce runs at the end of each micro-batch's backward pass, queued from a
     hook on the stage's output, as torch's DDP does it.
     """

@@ -5,7 +5,6 @@ through the grading module's own cases. Not grading tests: no learner code runs 
 labkit.grading.diagnose on hand-made tensors first (no process), then one 4-rank launch per mutant
 family (about 40 s of wall time on 2 busy cores).
 """
-import copy
 import importlib.util
 import os
 import sys
@@ -237,19 +236,9 @@ def test_tp_group_case_catches_a_layer_ignoring_group():
 
 
 def _hybrid_with_whole_batch(rank, world_size, dp, pp, m):
-    hybrid = with_mutant("hybrid")
-    reference_step = hybrid.hybrid_step
-
-    def whole_batch_step(stage_module, mesh, x, y, n_microbatches, optimizer=None, **kwargs):
-        """hybrid_step with the bug: every replica trains on the WHOLE global batch (no
-        replica_rows). The averaged gradient is the same: it passes "equals one process"."""
-        one_replica = copy.copy(mesh)
-        object.__setattr__(one_replica, "dp", 1)  # replica_rows then returns every row
-        object.__setattr__(one_replica, "dp_rank", 0)
-        loss = reference_step(stage_module, one_replica, x, y, n_microbatches, optimizer, **kwargs)
-        return None if loss is None else loss / mesh.dp  # its loss all-reduce divided by dp=1
-
-    hybrid.hybrid_step = whole_batch_step
+    # the bug: every replica trains on the WHOLE global batch (replica_rows returns every row).
+    # The averaged gradient and the averaged loss are the same: it passes "equals one process".
+    with_mutant("hybrid", replica_rows=lambda x, *, mesh: x)
     return grading_module("hybrid")._hybrid_rank(rank, world_size, dp, pp, m)
 
 

@@ -83,6 +83,13 @@ def _groups_on_ranks(rank, world_size):
         t = torch.tensor([float(1 << rank)])  # the sum says exactly which ranks took part
         dist.all_reduce(t, group=mesh.group(axes))
         sums[axes] = int(t.item())
+    by_hand = Mesh(world_size, dp=2, pp=2, tp=2, groups=False)  # notebook 07: groups made elsewhere
+    by_hand.add_group("pp", mesh.group("pp"))
+    assert by_hand.group("pp") is mesh.group("pp")
+    try:
+        by_hand.add_group("tp", mesh.group("pp"))  # the wrong slice: a clear error
+    except ValueError as error:
+        sums["wrong"] = str(error)
     return sums
 
 
@@ -90,6 +97,80 @@ def test_groups_on_8_launched_ranks_sum_exactly_their_slices():
     results = labkit.launch(_groups_on_ranks, 8, timeout=120)
     layout = [Mesh(8, rank=r, dp=2, pp=2, tp=2) for r in range(8)]
     for rank, sums in enumerate(results):
+        assert f"rank {rank}'s group along tp is {layout[rank].ranks('tp')}" in sums.pop("wrong")
         for axes, total in sums.items():
             assert total == sum(1 << r for r in layout[rank].ranks(axes)), (rank, axes)
     assert math.prod(layout[0].sizes.values()) == 8
+
+
+# ---------------------------------------------------------------- neighbours along an axis (layout only)
+def neighbours(axis, world_size, wrap=False, **sizes):
+    """[(prev, next)] of every rank along `axis`, and its (coord, first, last)."""
+    out = []
+    for rank in range(world_size):
+        m = Mesh(world_size, rank=rank, **sizes)
+        out.append((m.prev_rank(axis, wrap=wrap), m.next_rank(axis, wrap=wrap),
+                    m.coord(axis), m.is_first(axis), m.is_last(axis)))
+    return out
+
+
+# Written out by hand from the grid arange(world).view(...) (outermost axis first).
+@pytest.mark.parametrize("axis, world, sizes, wrap, expected", [
+    # pp innermost: a pipeline of 4 is ranks 0..3, neighbours are rank -/+ 1
+    ("pp", 4, dict(pp=4), False,
+     [(None, 1, 0, True, False), (0, 2, 1, False, False), (1, 3, 2, False, False), (2, None, 3, False, True)]),
+    # pp NOT innermost: Mesh(4, pp=2, tp=2) puts stage 1 of rank 0's pipeline on rank 2
+    ("pp", 4, dict(pp=2, tp=2), False,
+     [(None, 2, 0, True, False), (None, 3, 0, True, False), (0, None, 1, False, True), (1, None, 1, False, True)]),
+    # pp outer of ep: Mesh(6, pp=3, ep=2) puts stage s on ranks 2s and 2s+1: neighbours are rank -/+ 2
+    ("pp", 6, dict(pp=3, ep=2), False,
+     [(None, 2, 0, True, False), (None, 3, 0, True, False), (0, 4, 1, False, False), (1, 5, 1, False, False),
+      (2, None, 2, False, True), (3, None, 2, False, True)]),
+    # dp x pp (notebook 07): rows are pipelines
+    ("pp", 6, dict(dp=2, pp=3), False,
+     [(None, 1, 0, True, False), (0, 2, 1, False, False), (1, None, 2, False, True),
+      (None, 4, 0, True, False), (3, 5, 1, False, False), (4, None, 2, False, True)]),
+    ("dp", 6, dict(dp=2, pp=3), False,
+     [(None, 3, 0, True, False), (None, 4, 0, True, False), (None, 5, 0, True, False),
+      (0, None, 1, False, True), (1, None, 1, False, True), (2, None, 1, False, True)]),
+    # a ring along cp with tp inside: Mesh(8, cp=4, tp=2): the cp ring of rank 1 is 1 -> 3 -> 5 -> 7 -> 1
+    ("cp", 8, dict(cp=4, tp=2), True,
+     [(6, 2, 0, True, False), (7, 3, 0, True, False), (0, 4, 1, False, False), (1, 5, 1, False, False),
+      (2, 6, 2, False, False), (3, 7, 2, False, False), (4, 0, 3, False, True), (5, 1, 3, False, True)]),
+    # an axis of size 1: no neighbour, or itself in a ring
+    ("pp", 2, dict(dp=2), False, [(None, None, 0, True, True)] * 2),
+    ("pp", 2, dict(dp=2), True, [(0, 0, 0, True, True), (1, 1, 0, True, True)]),
+    # the cluster's levels: 2 nodes of 3; along "node" the same local index on the other node
+    ("node", 6, dict(node=2, local=3), False,
+     [(None, 3, 0, True, False), (None, 4, 0, True, False), (None, 5, 0, True, False),
+      (0, None, 1, False, True), (1, None, 1, False, True), (2, None, 1, False, True)]),
+    ("local", 6, dict(node=2, local=3), True,
+     [(2, 1, 0, True, False), (0, 2, 1, False, False), (1, 0, 2, False, True),
+      (5, 4, 0, True, False), (3, 5, 1, False, False), (4, 3, 2, False, True)]),
+])
+def test_neighbours_along_an_axis_are_the_hand_written_ones(axis, world, sizes, wrap, expected):
+    assert neighbours(axis, world, wrap=wrap, **sizes) == expected
+
+
+def test_neighbours_against_brute_force_on_every_factorisation_of_12():
+    for sizes in factorisations(12):
+        coords_of = brute_force(sizes)
+        rank_at = {tuple(c.values()): r for r, c in coords_of.items()}
+        for rank in range(12):
+            mesh = Mesh(12, rank=rank, **dict(zip(AXES, sizes)))
+            for i, axis in enumerate(AXES):
+                here = list(coords_of[rank].values())
+                for delta, got in ((-1, mesh.prev_rank(axis, wrap=True)), (1, mesh.next_rank(axis, wrap=True))):
+                    there = list(here)
+                    there[i] = (here[i] + delta) % sizes[i]
+                    assert got == rank_at[tuple(there)], (sizes, rank, axis, delta)
+
+
+def test_cluster_levels_are_their_own_vocabulary():
+    mesh = Mesh(8, node=2, local=4, rank=5)
+    assert mesh.axes == ("node", "local") and mesh.coords() == {"node": 1, "local": 1}
+    assert mesh.ranks("local") == [4, 5, 6, 7] and mesh.ranks("node") == [1, 5]
+    with pytest.raises(ValueError, match="not both in one mesh"):
+        Mesh(8, node=2, tp=4, rank=0)
+    with pytest.raises(ValueError, match="unknown mesh axis"):
+        Mesh(8, dp=2, tp=4, rank=0).coord("local")

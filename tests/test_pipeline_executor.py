@@ -1,6 +1,7 @@
 """The pipeline executor (solutions/pipeline.py run_schedule) beyond grading: bad input,
 the blocking-send deadlock (stuck in `communicate`), synthetic stages whose spans follow the
-lowered list, global ranks of a sub-group, the interleaved 1F1B and zero-bubble stretches,
+lowered list, two pipelines whose pp axis is not the mesh's innermost (neighbours are not
+rank +/- 1), the interleaved 1F1B and zero-bubble stretches,
 and torch.distributed.pipelining's Schedule1F1B on the same stages.
 
 Uses the reference module (the executor's own code is the same in exercises/, but it
@@ -9,10 +10,10 @@ deadlock test waits for its 8 s launcher timeout on purpose.
 """
 import pytest
 import torch
-import torch.distributed as dist
 
 from labkit.grading import impl
 from labkit.launching.launcher import LaunchError, launch
+from labkit.mesh import Mesh
 from labkit.parallel.schedules import (DeadlockError, ScheduleError, interleaved_schedule, lower, simulate,
                               zero_bubble_schedule)
 from labkit.measure.timeline import Timeline
@@ -28,10 +29,11 @@ pl = impl("pipeline", "solutions")
 ACT = (2, 4, 8)  # micro-batch, seq, d_model of the synthetic stages
 
 
-def _synthetic_call(schedule, stage=0, rows=4, **kw):
+def _synthetic_call(schedule, stage=0, rows=4, mesh=None, **kw):
     st = pl.SyntheticStage(stage, len(schedule), ACT, t_f=0.0)
     x = torch.zeros(rows, 4, dtype=torch.long)
-    return pl.run_schedule(st, schedule, x, x, stage=stage, act_shape=ACT, **kw)
+    mesh = mesh or Mesh(len(schedule), pp=len(schedule), rank=stage)  # the layout only: no process group
+    return pl.run_schedule(st, schedule, x, x, mesh=mesh, act_shape=ACT, **kw)
 
 
 # ------------------------------------------------- bad input: raised before any message
@@ -73,17 +75,17 @@ def test_more_stages_than_layers_rejected():
         make_stage(build_model("tiny"), 0, 5)  # tiny has 4 layers
 
 
-def test_actions_of_another_stage_rejected():
-    with pytest.raises(ValueError, match="stage=2 but the schedule has 2 ranks"):
-        _synthetic_call(pl.gpipe_schedule(2, 1), stage=2)
+def test_schedule_for_another_pipeline_size_rejected():
+    with pytest.raises(ValueError, match=r"the schedule has 2 pipeline ranks but the mesh's pp axis has 3"):
+        _synthetic_call(pl.gpipe_schedule(2, 1), mesh=Mesh(6, dp=2, pp=3, rank=2))
 
 
 # ------------------------------------------------------------------------ real ranks
 def _blocking_rank(rank, world_size):
     st = pl.SyntheticStage(rank, world_size, ACT, t_f=0.001)
     x = torch.zeros(ACT[0] * 4, 4, dtype=torch.long)
-    pl.run_schedule(st, pl.one_f_one_b_schedule(world_size, 4), x, x, stage=rank, act_shape=ACT,
-                    blocking_send=True, check=False)
+    pl.run_schedule(st, pl.one_f_one_b_schedule(world_size, 4), x, x, mesh=Mesh(world_size, pp=world_size),
+                    act_shape=ACT, blocking_send=True, check=False)
 
 
 def test_blocking_send_one_f_one_b_really_deadlocks():
@@ -98,13 +100,13 @@ def test_blocking_send_one_f_one_b_really_deadlocks():
 
 def _synthetic_rank(rank, world_size, m):
     tl = Timeline()
-    out = {}
+    out, mesh = {}, Mesh(world_size, pp=world_size)
     for name in ("gpipe_schedule", "one_f_one_b_schedule"):
         st = pl.SyntheticStage(rank, world_size, ACT, t_f=0.002)
         x = torch.zeros(ACT[0] * m, 4, dtype=torch.long)
         stats = {}
         tl.sync()
-        pl.run_schedule(st, getattr(pl, name)(world_size, m), x, x, stage=rank, act_shape=ACT,
+        pl.run_schedule(st, getattr(pl, name)(world_size, m), x, x, mesh=mesh, act_shape=ACT,
                         timeline=tl, stats=stats)
         out[name] = (tl.gather(), stats)
     return out
@@ -133,22 +135,21 @@ def test_synthetic_stages_timeline_follows_schedule_and_peak_memory():
 
 
 def _subgroup_rank(rank, world_size, x, y, m):
-    # two pipelines [0, 1] and [2, 3], as the DP x PP hybrid builds them: global neighbour ranks
+    # two pipelines in Mesh(4, pp=2, tp=2): pp is not the innermost axis, so they are ranks [0, 2] and
+    # [1, 3]: the executor must send to the mesh's neighbours (global ranks), not to position +/- 1
     from labkit.model import build_model, make_stage
 
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    row, stage = divmod(rank, 2)
+    mesh = Mesh(world_size, pp=2, tp=2)
+    stage = mesh.coord("pp")
     model = build_model("tiny", seed=0)
     st = make_stage(model, stage, 2)
     loss = pl.run_schedule(st, pl.one_f_one_b_schedule(2, m), x if stage == 0 else None, y if stage == 1 else None,
-                           stage=stage, act_shape=pl.activation_shape(model.config, x.shape[0], x.shape[1], m),
-                           prev_rank=rank - 1 if stage else None, next_rank=rank + 1 if stage == 0 else None,
-                           group=groups[row])
+                           mesh=mesh, act_shape=pl.activation_shape(model.config, x.shape[0], x.shape[1], m))
     return {n: p.grad for n, p in st.named_parameters()}, loss
 
 
 @pytest.mark.filterwarnings("ignore::labkit.launching.launcher.OversubscriptionWarning")
-def test_subgroup_with_global_neighbour_ranks_equals_single_model():
+def test_pipelines_with_pp_not_innermost_global_neighbour_ranks_equal_single_model():
     from labkit.model import build_model, make_stages
 
     g = torch.Generator().manual_seed(3)
@@ -158,11 +159,13 @@ def test_subgroup_with_global_neighbour_ranks_equals_single_model():
     loss = ref(x, y)
     loss.backward()
     stages = make_stages(ref, 2)
-    for rank, (grads, got_loss) in enumerate(results):
-        for n, p in stages[rank % 2].named_parameters():
+    for rank, (grads, got_loss) in enumerate(results):  # ranks 0, 1 hold stage 0; ranks 2, 3 stage 1
+        for n, p in stages[rank // 2].named_parameters():
             torch.testing.assert_close(grads[n], p.grad, **F32_GRAD_TOL, msg=lambda m: f"rank {rank} {n}: {m}")
-        if rank % 2:
+        if rank // 2:
             torch.testing.assert_close(got_loss, loss.detach())
+        else:
+            assert got_loss is None
 
 
 # ------------------------------------------------- stretch: interleaved 1F1B (virtual stages)
@@ -204,10 +207,10 @@ def _interleaved_rank(rank, world_size, x, y, v, ms):
     model = build_model("tiny", seed=0)
     n_stages = world_size * v
     stages = {c * world_size + rank: make_stage(model, c * world_size + rank, n_stages) for c in range(v)}
-    out = {}
+    out, mesh = {}, Mesh(world_size, pp=world_size)
     for m in ms:
         model.zero_grad(set_to_none=True)
-        loss = pl.run_schedule(stages, interleaved_schedule(world_size, v, m), x, y, stage=rank,
+        loss = pl.run_schedule(stages, interleaved_schedule(world_size, v, m), x, y, mesh=mesh,
                                act_shape=pl.activation_shape(model.config, x.shape[0], x.shape[1], m))
         mine = {n: p.grad.clone() for s in stages.values() for n, p in s.named_parameters(prefix=f"stage{s.stage}")}
         out[m] = (mine, loss)
@@ -241,7 +244,7 @@ def _zero_bubble_rank(rank, world_size, x, y, m):
     st = make_stage(model, rank, world_size)
     stats = {}
     loss = pl.run_schedule(st, zero_bubble_schedule(world_size, m), x if rank == 0 else None,
-                           y if rank == world_size - 1 else None, stage=rank, stats=stats,
+                           y if rank == world_size - 1 else None, mesh=Mesh(world_size, pp=world_size), stats=stats,
                            act_shape=pl.activation_shape(model.config, x.shape[0], x.shape[1], m))
     return {n: p.grad for n, p in st.named_parameters()}, loss, stats
 
@@ -269,7 +272,8 @@ def _zb_synthetic_rank(rank, world_size, m):
     st = pl.SyntheticStage(rank, world_size, ACT, t_f=0.002)
     x = torch.zeros(ACT[0] * m, *ACT[1:])  # floating-point inputs: stage 0's B has an input gradient
     tl.sync()
-    pl.run_schedule(st, zero_bubble_schedule(world_size, m), x, x[:, :, 0], stage=rank, act_shape=ACT, timeline=tl)
+    pl.run_schedule(st, zero_bubble_schedule(world_size, m), x, x[:, :, 0], mesh=Mesh(world_size, pp=world_size),
+                    act_shape=ACT, timeline=tl)
     return tl.gather()
 
 

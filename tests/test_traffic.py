@@ -240,15 +240,15 @@ def pipeline_step(rank, dp_size, pp):
     hybrid = impl("hybrid")
     mesh = hybrid.make_mesh(N, dp=dp_size, pp=pp)
     model = build_model("tiny", seed=0)
-    stage = make_stage(model, mesh.pp_rank, pp)
+    stage = make_stage(model, mesh.coord("pp"), pp)
     B, T, M = 4, 8, 2
     x = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
-    m = measure(lambda: hybrid.hybrid_step(stage, mesh, x, x, M))
+    m = measure(lambda: hybrid.hybrid_step(stage, x, x, M, mesh=mesh))
     act = B // dp_size // M * T * model.config.d_model * F32  # one micro-batch's activation (or its gradient)
-    neighbours = (mesh.pp_rank > 0) + (mesh.pp_rank < pp - 1)
+    neighbours = (not mesh.is_first("pp")) + (not mesh.is_last("pp"))
     params = trainable(stage)
     grads = (numel(params) + len(params)) * F32  # DP's flat buffer (gradients + has-grad flags)
-    last = mesh.pp_rank == pp - 1
+    last = mesh.is_last("pp")
     share = Fraction(2 * (dp_size - 1), dp_size)
     calls = {"all_reduce": 1 + last}
     if neighbours:

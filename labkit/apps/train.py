@@ -118,27 +118,6 @@ def train_config(args):
                              lr=args.lr, min_lr=args.lr / 10, warmup=max(1, args.steps // 10), seed=args.seed)
 
 
-def make_mesh(world_size: int, dp: int, pp: int):
-    """This rank's place in labkit's N-D mesh (dp x pp), in the shape notebook 07's ``hybrid_step`` takes.
-
-    The groups come from `labkit.mesh.Mesh`; the learner's own ``make_mesh`` (notebook 07)
-    builds the same layout by hand.
-    """
-    from labkit.grading import impl
-    from labkit.mesh import Mesh
-
-    HybridMesh = impl("hybrid").Mesh  # a plain dataclass, outside the exercise: the same in both
-
-    mesh = Mesh(world_size, dp=dp, pp=pp)
-    pipeline, replicas = tuple(mesh.ranks("pp")), tuple(mesh.ranks("dp"))
-    stage = mesh.index("pp")
-    return HybridMesh(rank=mesh.rank, world_size=world_size, dp=dp, pp=pp, dp_rank=mesh.index("dp"),
-                      pp_rank=stage, pipeline_ranks=pipeline, dp_ranks=replicas,
-                      prev_rank=pipeline[stage - 1] if stage > 0 else None,
-                      next_rank=pipeline[stage + 1] if stage < pp - 1 else None,
-                      pp_group=mesh.group("pp"), dp_group=mesh.group("dp"))
-
-
 def train_rank(rank: int, world_size: int, args) -> dict:
     """One rank's training run; returns its losses (where known), timing and stage weights."""
     import torch.distributed as dist
@@ -146,7 +125,7 @@ def train_rank(rank: int, world_size: int, args) -> dict:
     from labkit.data import get_batch, load_tokens
     from labkit.grading import impl
     from labkit.launching.launcher import rank_device
-    from labkit.mesh import shard_rows
+    from labkit.mesh import Mesh, shard_rows
     from labkit.model import build_model, make_stage
     from labkit.training.loop import lr_at, make_optimizer
 
@@ -156,20 +135,20 @@ def train_rank(rank: int, world_size: int, args) -> dict:
     import torch
 
     model = build_model(args.model, seed=args.seed, device=device).to(getattr(torch, args.dtype))
-    mesh = make_mesh(world_size, args.dp, args.pp)
+    mesh = Mesh(world_size, dp=args.dp, pp=args.pp)  # the one topology: every group, every neighbour
     if args.strategy == "hybrid":
         hybrid = impl("hybrid")
     m = args.microbatches
     if args.strategy in ("single", "dp"):
         module = model
     else:
-        module = make_stage(model, mesh.pp_rank, mesh.pp)
+        module = make_stage(model, mesh.coord("pp"), mesh.size("pp"))
     opt = make_optimizer(module, cfg)
     if args.strategy == "dp":
-        impl("data_parallel").broadcast_parameters(model, src=0, group=mesh.dp_group)
+        impl("data_parallel").broadcast_parameters(model, src=0, group=mesh.group("dp"))
     if args.strategy == "pp":
         pipeline = impl("pipeline")
-        schedule = pipeline.one_f_one_b_schedule(mesh.pp, m)
+        schedule = pipeline.one_f_one_b_schedule(mesh.size("pp"), m)
         act_shape = pipeline.activation_shape(model.config, cfg.batch_size, cfg.seq_len, m)
 
     losses, t_start = [], None
@@ -184,34 +163,32 @@ def train_rank(rank: int, world_size: int, args) -> dict:
             loss = module(x, y)
             loss.backward()
         elif args.strategy == "dp":
-            xs, ys = shard_rows((x, y), mesh.dp_rank, mesh.dp)
+            xs, ys = shard_rows((x, y), mesh.coord("dp"), mesh.size("dp"))
             loss = module(xs, ys)
             loss.backward()
-            impl("data_parallel").allreduce_gradients(module, group=mesh.dp_group)
+            impl("data_parallel").allreduce_gradients(module, group=mesh.group("dp"))
             loss = loss.detach().clone()
-            dist.all_reduce(loss, group=mesh.dp_group)
-            loss /= mesh.dp
+            dist.all_reduce(loss, group=mesh.group("dp"))
+            loss /= mesh.size("dp")
         elif args.strategy == "pp":
-            loss = pipeline.run_schedule(module, schedule, x if mesh.is_first_stage else None,
-                                         y if mesh.is_last_stage else None, stage=mesh.pp_rank,
-                                         act_shape=act_shape, prev_rank=mesh.prev_rank,
-                                         next_rank=mesh.next_rank, group=mesh.pp_group)
+            loss = pipeline.run_schedule(module, schedule, x if mesh.is_first("pp") else None,
+                                         y if mesh.is_last("pp") else None, mesh=mesh, act_shape=act_shape)
         else:
-            loss = hybrid.hybrid_step(module, mesh, x, y, m)  # gradients averaged, no step yet
+            loss = hybrid.hybrid_step(module, x, y, m, mesh=mesh)  # gradients averaged, no step yet
         if cfg.grad_clip is not None:
-            _global_grad_clip(list(module.parameters()), cfg.grad_clip, mesh.pp_group, reduce=mesh.pp > 1)
+            _global_grad_clip(list(module.parameters()), cfg.grad_clip, mesh.group("pp"), reduce=mesh.size("pp") > 1)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if loss is not None:
             losses.append(loss.item())
-            if rank == mesh.pp - 1 and not args.quiet:  # the last stage of pipeline 0
+            if mesh.coord("dp") == 0 and mesh.is_last("pp") and not args.quiet:  # the last stage of pipeline 0
                 print(f"step {step:4d}  loss {losses[-1]:.4f}", flush=True)
     dist.barrier()
     seconds = time.perf_counter() - t_start if t_start is not None else float("nan")
     mine = {id(p) for p in module.parameters()}
     weights = {n: p.detach().cpu() for n, p in model.named_parameters() if id(p) in mine}
     return {"losses": losses if losses else None, "seconds": seconds, "device": str(device),
-            "weights": weights if mesh.dp_rank == 0 else None}  # replica 0 speaks for all
+            "weights": weights if mesh.coord("dp") == 0 else None}  # replica 0 speaks for all
 
 
 # ---------------------------------------------------------------------------- the report

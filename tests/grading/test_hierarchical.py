@@ -31,28 +31,28 @@ def make_input(rank, shape, dtype, seed=0):
     return torch.randint(-1000, 1000, shape, generator=g).to(dtype)  # integers: exact sums in float64
 
 
-def check(fn, groups, x, **kwargs):
+def check(fn, mesh, x, **kwargs):
     expected = x.clone()
     dist.all_reduce(expected)
     got = x.clone()
-    assert fn(got, groups, **kwargs) is got, "must return the tensor it was given (summed in place)"
+    assert fn(got, mesh=mesh, **kwargs) is got, "must return the tensor it was given (summed in place)"
     assert got.dtype == x.dtype and got.shape == x.shape
     assert torch.equal(got, expected), f"differs from dist.all_reduce: {got.flatten()[:8]} vs {expected.flatten()[:8]}"
 
 
-def cases(rank, world_size, module, node_size, groups):
+def cases(rank, world_size, module, node_size, mesh):
     fn = module.hierarchical_allreduce
     out = {}
-    out["int64_and_float64"] = lambda: [check(fn, groups, make_input(rank, shape, dtype, seed=i))
+    out["int64_and_float64"] = lambda: [check(fn, mesh, make_input(rank, shape, dtype, seed=i))
                                         for i, shape in enumerate([(4 * world_size * 3,), (3, 5, 7), (1,)])
                                         for dtype in (torch.int64, torch.float64)]
     out["numel_not_divisible_by_node_size"] = lambda: [
-        check(fn, groups, make_input(rank, (k * node_size + extra,), torch.int64))
+        check(fn, mesh, make_input(rank, (k * node_size + extra,), torch.int64))
         for k in (1, 3) for extra in range(1, max(node_size, 2))]
     out["numel_smaller_than_node_size"] = lambda: [
-        check(fn, groups, make_input(rank, (numel,), torch.float64)) for numel in range(1, node_size)]
-    out["empty_tensor"] = lambda: check(fn, groups, torch.empty(0, 3, dtype=torch.int64))
-    out["non_contiguous"] = lambda: check(fn, groups, make_input(rank, (6, 10), torch.float64).t())
+        check(fn, mesh, make_input(rank, (numel,), torch.float64)) for numel in range(1, node_size)]
+    out["empty_tensor"] = lambda: check(fn, mesh, torch.empty(0, 3, dtype=torch.int64))
+    out["non_contiguous"] = lambda: check(fn, mesh, make_input(rank, (6, 10), torch.float64).t())
 
     def inter_node_step_uses_inter_allreduce_on_one_chunk(numel=10):
         seen = []
@@ -60,7 +60,7 @@ def cases(rank, world_size, module, node_size, groups):
         def recording(chunk, group=None):
             seen.append((chunk.numel(), dist.get_world_size(group)))
             return dist.all_reduce(chunk, group=group)
-        check(fn, groups, make_input(rank, (numel,), torch.int64), inter_allreduce=recording)
+        check(fn, mesh, make_input(rank, (numel,), torch.int64), inter_allreduce=recording)
         want = (-(-numel // node_size), world_size // node_size)  # ceil(numel / node_size) over n_nodes ranks
         assert seen == [want], (f"inter_allreduce should be called once, on this rank's chunk of "
                                 f"{want[0]} elements over the {want[1]} nodes; calls (numel, group size): {seen}")
@@ -72,17 +72,17 @@ def run_all(rank, world_size):
     module = impl("hierarchical")
     todo = {}
     for node_size in node_sizes(world_size):
-        groups = module.node_groups(node_size)  # collective: same order on every rank
-        for name, body in cases(rank, world_size, module, node_size, groups).items():
+        mesh = module.node_mesh(node_size)  # collective: same order on every rank
+        for name, body in cases(rank, world_size, module, node_size, mesh).items():
             todo[node_size, name] = body
     if world_size in (3, 4):
         bad = 2 if world_size == 3 else 3
 
         def node_size_that_does_not_divide_raises():
-            groups = module.node_groups(1)
-            check(module.hierarchical_allreduce, groups, make_input(rank, (5,), torch.int64))  # works first
+            mesh = module.node_mesh(1)
+            check(module.hierarchical_allreduce, mesh, make_input(rank, (5,), torch.int64))  # works first
             try:
-                module.node_groups(bad)
+                module.node_mesh(bad)
             except ValueError as e:
                 assert "does not divide" in str(e) and str(world_size) in str(e), str(e)
             else:

@@ -16,6 +16,7 @@ from labkit.grading import diagnose
 from labkit.data import get_batch, load_tokens
 from labkit.grading import impl
 from labkit.launching.launcher import launch
+from labkit.mesh import Mesh
 from labkit.model import build_model, make_stage
 from labkit.grading.cases import launch_timeout
 
@@ -47,13 +48,13 @@ def test_make_mesh_layout_every_rank(dp, pp):
     hybrid = impl("hybrid")
     for rank in range(dp * pp):
         mesh = hybrid.make_mesh(dp * pp, dp, pp, rank=rank)
+        assert isinstance(mesh, Mesh), f"make_mesh must return a labkit.mesh.Mesh, got {type(mesh).__name__}"
         dp_rank, pp_rank, pipeline, replicas, prev, nxt = expected_place(dp, pp, rank)
-        got = (mesh.rank, mesh.dp_rank, mesh.pp_rank, tuple(mesh.pipeline_ranks),
-               tuple(mesh.dp_ranks), mesh.prev_rank, mesh.next_rank)
+        got = (mesh.rank, mesh.coord("dp"), mesh.coord("pp"), tuple(mesh.ranks("pp")),
+               tuple(mesh.ranks("dp")), mesh.prev_rank("pp"), mesh.next_rank("pp"))
         assert got == (rank, dp_rank, pp_rank, pipeline, replicas, prev, nxt), f"rank {rank}"
-        assert mesh.is_first_stage == (pp_rank == 0)
-        assert mesh.is_last_stage == (pp_rank == pp - 1)
-        assert mesh.pp_group is None and mesh.dp_group is None  # no process group here
+        assert mesh.is_first("pp") == (pp_rank == 0)
+        assert mesh.is_last("pp") == (pp_rank == pp - 1)
 
 
 @pytest.mark.exercise("make_mesh")
@@ -73,13 +74,13 @@ def _groups_rank(rank, world_size, dp, pp):
     mesh = impl("hybrid").make_mesh(world_size, dp, pp)
     # Each group must contain exactly the expected ranks and really communicate: the sum
     # of the global ranks over the group, computed by torch's all_reduce on that group.
-    out = {"pp_ranks": dist.get_process_group_ranks(mesh.pp_group),
-           "dp_ranks": dist.get_process_group_ranks(mesh.dp_group)}
-    for name, group in (("pp_sum", mesh.pp_group), ("dp_sum", mesh.dp_group)):
+    out = {"pp_ranks": dist.get_process_group_ranks(mesh.group("pp")),
+           "dp_ranks": dist.get_process_group_ranks(mesh.group("dp"))}
+    for name, group in (("pp_sum", mesh.group("pp")), ("dp_sum", mesh.group("dp"))):
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=group)
         out[name] = t.item()
-    out["place"] = (mesh.dp_rank, mesh.pp_rank, mesh.prev_rank, mesh.next_rank)
+    out["place"] = (mesh.coord("dp"), mesh.coord("pp"), mesh.prev_rank("pp"), mesh.next_rank("pp"))
     return out
 
 
@@ -153,11 +154,11 @@ def _hybrid_rank(rank, world_size, dp, pp, n_micro, per_microbatch=False):
     torch.set_num_threads(1)
     mesh = hybrid.make_mesh(world_size, dp, pp)
     model = build_model("tiny", seed=0).double()  # float64: see RTOL
-    stage = make_stage(model, mesh.pp_rank, pp)
+    stage = make_stage(model, mesh.coord("pp"), pp)
     opt = torch.optim.SGD(stage.parameters(), lr=LR, momentum=0.9)
     module, sync = stage, True
     if per_microbatch:
-        module, sync = hybrid.PerMicrobatchAllReduce(stage, mesh.dp_group), False
+        module, sync = hybrid.PerMicrobatchAllReduce(stage, mesh.group("dp")), False
     seen = []  # per step: the token ids each forward of this stage received, and the targets
 
     def record(_module, args, kwargs):
@@ -170,7 +171,7 @@ def _hybrid_rank(rank, world_size, dp, pp, n_micro, per_microbatch=False):
     losses = []
     for x, y in _batches(dp, n_micro):
         seen.append({"inputs": [], "targets": []})
-        loss = hybrid.hybrid_step(module, mesh, x, y, n_micro, opt, sync_grads=sync)
+        loss = hybrid.hybrid_step(module, x, y, n_micro, opt, mesh=mesh, sync_grads=sync)
         losses.append(loss)
     mine = {id(p) for p in stage.parameters()}
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in mine}
@@ -215,7 +216,7 @@ def check_replica_rows(results, dp, pp, m):
                 where = (f"step {step}: replica {replica}'s {'first' if kind == 'inputs' else 'last'} stage "
                          f"(rank {rank}) received {kind}")
                 want = f"replica {replica} trains on rows {own[0]}-{own[-1]} of the global batch of {len(x)} " \
-                       f"only (B/dp = {b} rows, in {m} micro-batches of {b // m}): pass replica_rows(x, mesh)"
+                       f"only (B/dp = {b} rows, in {m} micro-batches of {b // m}): pass replica_rows(x, mesh=mesh)"
                 assert len(got) == m, f"{where} in {len(got)} forwards, expected {m} micro-batches"
                 for mb, rows in enumerate(got):
                     expected = list(own[mb * b // m:(mb + 1) * b // m])
@@ -277,7 +278,7 @@ def _bad_batch_rank(rank, world_size):
     stage = make_stage(build_model("tiny", seed=0), 0, 1)
     x = torch.zeros(3, SEQ, dtype=torch.long)  # 3 rows cannot split over 2 replicas
     try:
-        hybrid.hybrid_step(stage, mesh, x, x, 1)
+        hybrid.hybrid_step(stage, x, x, 1, mesh=mesh)
     except ValueError as err:
         return str(err)
     return None

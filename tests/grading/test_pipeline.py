@@ -2,8 +2,9 @@
 
 Run: pytest tests/grading/test_pipeline.py   (add --impl=solutions for the reference)
 The schedule checks are pure Python (every p <= 6, m <= 10); a wrong schedule is reported
-at its first action out of order. `communicate` runs hand-written schedules on 2 ranks
-under a short launch timeout: a blocking send in 1F1B hangs there, and the report shows
+at its first action out of order. `communicate` runs hand-written schedules on two 2-stage
+pipelines in Mesh(4, pp=2, tp=2) (ranks 0->2 and 1->3: pp is not the innermost axis, so a
+peer computed as stage +/- 1 instead of the `peer` given is caught) under a short launch timeout: a blocking send in 1F1B hangs there, and the report shows
 each stuck rank's stack (your line in exercises/pipeline.py); the real-rank tests after
 it are then not run. The gradient tests launch 2, 3 and 4 ranks once each, run both
 schedules for m in {1, 2, 4, 8} on the tiny model, compare with one model trained on the
@@ -14,6 +15,7 @@ import torch
 
 from labkit.grading import impl
 from labkit.launching.launcher import LaunchError, launch
+from labkit.mesh import Mesh
 from labkit.parallel.schedules import first_difference, parse_schedule, simulate, theoretical_bubble, validate
 from labkit.grading.cases import launch_timeout
 
@@ -113,16 +115,16 @@ def _data():
     return x, y
 
 
-def _step(pipeline, stage, rank, world_size, schedule, m, **kw):
+def _step(pipeline, stage, mesh, schedule, m, **kw):
     """One step; per parameter, the gradient of each micro-batch (a hook sees it before it accumulates)."""
     x, y = _data()
-    backwards = [a.mb for a in parse_schedule(schedule)[rank] if a.kind == "B"]  # this rank's B order
+    backwards = [a.mb for a in parse_schedule(schedule)[mesh.coord("pp")] if a.kind == "B"]  # this rank's B order
     per_mb = {n: [] for n, _ in stage.named_parameters()}
     hooks = [p.register_hook(lambda g, n=n: per_mb[n].append(g.detach().clone())) for n, p in stage.named_parameters()]
     stage.zero_grad(set_to_none=True)
     try:
         loss = pipeline.run_schedule(
-            stage, schedule, x if rank == 0 else None, y if rank == world_size - 1 else None, stage=rank,
+            stage, schedule, x if mesh.is_first("pp") else None, y if mesh.is_last("pp") else None, mesh=mesh,
             act_shape=pipeline.activation_shape(stage.config, BATCH, SEQ, m), **kw)
     finally:
         for h in hooks:
@@ -136,7 +138,8 @@ def _pipeline_rank(rank, world_size):
 
     pipeline = impl("pipeline")
     stage = make_stage(build_model("tiny", seed=0), rank, world_size)
-    return {(name, m): _step(pipeline, stage, rank, world_size, getattr(pipeline, name)(world_size, m), m)
+    mesh = Mesh(world_size, pp=world_size)
+    return {(name, m): _step(pipeline, stage, mesh, getattr(pipeline, name)(world_size, m), m)
             for name in ("gpipe_schedule", "one_f_one_b_schedule") for m in MS}
 
 
@@ -183,17 +186,20 @@ def _first_wrong_microbatch(by_mb, p, s, m):
 
 
 def _communicate_rank(rank, world_size):
+    """Two 2-stage pipelines on Mesh(4, pp=2, tp=2): pp is not the innermost axis, so the pipelines are
+    ranks (0, 2) and (1, 3): a message sent to stage +/- 1 instead of `peer` reaches the wrong rank."""
     from labkit.model import build_model, make_stage
 
     pipeline = impl("pipeline")
-    stage = make_stage(build_model("tiny", seed=0), rank, world_size)
+    mesh = Mesh(world_size, pp=2, tp=world_size // 2)
+    stage = make_stage(build_model("tiny", seed=0), mesh.coord("pp"), 2)
     m = 4  # hand-written schedules: only `communicate` is yours here
     gpipe = [[f"{s}F{i}" for i in range(m)] + [f"{s}B{i}" for i in range(m)] for s in range(2)]
     ofob = [["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"],
             ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"]]
-    return {("1F1B, isend/irecv", m): _step(pipeline, stage, rank, world_size, ofob, m),
-            ("GPipe, blocking send/recv", m): _step(pipeline, stage, rank, world_size, gpipe, m, blocking_send=True),
-            ("GPipe, isend/irecv", m): _step(pipeline, stage, rank, world_size, gpipe, m)}
+    return {("1F1B, isend/irecv", m): _step(pipeline, stage, mesh, ofob, m),
+            ("GPipe, blocking send/recv", m): _step(pipeline, stage, mesh, gpipe, m, blocking_send=True),
+            ("GPipe, isend/irecv", m): _step(pipeline, stage, mesh, gpipe, m)}
 
 
 def your_lines(report: str) -> str:
@@ -208,10 +214,10 @@ def your_lines(report: str) -> str:
 
 @pytest.mark.exercise("communicate")
 @pytest.mark.filterwarnings("ignore::labkit.launching.launcher.OversubscriptionWarning")
-def test_communicate_two_ranks_one_f_one_b_no_hang_and_blocking_gpipe():
+def test_communicate_two_pipelines_pp_not_innermost_one_f_one_b_no_hang_and_blocking_gpipe():
     # Short timeout: the work takes well under a second; a blocking send in 1F1B never ends.
     try:
-        results = launch(_communicate_rank, 2, timeout=20)
+        results = launch(_communicate_rank, 4, timeout=20)
     except LaunchError as err:
         if "timed out" not in str(err):
             raise
@@ -219,12 +225,17 @@ def test_communicate_two_ranks_one_f_one_b_no_hang_and_blocking_gpipe():
     else:
         report = None
     if report is not None:
-        HUNG.append("test_communicate_two_ranks_one_f_one_b_no_hang_and_blocking_gpipe")
-        pytest.fail("2 ranks hung. Your lines where they wait:\n" + your_lines(report) +
+        HUNG.append("test_communicate_two_pipelines_pp_not_innermost_one_f_one_b_no_hang_and_blocking_gpipe")
+        pytest.fail("4 ranks (two pipelines: ranks 0->2 and 1->3) hung. Your lines where they wait:\n" +
+                    your_lines(report) +
                     "\nWith blocking=False, communicate must return at once (dist.isend / dist.irecv, "
                     "returning the Work); in 1F1B two neighbours that both call a blocking send wait "
-                    f"for each other forever. The launcher's report:\n{report}", pytrace=False)
-    _assert_equals_single_model(results, 2, lambda key: f"{key[0]}, m={key[1]}")
+                    "for each other forever. Send to and receive from `peer`, the neighbour's GLOBAL rank "
+                    f"(here stage 1 of rank 0's pipeline is rank 2, not 1). The launcher's report:\n{report}",
+                    pytrace=False)
+    for pipe in Mesh(4, pp=2, tp=2, rank=0).all_ranks("pp"):  # [0, 2] and [1, 3]: results by stage
+        _assert_equals_single_model([results[r] for r in pipe], 2,
+                                    lambda key: f"pipeline of ranks {pipe}: {key[0]}, m={key[1]}")
 
 
 # forward_step / backward_step (notebook 05) are graded in test_pipeline_naive.py; marking them

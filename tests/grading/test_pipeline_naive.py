@@ -2,7 +2,8 @@
 
 Run: pytest tests/grading/test_pipeline_naive.py   (add --impl=solutions for the reference)
 The chain tests pass tensors between stages inside one process (what send/recv would
-carry); the last tests run `naive_step` on 2, 3 and 4 real ranks under a short launch
+carry); the last tests run `naive_step` on 2, 3 and 4 real ranks, then on two pipelines in
+Mesh(4, pp=2, tp=2) (pp not innermost: neighbours are not rank +/- 1), under a short launch
 timeout (a forgotten send or receive hangs: the report shows where each rank waits, your
 lines first), and name the first stage whose gradient differs. About 15 s on 2 cores.
 """
@@ -14,6 +15,7 @@ import torch
 
 from labkit.grading import impl
 from labkit.launching.launcher import LaunchError, launch
+from labkit.mesh import Mesh
 
 # Pipelined gradients against one model, in float32: the same products, but each parameter's
 # gradient is a sum over m <= 8 micro-batches instead of one batched reduction. Each extra addition
@@ -122,27 +124,29 @@ def test_backward_step_accumulates_over_two_half_batches():
         torch.testing.assert_close(p.grad, q.grad, **F32_GRAD_TOL, msg=lambda m: f"{name}: {m}")
 
 
-def _naive_rank(rank, world_size):
+def _naive_rank(rank, world_size, tp=1):
+    """naive_step on Mesh(world_size, pp=world_size // tp, tp=tp): with tp > 1 there are tp pipelines
+    and pp is not the innermost axis (Mesh(4, pp=2, tp=2): pipelines 0->2 and 1->3)."""
     from labkit.model import build_model, make_stage
 
     naive = impl("pipeline_naive")
     x, y = _data()
     model = build_model("tiny", seed=0)
-    stage = make_stage(model, rank, world_size)
-    loss = naive.naive_step(stage, x, y, stage=rank, n_stages=world_size,
-                            act_shape=(BATCH, SEQ, model.config.d_model))
+    mesh = Mesh(world_size, pp=world_size // tp, tp=tp)
+    stage = make_stage(model, mesh.coord("pp"), mesh.size("pp"))
+    loss = naive.naive_step(stage, x, y, mesh=mesh, act_shape=(BATCH, SEQ, model.config.d_model))
     return {n: p.grad for n, p in stage.named_parameters()}, loss
 
 
 HUNG = []  # world sizes whose launch timed out: the later ones are not run
 
 
-def _launch_or_show_your_lines(fn, world_size):
+def _launch_or_show_your_lines(fn, world_size, *args):
     # Short timeout: the step takes well under a second; a missing send or receive never ends.
     if HUNG:
         pytest.fail(f"not run: naive_step hung on {HUNG[0]} ranks (see that test's report)", pytrace=False)
     try:
-        return launch(fn, world_size, timeout=20)
+        return launch(fn, world_size, *args, timeout=20)
     except LaunchError as err:
         if "timed out" not in str(err):
             raise
@@ -152,7 +156,8 @@ def _launch_or_show_your_lines(fn, world_size):
     mine = "\n".join(f"  {path.split('exercises/')[-1]}:{line} in {fn}: {linecache.getline(path, int(line)).strip()}"
                       for path, line, fn in found)
     pytest.fail(f"{world_size} ranks hung. Your lines where they wait:\n{mine}\nEvery recv needs the matching "
-                f"send on the neighbour (activations to next_rank, gradients back to prev_rank). "
+                f"send on the neighbour (activations to mesh.next_rank('pp'), gradients back to "
+                f"mesh.prev_rank('pp'): global ranks, not stage +/- 1). "
                 f"The launcher's report:\n{report}", pytrace=False)
 
 
@@ -175,3 +180,29 @@ def test_naive_step_real_ranks_equals_single_model_p_2_3_4(p):
             torch.testing.assert_close(loss, ref_loss)
         else:
             assert loss is None, f"p={p}: stage {s} must return None (only the last stage has the loss)"
+
+
+@pytest.mark.exercise("naive_step")
+@pytest.mark.filterwarnings("ignore::labkit.launching.launcher.OversubscriptionWarning")
+def test_naive_step_two_pipelines_pp_not_innermost_neighbours_from_the_mesh():
+    # Mesh(4, pp=2, tp=2): stage 1 of rank 0's pipeline is rank 2 and of rank 1's is rank 3.
+    # A step that sends to stage + 1 or receives from stage - 1 (ranks, not the mesh's neighbours)
+    # talks to the wrong pipeline or to a rank outside mesh.group("pp"): it fails here.
+    from labkit.model import make_stages
+
+    results = _launch_or_show_your_lines(_naive_rank, 4, 2)
+    x, y = _data()
+    ref, ref_loss = _reference(x, y)
+    stages = make_stages(ref, 2)
+    for rank, (grads, loss) in enumerate(results):
+        s = Mesh(4, pp=2, tp=2, rank=rank).coord("pp")
+        for n, param in stages[s].named_parameters():
+            assert grads[n] is not None, f"rank {rank} (stage {s}), {n}: no gradient (did this stage run its backward?)"
+            torch.testing.assert_close(grads[n], param.grad, **F32_GRAD_TOL,
+                                       msg=lambda m: f"Mesh(4, pp=2, tp=2): rank {rank} (stage {s}) has a wrong "
+                                                     f"gradient ({n}); its neighbours are mesh.prev_rank('pp') / "
+                                                     f"mesh.next_rank('pp'): {m}")
+        if s == 1:
+            torch.testing.assert_close(loss, ref_loss)
+        else:
+            assert loss is None, f"rank {rank} is stage 0: it must return None (only the last stage has the loss)"

@@ -76,16 +76,19 @@ def test_merge_partials_fully_masked_rows_in_one_block_and_in_both():
 
 # ----------------------------------------------------------------------------- on c ranks
 
-def check_ring(rank, c, split, mask, s):
-    """Forward rows, lse and the gradients of q, k, v equal full attention on one process."""
+def check_ring(rank, c, split, mask, s, mesh=None):
+    """Forward rows, lse and the gradients of q, k, v equal full attention on one process.
+
+    With a mesh, the ring is its cp axis (of size c) and this rank's place in it mesh.coord("cp")."""
     ra, cpm = impl("ring_attention"), impl("context_parallel")
+    rank = rank if mesh is None else mesh.coord("cp")
     q, k, v, dout = qkv(s, seed=s + c)
     qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=mask == "causal")
     ref.backward(dout)
     pieces = cpm.SPLITS[split](s, c, rank)
     mine = [cpm.take(t, pieces) for t in (q, k, v)]
-    out, lse, ring = ra.ring_attention_forward(*mine, split=split, mask=mask, seq_len=s)
+    out, lse, ring = ra.ring_attention_forward(*mine, mesh=mesh, split=split, mask=mask, seq_len=s)
     torch.testing.assert_close(out, cpm.take(ref.detach(), pieces))
     scores = (q @ k.transpose(-1, -2)) / 2.0  # hd = 4
     if mask == "causal":
@@ -93,7 +96,7 @@ def check_ring(rank, c, split, mask, s):
     torch.testing.assert_close(lse, cpm.take(torch.logsumexp(scores, -1), pieces, dim=-1))
     assert sum(ring.work) == cpm.attention_work(s, c, split, mask)[rank]
     leaves = [t.clone().requires_grad_() for t in mine]
-    ra.ring_attention(*leaves, split=split, mask=mask).backward(cpm.take(dout, pieces))
+    ra.ring_attention(*leaves, mesh=mesh, split=split, mask=mask).backward(cpm.take(dout, pieces))
     for leaf, full in zip(leaves, (qf, kf, vf)):
         torch.testing.assert_close(leaf.grad, cpm.take(full.grad, pieces))
 
@@ -161,6 +164,9 @@ def run_all(rank, c):
     cases["bad_input"] = lambda: check_bad_input(rank, c)
     cases["model_zigzag"] = lambda: check_model(rank, c, "zigzag")
     cases["model_contiguous"] = lambda: check_model(rank, c, "contiguous")
+    if c == 4:  # two rings of 2 in Mesh(4, cp=2, tp=2): cp is not innermost, the rings are ranks 0-2 and 1-3
+        from labkit.mesh import Mesh
+        cases["ring_cp_not_innermost"] = lambda: check_ring(rank, 2, "zigzag", "causal", 16, Mesh(4, cp=2, tp=2))
     return run_cases(cases)
 
 
@@ -205,3 +211,9 @@ def test_ring_attention_bad_mask_and_cp_size_not_matching_raise_value_error(c):
 @pytest.mark.parametrize("c", CP_SIZES)
 def test_context_parallel_tiny_model_trained_3_steps_equals_one_process_float64(c, split):
     expect_case(launch_cases(run_all, c, 120), f"model_{split}", f"c={c} model {split}")
+
+
+@pytest.mark.exercise(*RING, "zigzag_split")
+def test_ring_attention_on_a_mesh_whose_cp_axis_is_not_innermost():
+    # Mesh(4, cp=2, tp=2): the ring's neighbours are global ranks 0 <-> 2 and 1 <-> 3, not rank +/- 1
+    expect_case(launch_cases(run_all, 4, 120), "ring_cp_not_innermost", "Mesh(4, cp=2, tp=2) ring")
