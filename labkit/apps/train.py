@@ -192,8 +192,8 @@ def train_rank(rank: int, world_size: int, args) -> dict:
 
 
 # ---------------------------------------------------------------------------- the report
-def report(results, args, world_size: int) -> dict:
-    """Merge the ranks' results: losses, tokens/s, MFU, a weights checksum."""
+def report(results, args, world_size: int) -> tuple[dict, dict]:
+    """Merge the ranks' results: (the report: losses, tokens/s, MFU, a weights checksum; the gathered weights)."""
     import torch
 
     from labkit.measure import metrics
