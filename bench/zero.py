@@ -90,7 +90,7 @@ def run_rank(rank, world_size, model_name, steps, batch, seq):
             if mode == "dp":
                 dp_allreduce(model)
             if mode == "zero3":
-                zero3.finish()
+                zero3.sync_gradients()
             opt.step()
             opt.zero_grad()
             if cuda:

@@ -1,6 +1,6 @@
 # GENERATED from solutions/zero2.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/09_zero_fsdp.ipynb.
-# untouched-stub fingerprint: 4a4cb05fc8f8a91f
+# untouched-stub fingerprint: 29d12904eae93980
 """ZeRO-2 by hand: optimizer state AND gradients sharded over the ranks (notebook 09_zero_fsdp).
 
 ZeRO-1 still builds every rank's full gradient, then reduce-scatters it in the step. ZeRO-2
@@ -13,7 +13,8 @@ buffer goes once the collective is done. At most two buckets of full gradient ex
     backward   post-accumulate-grad hook: when a bucket's gradients are all there, flatten
                them (zero-padded to a multiple of N), drop the params' .grad, start an async
                reduce-scatter (waiting first for the previous bucket: its buffer is freed)
-    step()     wait for the last buckets, average, step the optimizer on the shards,
+    sync_gradients()  wait for the last buckets, average into the shards' .grad
+    step()     (sync_gradients() unless called already), step the optimizer on the shards,
                all-gather each bucket's updated shard back into the parameters
 
 Every rank ends each step with the parameters of DP + the same optimizer. Communication:
@@ -23,47 +24,49 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .zero import all_gather_flat, flatten_padded, optimizer_state_bytes, shard_size
+from labkit.parallel.flat import bucket_parameters, flatten, grads_or_zeros, trainable, write_back
+from labkit.parallel.sharding import all_gather_flat, local_shard, optimizer_state_bytes, shard_size
 
 NOTEBOOK = "09_zero_fsdp"
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+class Zero2Optimizer(torch.optim.Optimizer):
+    """ZeRO-2: Zero2Optimizer(model, optimizer_class=torch.optim.AdamW, bucket_size_mb=25.0, *, group=None, **defaults).
 
-class Zero2Optimizer:
-    """ZeRO-2: Zero2Optimizer(model, optimizer_class=torch.optim.AdamW, bucket_size_mb=25.0, group=None, **defaults).
-
-    Trainable parameters (model.parameters(): tied weights once, frozen ones never) are put in
-    REVERSE order into buckets of about bucket_size_mb MB, as BucketedDataParallel does (a larger
-    parameter gets a bucket of its own). Bucket i is a flat vector padded to a multiple of N; rank r
-    owns its elements [r*s_i, (r+1)*s_i), s_i = ceil(numel_i / N), as the nn.Parameter `shards[i]`.
-    `optimizer` = optimizer_class(shards, **defaults) (element-wise optimizers only, as ZeRO-1).
-    Usage: loss.backward(); opt.step(); opt.zero_grad(). A .grad that is None when its bucket is
-    reduced counts as zeros. Attributes: `buckets` (lists of Parameters, buckets[0] = the LAST
-    parameters of the model), `shards`, `optimizer`, and `peak_grad_bytes`: the most bytes of
-    gradient (full .grad, bucket buffers, shard gradients) seen at once by the hooks and step().
-    Raises ValueError when bucket_size_mb <= 0 or no parameter requires grad. One backward per
-    step(): a second backward before step() raises RuntimeError.
+    A torch.optim.Optimizer (lr schedulers drive it: its one parameter group holds the model's
+    trainable parameters and `defaults`; step() copies the group's hyper-parameters to the inner
+    optimizer). Trainable parameters (model.parameters(): tied weights once, frozen ones never)
+    are put in REVERSE order into buckets of about bucket_size_mb MB (`labkit.parallel.flat.
+    bucket_parameters`, as BucketedDataParallel does). Bucket i is a flat vector padded to a
+    multiple of N; rank r owns its elements [r*s_i, (r+1)*s_i), s_i = ceil(numel_i / N), as the
+    nn.Parameter `shards[i]`. `optimizer` = optimizer_class(shards, **defaults) (element-wise
+    optimizers only, as ZeRO-1). Usage: loss.backward(); opt.step(); opt.zero_grad(), step()
+    calling sync_gradients() unless you did; step(closure) returns the closure's loss. A .grad
+    that is None when its bucket is reduced counts as zeros. Attributes: `buckets` (lists of
+    Parameters, buckets[0] = the LAST parameters of the model), `shards`, `optimizer`, and
+    `peak_grad_bytes`: the most bytes of gradient (full .grad, bucket buffers, shard gradients)
+    seen at once by the hooks and step(). Raises ValueError when bucket_size_mb <= 0 or no
+    parameter requires grad. One backward per step(): a second backward before step() raises
+    RuntimeError.
     """
 
-    def __init__(self, model: nn.Module, optimizer_class=torch.optim.AdamW, bucket_size_mb: float = 25.0,
-                 group=None, **defaults):
-        params = [p for p in model.parameters() if p.requires_grad]
+    def __init__(self, model: nn.Module, optimizer_class=torch.optim.AdamW, bucket_size_mb: float = 25.0, *,
+                 group: dist.ProcessGroup | None = None, **defaults):
+        params = trainable(model)
         if not params:
             raise ValueError("the model has no parameter that requires grad")
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.peak_grad_bytes = 0
+        super().__init__(params, defaults)  # the outer group: what lr schedulers write
         raise NotImplementedError("exercise Zero2Optimizer is not implemented yet: edit exercises/zero2.py, see notebooks/09_zero_fsdp.ipynb")
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups  # so that lr schedulers can drive it
+        self.state = self.optimizer.state  # the (sharded) state lives in the inner optimizer
 
     def _reset(self):
         self._ready = [set() for _ in self.buckets]  # ids of the params whose grad is ready
         self._pending = [None] * len(self.buckets)  # (work or None, shard gradient, flat buffer or None)
         self._next = 0  # the next bucket to launch: launches happen in bucket order
+        self._synced = False  # sync_gradients() done for this backward
 
     def _track(self):
         """Bytes of gradient alive now: params' .grad, buffers in flight, shard gradients."""
@@ -89,14 +92,28 @@ class Zero2Optimizer:
         raise NotImplementedError("exercise Zero2Optimizer is not implemented yet: edit exercises/zero2.py, see notebooks/09_zero_fsdp.ipynb")
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Launch the waiting buckets, wait, average, step the shards, all-gather the parameters."""
+    def sync_gradients(self) -> None:
+        """Launch the waiting buckets, wait for them, average into the shards' .grad (collective)."""
         raise NotImplementedError("exercise Zero2Optimizer is not implemented yet: edit exercises/zero2.py, see notebooks/09_zero_fsdp.ipynb")
+        self._synced = True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """sync_gradients() unless done, step the shards, all-gather the parameters; returns closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
+            inner.update({k: v for k, v in outer.items() if k != "params"})  # lr schedulers write outer
+        if not self._synced:
+            self.sync_gradients()
+        raise NotImplementedError("exercise Zero2Optimizer is not implemented yet: edit exercises/zero2.py, see notebooks/09_zero_fsdp.ipynb")
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
         self.optimizer.zero_grad(set_to_none)
-        for p in self._bucket_of:
-            p.grad = None
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank."""
