@@ -1,6 +1,6 @@
 # GENERATED from solutions/fsdp.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/09_zero_fsdp.ipynb.
-# untouched-stub fingerprint: 69b75a8bc35a4894
+# untouched-stub fingerprint: 1fdc8ef71150da9a
 """ZeRO-3 / FSDP by hand: parameters sharded per block, gathered just in time (notebook 09_zero_fsdp).
 
 ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients; ZeRO-3 shards the parameters
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.parallel.flat import flatten, grads_or_zeros
-from labkit.timeline import Timeline
+from labkit.timeline import Timeline, or_null
 from labkit.parallel.sharding import local_shard, reduce_scatter_mean, shard_size
 
 NOTEBOOK = "09_zero_fsdp"
@@ -123,7 +123,7 @@ class ZeRO3:
         if not blocks:
             raise ValueError(f"{type(model).__name__} has no blocks to wrap: pass blocks=[...], the "
                              "modules to gather one at a time (e.g. model.layers)")
-        self.model, self.group, self.prefetch, self.timeline = model, group, prefetch, timeline
+        self.model, self.group, self.prefetch, self.timeline = model, group, prefetch, or_null(timeline)
         owner = {}
         for i, block in enumerate(blocks):
             for p in block.parameters():
@@ -156,7 +156,7 @@ class ZeRO3:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
         if not async_op:
             unit.wait()
-            if self.timeline is not None and unit in self._t0:
+            if unit in self._t0:
                 self.timeline.record("allgather", self._t0[unit], time.perf_counter(), mb=self._index(unit))
             self._t0.pop(unit, None)
 
@@ -170,11 +170,10 @@ class ZeRO3:
         unit.pending = {p for p in unit.params}  # parameters whose gradient has not arrived yet
 
     def _span(self, kind, i):
-        if self.timeline is not None:
-            self._t0[(kind, i)] = time.perf_counter()
+        self._t0[(kind, i)] = time.perf_counter()
 
     def _end_span(self, kind, i):
-        if self.timeline is not None and (kind, i) in self._t0:
+        if (kind, i) in self._t0:
             self.timeline.record(kind, self._t0.pop((kind, i)), time.perf_counter(), mb=i)
 
     # -- the hooks -----------------------------------------------------------------------------

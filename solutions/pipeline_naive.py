@@ -73,7 +73,7 @@ def backward_step(inp, out, grad_out=None):
 
 
 def naive_step(stage_module, x, targets, *, stage: int, n_stages: int, act_shape,
-               prev_rank=None, next_rank=None, group=None, timeline=None, dtype=torch.float32):
+               prev_rank=None, next_rank=None, group=None, timeline=None, dtype=None):
     """One pipelined forward and backward of a whole batch; returns the loss on the last stage.
 
     x: the batch's token ids [B, T] on stage 0 (ignored elsewhere); targets [B, T] on the
@@ -95,7 +95,8 @@ def naive_step(stage_module, x, targets, *, stage: int, n_stages: int, act_shape
     stage, None elsewhere.
     """
     tl = timeline if timeline is not None else NullTimeline()
-    device = next(stage_module.parameters()).device  # receive buffers live where the stage does
+    param = next(stage_module.parameters())  # receive buffers follow the stage: its device, its dtype (dtype=None)
+    device, dtype = param.device, dtype or param.dtype
     first, last = stage == 0, stage == n_stages - 1
     prev_rank = stage - 1 if prev_rank is None else prev_rank
     next_rank = stage + 1 if next_rank is None else next_rank

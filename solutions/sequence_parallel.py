@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.grading import impl
+from labkit.parallel.tp import check_divisible, tp_world
 
 NOTEBOOK = "11_long_sequences"
 SEQ = 1  # activations are [batch, sequence, features]
@@ -43,10 +44,10 @@ def count_collectives():
 
 
 def _world(group):
-    return impl("tensor_parallel").tp_world(group)  # the non-exercise helper of notebook 08
+    return tp_world(group)
 
 
-def all_gather_sequence(x, group=None):
+def all_gather_sequence(x, *, group: dist.ProcessGroup | None = None):
     """[B, n, d] on each rank -> [B, t*n, d], the ranks' blocks in rank order."""
     _, world = _world(group)
     if world == 1:
@@ -59,12 +60,12 @@ def all_gather_sequence(x, group=None):
     return out.movedim(0, SEQ).contiguous()  # contiguous: the matmuls that read it save it once, not a copy each
 
 
-def reduce_scatter_sequence(x, group=None):
+def reduce_scatter_sequence(x, *, group: dist.ProcessGroup | None = None):
     """[B, s, d] partial sums on each rank -> this rank's block [B, s/t, d] of their sum."""
     rank, world = _world(group)
     if world == 1:
         return x
-    n = impl("tensor_parallel").check_divisible(x.shape[SEQ], world, "sequence length s")
+    n = check_divisible(x.shape[SEQ], world, "sequence length s")
     if _log is not None:
         _log.append(("reduce_scatter", x.numel()))
     out = torch.empty((n,) + x.movedim(SEQ, 0).shape[1:], dtype=x.dtype, device=x.device)
@@ -84,13 +85,13 @@ class GatherSequence(torch.autograd.Function):
     def forward(ctx, x, group):
         ### BEGIN SOLUTION
         ctx.group = group
-        return all_gather_sequence(x, group)
+        return all_gather_sequence(x, group=group)
         ### END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
         ### BEGIN SOLUTION
-        return reduce_scatter_sequence(grad.contiguous(), ctx.group), None
+        return reduce_scatter_sequence(grad.contiguous(), group=ctx.group), None
         ### END SOLUTION
 
 
@@ -106,21 +107,21 @@ class ScatterSequence(torch.autograd.Function):
     def forward(ctx, x, group):
         ### BEGIN SOLUTION
         ctx.group = group
-        return reduce_scatter_sequence(x, group)
+        return reduce_scatter_sequence(x, group=group)
         ### END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
         ### BEGIN SOLUTION
-        return all_gather_sequence(grad.contiguous(), ctx.group), None
+        return all_gather_sequence(grad.contiguous(), group=ctx.group), None
         ### END SOLUTION
 
 
-def gather_sequence(x, group=None):
+def gather_sequence(x, *, group: dist.ProcessGroup | None = None):
     return GatherSequence.apply(x, group)
 
 
-def scatter_sequence(x, group=None):
+def scatter_sequence(x, *, group: dist.ProcessGroup | None = None):
     return ScatterSequence.apply(x, group)
 
 
@@ -137,13 +138,13 @@ class ParallelBlock(nn.Module):
     gathered [B, s, d] input is not kept for backward but all-gathered again there.
     """
 
-    def __init__(self, block: nn.Module, group=None, sequence_parallel: bool = True, regather: bool = False):
+    def __init__(self, block: nn.Module, *, group: dist.ProcessGroup | None = None, sequence_parallel: bool = True,
+                 regather: bool = False):
         super().__init__()
-        tp = impl("tensor_parallel")
-        rank, world = tp.tp_world(group)
+        rank, world = tp_world(group)
         self.group, self.sequence_parallel, self.regather = group, sequence_parallel, regather and sequence_parallel
-        self.heads = tp.check_divisible(block.attention.n_heads, world, "n_heads")
-        hidden = tp.check_divisible(block.feed_forward.w1.out_features, world, "hidden_dim")
+        self.heads = check_divisible(block.attention.n_heads, world, "n_heads")
+        hidden = check_divisible(block.feed_forward.w1.out_features, world, "hidden_dim")
         d = block.attention.wq.out_features // world
         rows = lambda w, k: nn.Parameter(w.weight[rank * k:(rank + 1) * k].detach().clone())
         cols = lambda w, k: nn.Parameter(w.weight[:, rank * k:(rank + 1) * k].detach().clone())
@@ -157,15 +158,15 @@ class ParallelBlock(nn.Module):
         if self.regather:
             return GatherThenLinear.apply(x, self.group, *weights)
         if self.sequence_parallel:
-            x = gather_sequence(x, self.group)
+            x = gather_sequence(x, group=self.group)
         else:
-            x = impl("tensor_parallel").copy_to_parallel(x, self.group)
+            x = impl("tensor_parallel").copy_to_parallel(x, group=self.group)
         return [F.linear(x, w) for w in weights]
 
     def leave(self, x):
         if self.sequence_parallel:
-            return scatter_sequence(x, self.group)
-        return impl("tensor_parallel").reduce_from_parallel(x, self.group)
+            return scatter_sequence(x, group=self.group)
+        return impl("tensor_parallel").reduce_from_parallel(x, group=self.group)
 
     def forward(self, x, rope):
         q, k, v = self.enter(self.attention_norm(x), self.wq, self.wk, self.wv)  # [B, s, d/t]: every position
@@ -191,16 +192,16 @@ class GatherThenLinear(torch.autograd.Function):
     def forward(ctx, x, group, *weights):
         ctx.group = group
         ctx.save_for_backward(x, *weights)
-        full = all_gather_sequence(x, group)
+        full = all_gather_sequence(x, group=group)
         return tuple(F.linear(full, w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        full = all_gather_sequence(x, ctx.group).flatten(0, -2)  # again, instead of having kept it
+        full = all_gather_sequence(x, group=ctx.group).flatten(0, -2)  # again, instead of having kept it
         grad_x = sum(g @ w for g, w in zip(grads, weights))
         grad_w = [g.flatten(0, -2).T @ full for g in grads]
-        return (reduce_scatter_sequence(grad_x.contiguous(), ctx.group), None, *grad_w)
+        return (reduce_scatter_sequence(grad_x.contiguous(), group=ctx.group), None, *grad_w)
 
 
 def allreduce_norm_grads(block: ParallelBlock):

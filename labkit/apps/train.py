@@ -187,7 +187,7 @@ def train_rank(rank: int, world_size: int, args) -> dict:
             xs, ys = shard_rows((x, y), mesh.dp_rank, mesh.dp)
             loss = module(xs, ys)
             loss.backward()
-            impl("data_parallel").allreduce_gradients(module, group=mesh.dp_group)
+            impl("data_parallel").sync_gradients(module, group=mesh.dp_group)
             loss = loss.detach().clone()
             dist.all_reduce(loss, group=mesh.dp_group)
             loss /= mesh.dp
