@@ -25,25 +25,27 @@ from torch import nn
 # The sharding rule, the flat collectives and the flat helpers are labkit's (labkit.parallel);
 # notebook 09 reads them from here too.
 from labkit.parallel.flat import flatten, grads_or_zeros, write_back
+from labkit.parallel.optim import WrapperOptimizer
 from labkit.parallel.sharding import (all_gather_flat, local_shard, optimizer_state_bytes,  # noqa: F401
                                       reduce_scatter_mean, shard_size)
 
 NOTEBOOK = "09_zero_fsdp"
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(WrapperOptimizer):
     """ZeRO-1: any element-wise optimizer with its state sharded over the ranks of `group`.
 
     ShardedOptimizer(params, optimizer_class=torch.optim.AdamW, *, group=None, **defaults) is a
-    torch.optim.Optimizer, called like torch's ZeroRedundancyOptimizer: `params` is an iterable
-    of parameters or of parameter-group dicts (every rank passes the same parameters, in the
-    same order, with the same values), `defaults` the optimizer's hyper-parameters (lr, ...).
-    After loss.backward() on this rank's data, step() (through sync_gradients(), unless called already):
-      - averages the gradients over the ranks AND shards them: per parameter group, one
-        reduce-scatter of the flat, zero-padded gradient; a .grad of None counts as zeros;
-      - runs `optimizer_class` on this rank's shards only (one inner group per outer group,
-        with the outer group's hyper-parameters, copied at every step so that lr schedulers work);
-      - all-gathers the updated shards and writes them back into every parameter, in place.
+    torch.optim.Optimizer (a labkit.parallel.optim.WrapperOptimizer), called like torch's
+    ZeroRedundancyOptimizer: `params` is an iterable of parameters or of parameter-group dicts
+    (every rank passes the same parameters, in the same order, with the same values), `defaults`
+    the optimizer's hyper-parameters (lr, ...). After loss.backward() on this rank's data, step()
+    copies the outer groups' hyper-parameters to the inner optimizer (lr schedulers work), then
+      - sync_gradients(), unless called already, averages the gradients over the ranks AND shards
+        them: per parameter group, one reduce-scatter of the flat, zero-padded gradient; a .grad
+        of None counts as zeros;
+      - update_parameters() runs `optimizer_class` on this rank's shards only (one inner group per
+        outer group), all-gathers the updated shards and writes them back into every parameter, in place.
     Every rank ends each step with the parameters of plain DP + optimizer_class, with ~1/N of
     its state. Parameters with requires_grad=False are left alone.
 
@@ -112,35 +114,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             grads = grads_or_zeros(self._trainable(group))
             shard.grad = reduce_scatter_mean(flatten(grads, size * self.world_size), group=self.group)
         ### END SOLUTION
-        self._synced = True
+        self.mark_synced()
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """One ZeRO-1 step; returns closure's loss (None without a closure), as torch's optimizers do."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
-            inner.update({k: v for k, v in outer.items() if k != "params"})  # lr schedulers write outer
-        if not getattr(self, "_synced", False):
-            self.sync_gradients()
+    def update_parameters(self) -> None:
+        """The inner optimizer's step on the shards, then every updated shard back into the parameters."""
         ### BEGIN SOLUTION
         self.optimizer.step()  # the optimizer on 1/N of the parameters
         for group, shard in zip(self.param_groups, self.shards):
             flat = all_gather_flat(shard.detach(), group=self.group)  # everyone gets every shard
             write_back(flat, self._trainable(group))
         ### END SOLUTION
-        self._synced = False
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self.optimizer.zero_grad(set_to_none)
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank (e.g. exp_avg, exp_avg_sq of the shards, step)."""
-        return optimizer_state_bytes(self.optimizer)
 
 
 class ZeroAdamW(ShardedOptimizer):

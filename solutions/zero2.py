@@ -22,18 +22,19 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.parallel.flat import bucket_parameters, flatten, grads_or_zeros, trainable, write_back
-from labkit.parallel.sharding import all_gather_flat, local_shard, optimizer_state_bytes, shard_size
+from labkit.parallel.optim import WrapperOptimizer
+from labkit.parallel.sharding import all_gather_flat, local_shard, shard_size
 
 NOTEBOOK = "09_zero_fsdp"
 
 
-class Zero2Optimizer(torch.optim.Optimizer):
+class Zero2Optimizer(WrapperOptimizer):
     """ZeRO-2: Zero2Optimizer(model, optimizer_class=torch.optim.AdamW, bucket_size_mb=25.0, *, group=None, **defaults).
 
-    A torch.optim.Optimizer (lr schedulers drive it: its one parameter group holds the model's
-    trainable parameters and `defaults`; step() copies the group's hyper-parameters to the inner
-    optimizer). Trainable parameters (model.parameters(): tied weights once, frozen ones never)
-    are put in REVERSE order into buckets of about bucket_size_mb MB (`labkit.parallel.flat.
+    A torch.optim.Optimizer (a labkit.parallel.optim.WrapperOptimizer: lr schedulers drive it; its
+    one parameter group holds the model's trainable parameters and `defaults`, copied to the inner
+    optimizer at each step()). Trainable parameters (model.parameters(): tied weights once, frozen
+    ones never) are put in REVERSE order into buckets of about bucket_size_mb MB (`labkit.parallel.flat.
     bucket_parameters`, as BucketedDataParallel does). Bucket i is a flat vector padded to a
     multiple of N; rank r owns its elements [r*s_i, (r+1)*s_i), s_i = ceil(numel_i / N), as the
     nn.Parameter `shards[i]`. `optimizer` = optimizer_class(shards, **defaults) (element-wise
@@ -74,7 +75,6 @@ class Zero2Optimizer(torch.optim.Optimizer):
         self._ready = [set() for _ in self.buckets]  # ids of the params whose grad is ready
         self._pending = [None] * len(self.buckets)  # (work or None, shard gradient, flat buffer or None)
         self._next = 0  # the next bucket to launch: launches happen in bucket order
-        self._synced = False  # sync_gradients() done for this backward
 
     def _track(self):
         """Bytes of gradient alive now: params' .grad, buffers in flight, shard gradients."""
@@ -131,34 +131,17 @@ class Zero2Optimizer(torch.optim.Optimizer):
             shard.grad = self._pending[i][1].div_(self.world_size)
         self._track()
         ### END SOLUTION
-        self._synced = True
+        self.mark_synced()
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """sync_gradients() unless done, step the shards, all-gather the parameters; returns closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
-            inner.update({k: v for k, v in outer.items() if k != "params"})  # lr schedulers write outer
-        if not self._synced:
-            self.sync_gradients()
+    def update_parameters(self) -> None:
+        """Step the shards, all-gather every bucket's updated shard back into its parameters."""
         ### BEGIN SOLUTION
         self.optimizer.step()
         for bucket, shard in zip(self.buckets, self.shards):
             write_back(all_gather_flat(shard.detach(), group=self.group), bucket)
         self._reset()
         ### END SOLUTION
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self.optimizer.zero_grad(set_to_none)
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank."""
-        return optimizer_state_bytes(self.optimizer)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
