@@ -13,7 +13,7 @@ The conjugate pair again. An all-reduce is a reduce-scatter then an all-gather, 
 same bytes as TP, and the norm and residual activations shrink by t.
 
 The norms' weights are replicated but each rank's copy sees only s/t tokens: their gradients
-are partial sums, added over the TP group by `allreduce_norm_grads` (as Megatron does).
+are partial sums, added over the TP group by `ParallelBlock.sync_gradients()` (as Megatron does).
 Every function with a group is collective over it (None: the default group).
 """
 import contextlib
@@ -153,6 +153,15 @@ class ParallelBlock(nn.Module):
         self.w1, self.w3, self.w2 = rows(m.w1, hidden), rows(m.w3, hidden), cols(m.w2, hidden)
         self.attention_norm, self.ffn_norm = copy.deepcopy(block.attention_norm), copy.deepcopy(block.ffn_norm)
 
+    def sync_gradients(self) -> None:
+        """After backward: with SP, sum the norm weights' partial gradients (each rank saw s/t tokens) over
+        the group, in place; without SP every rank saw every token and there is nothing to do."""
+        if not self.sequence_parallel or tp_world(self.group)[1] == 1:
+            return
+        for norm in (self.attention_norm, self.ffn_norm):
+            if norm.weight.grad is not None:
+                dist.all_reduce(norm.weight.grad, group=self.group)
+
     def enter(self, x, *weights):
         """The TP region's first matmuls (column parallel) on x: one output per weight."""
         if self.regather:
@@ -202,13 +211,6 @@ class GatherThenLinear(torch.autograd.Function):
         grad_x = sum(g @ w for g, w in zip(grads, weights))
         grad_w = [g.flatten(0, -2).T @ full for g in grads]
         return (reduce_scatter_sequence(grad_x.contiguous(), group=ctx.group), None, *grad_w)
-
-
-def allreduce_norm_grads(block: ParallelBlock):
-    """SP only: sum the norm weights' partial gradients (each rank saw s/t tokens) over the group."""
-    for norm in (block.attention_norm, block.ffn_norm):
-        if norm.weight.grad is not None and _world(block.group)[1] > 1:
-            dist.all_reduce(norm.weight.grad, group=block.group)
 
 
 def comm_bytes_per_rank(log, world: int, bytes_per_elem: int = 4) -> float:
