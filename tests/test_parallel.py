@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from labkit.launch import launch
 from labkit.parallel.flat import allreduce_mean_, bucket_parameters, flatten, write_back
-from labkit.parallel.sharding import local_shard, shard_rows, shard_size
+from labkit.parallel.sharding import all_gather_flat, local_shard, reduce_scatter_mean, shard_rows, shard_size
 
 
 def test_flatten_pads_with_zeros_and_write_back_restores_every_tensor_exactly():
@@ -37,19 +37,36 @@ def test_buckets_are_reversed_bounded_and_a_large_parameter_gets_its_own():
         bucket_parameters(params, 0)
 
 
-def _mean(rank, world_size):
+def _collectives(rank, world_size):
+    """One launch for every collective of labkit.parallel, against torch's own all-reduce / all-gather."""
     g = torch.Generator().manual_seed(rank)
     mine = [torch.randn(3, 2, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)]
     expected = []
     for t in mine:
         every = [torch.empty_like(t) for _ in range(world_size)]
         dist.all_gather(every, t)
-        expected.append(torch.stack(every).mean(0))
+        expected.append(torch.stack(every).sum(0) / world_size)
     allreduce_mean_(mine)
-    return [(m, e) for m, e in zip(mine, expected)]
+    flat = torch.randn(4 * world_size, generator=g)
+    total = flat.clone()
+    dist.all_reduce(total)
+    try:
+        reduce_scatter_mean(torch.ones(world_size + 1))
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return dict(mean=list(zip(mine, expected)), shard=total.chunk(world_size)[rank] / world_size,
+                rs=reduce_scatter_mean(flat), rs_via=reduce_scatter_mean(flat, via_allreduce=True),
+                gathered=all_gather_flat(total.chunk(world_size)[rank]), total=total, refused=refused)
 
 
-def test_allreduce_mean_equals_the_mean_of_every_rank_tensor():
-    for pairs in launch(_mean, 2, timeout=60):
-        for mine, expected in pairs:  # float64: a sum of two terms then /2 is exact in both orders
-            torch.testing.assert_close(mine, expected, rtol=0, atol=1e-15)
+def test_allreduce_mean_reduce_scatter_mean_and_all_gather_flat_equal_torch_collectives():
+    for out in launch(_collectives, 3, timeout=60):
+        for mine, expected in out["mean"]:  # float64, the same ranks' values summed: rounding only (~1e-16)
+            torch.testing.assert_close(mine, expected, rtol=0, atol=1e-14)
+        # float32, 3 ranks: the sums may be ordered differently; a sum of 3 values of size ~1 differs
+        # by at most a few ulps (~1e-7), far inside assert_close's float32 atol of 1e-5
+        torch.testing.assert_close(out["rs"], out["shard"])
+        torch.testing.assert_close(out["rs_via"], out["shard"])
+        assert torch.equal(out["gathered"], out["total"])
+        assert out["refused"] is not None and "pad it first" in out["refused"]
