@@ -130,13 +130,23 @@ def _frozen(rank, world):
     assert all(p.requires_grad for b in opt.buckets for p in b), "a frozen parameter was put in a bucket"
 
 
+def _same_data_pair(seed):
+    """(ZeRO-2 model, its optimizer, reference model, AdamW, x): every rank gets the same x."""
+    ours, ref = Odd(), Odd()
+    opt = impl("zero2").Zero2Optimizer(ours, torch.optim.AdamW, bucket_size_mb=1e-4, **HYPER)
+    x = torch.randn(2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return ours, opt, ref, torch.optim.AdamW(ref.parameters(), **HYPER), x
+
+
+def _assert_same(ours, ref):
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        # every rank has the same data: the mean of N equal gradients; float64, see F64
+        torch.testing.assert_close(p, q, **F64, msg=lambda m: f"{name}: {m}")
+
+
 def _closure(rank, world):
     """step(closure) returns the closure's loss, as torch's optimizers do; the step is the one of backward()+step()."""
-    zero2 = impl("zero2")
-    ours, ref = Odd(), Odd()
-    opt = zero2.Zero2Optimizer(ours, torch.optim.AdamW, bucket_size_mb=1e-4, **HYPER)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
-    x = torch.randn(2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    ours, opt, ref, ref_opt, x = _same_data_pair(4)
 
     def closure():
         opt.zero_grad()
@@ -150,26 +160,18 @@ def _closure(rank, world):
     ref_opt.step()
     assert torch.is_tensor(loss) and torch.equal(loss.detach(), expected.detach()), \
         f"step(closure) returned {loss!r}, not the closure's loss {expected.item()}"
-    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-        # every rank has the same data: the mean of N equal gradients; float64, see F64
-        torch.testing.assert_close(p, q, **F64, msg=lambda m: f"{name}: {m}")
+    _assert_same(ours, ref)
 
 
 def _unused(rank, world):
     """d is skipped by the loss on every rank: its grad is None, counted as zeros (weight decay moves it)."""
-    zero2 = impl("zero2")
-    model, ref = Odd(), Odd()
-    opt = zero2.Zero2Optimizer(model, torch.optim.AdamW, bucket_size_mb=1e-4, **HYPER)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
-    x = torch.randn(2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    model, opt, ref, ref_opt, x = _same_data_pair(3)
     for m in (model, ref):
         m.c(m.b(m.a(x))).sum().backward()
     ref.d.weight.grad = torch.zeros_like(ref.d.weight)
     for o in (opt, ref_opt):
         o.step()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        # every rank has the same data: the mean of N equal gradients; float64, see F64
-        torch.testing.assert_close(p, q, **F64, msg=lambda m: f"{name}: {m}")
+    _assert_same(model, ref)
 
 
 def _run_all(rank, world):
