@@ -4,7 +4,7 @@
 
 One run measures, on `--ranks` ranks, the same training step (forward, backward,
 gradient averaging, AdamW) with three ways of averaging the gradients:
-  flat      allreduce_gradients: one all-reduce after backward (no overlap)
+  flat      sync_gradients: one all-reduce after backward (no overlap)
   bucketed  BucketedDataParallel: per-bucket async all-reduces during backward
   ddp       torch.nn.parallel.DistributedDataParallel, same bucket size
 The modes take turns, round after round, and each keeps its median step time, so
@@ -63,9 +63,9 @@ def make_step(mode, model, bucket_mb):
         opt.zero_grad(set_to_none=True)
         net(x, y).backward()
         if mode == "bucketed":
-            net.finish()
+            net.sync_gradients()
         elif mode == "flat":
-            dp.allreduce_gradients(model)
+            dp.sync_gradients(model)
         opt.step()
     return step
 

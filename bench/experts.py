@@ -69,12 +69,12 @@ def step_rank(rank, world_size, batch, seq, iters):
     else:
         ep = impl("expert_parallel")
         mesh = Mesh(world_size, ep=world_size, combined=[("dp", "ep")])
-        model = ep.build_ep_model("tiny-moe", mesh, seed=0)
+        model = ep.build_ep_model("tiny-moe", mesh=mesh, seed=0)
         xs = shard_rows(x, mesh.index(("dp", "ep")), world_size)
 
         def step():
             model(xs, xs).backward()
-            ep.allreduce_ep_gradients(model, mesh)
+            ep.sync_gradients(model, mesh=mesh)
     times = []
     for i in range(iters + 1):
         if world_size > 1:

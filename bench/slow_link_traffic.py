@@ -33,7 +33,7 @@ def one_rank(rank, world):
     runs["zero2"] = lambda: (model2(x, x).backward(), opt.step())
     model3 = build_model("tiny", seed=0)
     z3 = impl("fsdp").ZeRO3(model3)
-    runs["zero3"] = lambda: (model3(x, x).backward(), z3.finish())
+    runs["zero3"] = lambda: (model3(x, x).backward(), z3.sync_gradients())
     model_sp = build_model("tiny", seed=0)
     pb = impl("sequence_parallel").ParallelBlock(model_sp.layers[1], sequence_parallel=True)
     xs = torch.randn(2, 8 // world, 64, generator=g).requires_grad_()

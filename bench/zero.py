@@ -42,6 +42,8 @@ def run_rank(rank, world_size, model_name, steps, batch, seq):
     from labkit.grading import impl
     from labkit.launching.launcher import rank_device
     from labkit.model import build_model
+    from labkit.parallel.flat import allreduce_mean_
+    from labkit.parallel.sharding import optimizer_state_bytes
 
     zero, zero2, fsdp = impl("zero"), impl("zero2"), impl("fsdp")
     device = rank_device()
@@ -65,16 +67,6 @@ def run_rank(rank, world_size, model_name, steps, batch, seq):
     fully_shard(models["fsdp2"], mesh=mesh)
     opts["fsdp2"] = torch.optim.AdamW(models["fsdp2"].parameters(), **HYPER)
 
-    def dp_allreduce(model):
-        grads = [p.grad for p in model.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= world_size
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
     times = {mode: [] for mode in MODES}
     peak = {}
     for step in range(steps):
@@ -88,16 +80,16 @@ def run_rank(rank, world_size, model_name, steps, batch, seq):
             start = time.perf_counter()
             model(x, y).backward()
             if mode == "dp":
-                dp_allreduce(model)
+                allreduce_mean_([p.grad for p in model.parameters()])  # plain DP: one flat all-reduce
             if mode == "zero3":
-                zero3.finish()
+                zero3.sync_gradients()
             opt.step()
             opt.zero_grad()
             if cuda:
                 torch.cuda.synchronize()
                 peak[mode] = torch.cuda.max_memory_allocated()
             times[mode].append(time.perf_counter() - start)
-    state = {mode: zero.optimizer_state_bytes(opts[mode]) for mode in ("dp", "zero3", "fsdp2")}
+    state = {mode: optimizer_state_bytes(opts[mode]) for mode in ("dp", "zero3", "fsdp2")}
     state["zero1"], state["zero2"] = opts["zero1"].state_bytes(), opts["zero2"].state_bytes()
     if not cuda:  # counted model states (see the docstring)
         shards = sum(s.numel() for s in zero3.shards()) * 4

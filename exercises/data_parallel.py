@@ -1,6 +1,6 @@
 # GENERATED from solutions/data_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/04_data_parallel.ipynb.
-# untouched-stub fingerprint: e0df57a7dc12c196
+# untouched-stub fingerprint: 94cb430a478e1cf0
 """Data parallelism by hand (notebook 04_data_parallel).
 
 Every rank holds an identical copy of the model, reads a different slice of the
@@ -18,12 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit.parallel.flat import bucket_parameters, trainable as _trainable  # a tied Parameter is listed once
+
 NOTEBOOK = "04_data_parallel"
-
-
-def _trainable(model: nn.Module) -> list:
-    # model.parameters() lists a tied (shared) Parameter once, so it is reduced once.
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _sum_in_place(flat: torch.Tensor, group, allreduce_fn) -> torch.Tensor:
@@ -35,7 +32,7 @@ def _sum_in_place(flat: torch.Tensor, group, allreduce_fn) -> torch.Tensor:
     return flat if out is None else out
 
 
-def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
+def broadcast_parameters(model: nn.Module, src: int = 0, *, group: dist.ProcessGroup | None = None) -> None:
     """Overwrite every rank's parameters AND buffers with those of rank `src`, in place.
 
     Call it once after building the model (and after loading a checkpoint on
@@ -45,7 +42,7 @@ def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
     raise NotImplementedError("exercise broadcast_parameters is not implemented yet: edit exercises/data_parallel.py, see notebooks/04_data_parallel.ipynb")
 
 
-def allreduce_gradients(model: nn.Module, group=None, allreduce_fn=None) -> None:
+def sync_gradients(model: nn.Module, *, group: dist.ProcessGroup | None = None, allreduce_fn=None) -> None:
     """Replace each trainable parameter's .grad by its average over the ranks, in place.
 
     Call it between loss.backward() and optimizer.step(). Gradients are
@@ -58,10 +55,10 @@ def allreduce_gradients(model: nn.Module, group=None, allreduce_fn=None) -> None
     - `allreduce_fn(tensor, group=group)` replaces torch's all-reduce (e.g. your
       ring): it must SUM over the ranks, in place or returning the result.
     """
-    raise NotImplementedError("exercise allreduce_gradients is not implemented yet: edit exercises/data_parallel.py, see notebooks/04_data_parallel.ipynb")
+    raise NotImplementedError("exercise sync_gradients is not implemented yet: edit exercises/data_parallel.py, see notebooks/04_data_parallel.ipynb")
 
 
-def average_weights(model: nn.Module, group=None) -> None:
+def average_weights(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
     """Replace every parameter by its average over the ranks, in place ("weight aggregation").
 
     After one local plain-SGD step this equals gradient averaging; with
@@ -96,18 +93,18 @@ class BucketedDataParallel(nn.Module):
     Like torch's DDP, construction first broadcasts the parameters and buffers from the group's
     first rank (`broadcast_parameters`), so every replica starts from the same weights.
 
-    Usage, once per step:  loss = ddp(x, y); loss.backward(); ddp.finish(); opt.step()
+    Usage, once per step:  loss = ddp(x, y); loss.backward(); ddp.sync_gradients(); opt.step()
     Attributes: `module` (the wrapped model), `world_size`, and `buckets`: a list of
     lists of Parameters, buckets[0] holding the LAST parameters of the model.
     __init__ builds them, registers the hooks (kept in `_hooks`) and calls `_reset()`.
-    finish() launches the buckets still waiting (those holding parameters that
+    sync_gradients() launches the buckets still waiting (those holding parameters that
     got no gradient), waits for all of them and writes back averaged
-    gradients, with the same None rule as `allreduce_gradients`. Tied weights
-    are reduced once, frozen parameters never. One backward per finish():
-    a second backward before finish() raises RuntimeError.
+    gradients, with the same None rule as `sync_gradients`. Tied weights
+    are reduced once, frozen parameters never. One backward per sync_gradients():
+    a second backward before sync_gradients() raises RuntimeError.
     """
 
-    def __init__(self, model: nn.Module, bucket_size_mb: float = 25.0, group=None):
+    def __init__(self, model: nn.Module, bucket_size_mb: float = 25.0, *, group: dist.ProcessGroup | None = None):
         super().__init__()
         first = dist.get_global_rank(group, 0) if group is not None else 0
         broadcast_parameters(model, src=first, group=group)  # as DDP does: replicas start equal
@@ -129,7 +126,7 @@ class BucketedDataParallel(nn.Module):
         """Start the async SUM all-reduce of bucket i: its grads (zeros where None) + a has-grad mask."""
         raise NotImplementedError("exercise BucketedDataParallel is not implemented yet: edit exercises/data_parallel.py, see notebooks/04_data_parallel.ipynb")
 
-    def finish(self) -> None:
+    def sync_gradients(self) -> None:
         """Launch the waiting buckets, wait for every all-reduce, write averaged grads back."""
         raise NotImplementedError("exercise BucketedDataParallel is not implemented yet: edit exercises/data_parallel.py, see notebooks/04_data_parallel.ipynb")
 
@@ -155,7 +152,7 @@ class ReplicaMismatchError(RuntimeError):
     """The ranks' copies of the model differ."""
 
 
-def check_replicas(model: nn.Module, group=None) -> None:
+def check_replicas(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
     """Raise ReplicaMismatchError on EVERY rank if the replicas' weights differ bit for bit.
 
     Compares one CRC32 checksum per parameter and buffer (one small all-gather);

@@ -1,6 +1,6 @@
 # GENERATED from solutions/expert_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/12_experts.ipynb.
-# untouched-stub fingerprint: c93ae9002b6bf42b
+# untouched-stub fingerprint: 8fdabde8f995750b
 """Expert parallelism (EP), and EP x DP (notebook 12_experts).
 
 The E experts of each MoE layer are split over the `ep` ranks of an EP group: rank r
@@ -38,7 +38,8 @@ from torch import nn
 
 from labkit.model import moe as moe_lib
 from labkit.grading import impl
-from labkit.measure.timeline import NullTimeline
+from labkit.measure.timeline import Timeline, or_null
+from labkit.mesh import Mesh
 
 NOTEBOOK = "12_experts"
 
@@ -65,7 +66,7 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-def all_to_all(x, out_splits: list, in_splits: list, group=None):
+def all_to_all(x, out_splits: list, in_splits: list, *, group: dist.ProcessGroup | None = None):
     """Rows in_splits[j] of x to group rank j; returns the received rows. Differentiable."""
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
@@ -84,7 +85,7 @@ class Plan:
     recv_counts: torch.Tensor  # [ep, L] rows received from rank s for local expert e
 
 
-def dispatch(x: torch.Tensor, routing, group=None):
+def dispatch(x: torch.Tensor, routing, *, group: dist.ProcessGroup | None = None):
     """Send every kept pick's token row to the rank that holds its expert.
 
     x [B, T, D] (or [N, D]): this rank's tokens; routing: their labkit.model.moe.Routing.
@@ -114,7 +115,7 @@ def compute_experts(experts, received: torch.Tensor, recv_counts: torch.Tensor) 
     raise NotImplementedError("exercise compute_experts is not implemented yet: edit exercises/expert_parallel.py, see notebooks/12_experts.ipynb")
 
 
-def combine(rows: torch.Tensor, plan: Plan, routing, group=None) -> torch.Tensor:
+def combine(rows: torch.Tensor, plan: Plan, routing, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Send the expert outputs back, put each at its token, weighted by its gate.
 
     rows: compute_experts's output (the received order). Returns y [N, D], N = this
@@ -134,14 +135,15 @@ class EPMoE(nn.Module):
     ep_rank*L ... (ep_rank+1)*L - 1 (in `.experts`, keyed by their global index, so parameter
     names match the single-device model's) and the router. Same forward contract as MoE."""
 
-    def __init__(self, moe: moe_lib.MoE, group, ep_rank: int, ep_size: int, timeline=None, layer=None):
+    def __init__(self, moe: moe_lib.MoE, *, group: dist.ProcessGroup | None, ep_rank: int, ep_size: int,
+                 timeline: Timeline | None = None, layer: int | None = None):
         super().__init__()
         local = moe.n_experts // ep_size
         self.n_experts, self.top_k, self.capacity_factor = moe.n_experts, moe.top_k, moe.capacity_factor
         self.group, self.layer = group, layer
         self.router = moe.router
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(ep_rank * local, (ep_rank + 1) * local)})
-        self.timeline = timeline or NullTimeline()
+        self.timeline = or_null(timeline)
         self.aux_loss, self.routing = None, None
 
     def forward(self, x):
@@ -149,19 +151,17 @@ class EPMoE(nn.Module):
         routing = moe_lib.route(x, self.router.weight, self.top_k, self.capacity_factor)
         self.aux_loss, self.routing = routing.aux_loss, routing
         with tl.span("dispatch", stage=self.layer):
-            received, plan = dispatch(x, routing, self.group)
+            received, plan = dispatch(x, routing, group=self.group)
         with tl.span("F", stage=self.layer):
             rows = compute_experts(list(self.experts.values()), received, plan.recv_counts)
         with tl.span("combine", stage=self.layer):
-            y = combine(rows, plan, routing, self.group)
+            y = combine(rows, plan, routing, group=self.group)
         return y.view_as(x)
 
 
-def check_mesh(mesh, n_experts: int) -> None:
+def check_mesh(mesh: Mesh, n_experts: int) -> None:
     """ValueError, with the fix, unless `mesh` is a labkit Mesh of this world with only dp and ep axes,
     the ("dp", "ep") group, and n_experts divisible by ep."""
-    from labkit.mesh import Mesh
-
     if not isinstance(mesh, Mesh):
         raise ValueError(f"expected a labkit.mesh.Mesh, got {type(mesh).__name__}: "
                          "use Mesh(world_size, dp=.., ep=.., combined=[('dp', 'ep')])")
@@ -180,13 +180,13 @@ def check_mesh(mesh, n_experts: int) -> None:
         raise ValueError(f"{error} (EP x DP all-reduces the replicated parameters over it)") from None
 
 
-def shard_experts(model: nn.Module, mesh, timeline=None) -> nn.Module:
+def shard_experts(model: nn.Module, *, mesh: Mesh, timeline: Timeline | None = None) -> nn.Module:
     """Replace every MoE layer of `model` (in place) by an EPMoE over mesh's "ep" group; returns model."""
     check_mesh(mesh, model.config.n_experts)
     for i, block in enumerate(model.layers):
         if isinstance(block.feed_forward, moe_lib.MoE):
-            block.feed_forward = EPMoE(block.feed_forward, mesh.group("ep"), mesh.index("ep"),
-                                       mesh.sizes["ep"], timeline, layer=i)
+            block.feed_forward = EPMoE(block.feed_forward, group=mesh.group("ep"), ep_rank=mesh.index("ep"),
+                                       ep_size=mesh.sizes["ep"], timeline=timeline, layer=i)
     return model
 
 
@@ -200,20 +200,21 @@ def gradient_groups(model: nn.Module) -> dict:
     return {name: ("dp",) if is_expert_parameter(name) else ("dp", "ep") for name, _ in model.named_parameters()}
 
 
-def allreduce_ep_gradients(model: nn.Module, mesh) -> None:
+def sync_gradients(model: nn.Module, *, mesh: Mesh) -> None:
     """Average the gradients of an EP x DP model, each over its group (`gradient_groups`).
 
     Sum over the group, divide by mesh.world_size (each rank's loss is the mean over 1/world
     of the batch). Collective over the whole mesh; a parameter without gradient counts as 0.
     """
-    raise NotImplementedError("exercise allreduce_ep_gradients is not implemented yet: edit exercises/expert_parallel.py, see notebooks/12_experts.ipynb")
+    raise NotImplementedError("exercise sync_gradients is not implemented yet: edit exercises/expert_parallel.py, see notebooks/12_experts.ipynb")
 
 
-def build_ep_model(config, mesh, seed: int = 0, dtype=None, timeline=None) -> nn.Module:
+def build_ep_model(config, *, mesh: Mesh, seed: int = 0, dtype: torch.dtype | None = None,
+                   timeline: Timeline | None = None) -> nn.Module:
     """The model `labkit.model.build_model(config, seed)` (same weights on every rank) with its experts sharded."""
     from labkit.model import build_model
 
     model = build_model(config, seed=seed)
     if dtype is not None:
         model = model.to(dtype)
-    return shard_experts(model, mesh, timeline)
+    return shard_experts(model, mesh=mesh, timeline=timeline)

@@ -1,6 +1,6 @@
 # GENERATED from solutions/hybrid.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/07_hybrid.ipynb.
-# untouched-stub fingerprint: e5ac519edee9497f
+# untouched-stub fingerprint: d7b89e16dfa984d1
 """DP x PP hybrid: several pipelines trained as data-parallel replicas (notebook 07_hybrid).
 
 The ranks form one grid ``torch.arange(world_size).view(dp, pp)``:
@@ -76,7 +76,7 @@ def hybrid_step(stage_module, x, y, n_microbatches: int, optimizer=None, *, mesh
          ``impl("pipeline").run_schedule(..., mesh=mesh, act_shape=...)``, which sends along
          the mesh's pp axis; the accumulated ``.grad`` is that of the replica's mean loss;
       3. ONCE, after the pipeline's flush: average the stage's gradients over the
-         replicas of this stage, ``impl("data_parallel").allreduce_gradients`` on
+         replicas of this stage, ``impl("data_parallel").sync_gradients`` on
          ``mesh.group("dp")`` (recorded as an "allreduce" span); skipped when
          ``sync_grads=False`` (a caller that synchronised the gradients itself);
       4. ``optimizer.step()`` when an optimizer is given.
@@ -93,7 +93,7 @@ class PerMicrobatchAllReduce(torch.nn.Module):
     What not to do: it moves the same gradient volume once per micro-batch (m times per
     step) and makes every backward wait for the slowest replica. Still correct: each
     micro-batch's contribution (the change of ``.grad`` in its backward) is averaged on
-    its own, with the same `allreduce_gradients` as `hybrid_step`. Use it as
+    its own, with the same `sync_gradients` as `hybrid_step`. Use it as
     ``hybrid_step(PerMicrobatchAllReduce(stage, mesh.group("dp")), ..., mesh=mesh, sync_grads=False)``.
     The all-reduce runs at the end of each micro-batch's backward pass, queued from a
     hook on the stage's output, as torch's DDP does it.
@@ -125,7 +125,7 @@ class PerMicrobatchAllReduce(torch.nn.Module):
                 p.grad.sub_(before)
         tl = self.timeline if self.timeline is not None else NullTimeline()
         with tl.span("allreduce", getattr(self.inner, "stage", None)):
-            impl("data_parallel").allreduce_gradients(self.inner, group=self.group)
+            impl("data_parallel").sync_gradients(self.inner, group=self.group)
         for p, before in zip(params, self._before):
             if before is not None:
                 if p.grad is None:

@@ -1,6 +1,6 @@
 # GENERATED from solutions/pipeline_naive.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/05_pipeline_parallel.ipynb.
-# untouched-stub fingerprint: 2402a99b8cabcc56
+# untouched-stub fingerprint: 1e123d5cc0d70c9a
 """Naive pipeline parallelism: one batch, one stage per rank (notebook 05_pipeline_parallel).
 
 The model is cut into consecutive stages (`labkit.model.make_stage`); rank s holds stage s.
@@ -64,7 +64,7 @@ def backward_step(inp, out, grad_out=None):
     raise NotImplementedError("exercise backward_step is not implemented yet: edit exercises/pipeline_naive.py, see notebooks/05_pipeline_parallel.ipynb")
 
 
-def naive_step(stage_module, x, targets, *, mesh: Mesh, act_shape, timeline=None, dtype=torch.float32):
+def naive_step(stage_module, x, targets, *, mesh: Mesh, act_shape, timeline=None, dtype=None):
     """One pipelined forward and backward of a whole batch; returns the loss on the last stage.
 
     x: the batch's token ids [B, T] on stage 0 (ignored elsewhere); targets [B, T] on the
@@ -90,6 +90,7 @@ def naive_step(stage_module, x, targets, *, mesh: Mesh, act_shape, timeline=None
     stage, None elsewhere.
     """
     tl = timeline if timeline is not None else NullTimeline()
-    device = next(stage_module.parameters()).device  # receive buffers live where the stage does
+    param = next(stage_module.parameters())  # receive buffers follow the stage: its device, its dtype (dtype=None)
+    device, dtype = param.device, dtype or param.dtype
     stage, first, last = mesh.coord("pp"), mesh.is_first("pp"), mesh.is_last("pp")
     raise NotImplementedError("exercise naive_step is not implemented yet: edit exercises/pipeline_naive.py, see notebooks/05_pipeline_parallel.ipynb")

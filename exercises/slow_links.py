@@ -1,6 +1,6 @@
 # GENERATED from solutions/slow_links.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/13_slow_links_and_failures.ipynb.
-# untouched-stub fingerprint: f9241a120368fdf7
+# untouched-stub fingerprint: 6140ed71b75a410c
 """Training over slow links (notebook 13_slow_links_and_failures): DiLoCo and PowerSGD.
 
 Two ways to send fewer bytes than data parallelism's one all-reduce of every gradient per step:
@@ -22,11 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit.parallel.flat import allreduce_mean_, trainable as _trainable
+
 NOTEBOOK = "13_slow_links_and_failures"
-
-
-def _trainable(model: nn.Module) -> list:
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _positive_int(name: str, value, fix: str) -> int:
@@ -35,22 +33,15 @@ def _positive_int(name: str, value, fix: str) -> int:
     return value
 
 
-def dp_allreduce_gradients(model: nn.Module, group=None) -> None:
+def sync_gradients(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
     """The baseline (not an exercise): plain DP, every .grad averaged over the ranks with ONE flat all-reduce."""
-    params = _trainable(model)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-        offset += p.numel()
+    allreduce_mean_([p.grad for p in _trainable(model)], group=group)
 
 
 # --------------------------------------------------------------------------- DiLoCo
 
 
-def average_pseudo_gradients(model: nn.Module, shared: list, group=None) -> None:
+def average_pseudo_gradients(model: nn.Module, shared: list, *, group: dist.ProcessGroup | None = None) -> None:
     """Set ``shared[i].grad`` = mean over the ranks of ``shared[i] - p_i`` for the model's i-th trainable p.
 
     `shared` holds the shared (outer) weights, one tensor per trainable parameter, equal on
@@ -65,7 +56,7 @@ class DiLoCo:
     """DiLoCo on this rank: ``step()`` after each ``loss.backward()``.
 
     ``DiLoCo(model, inner_optimizer, inner_steps, outer_lr=0.7, outer_momentum=0.9,
-    nesterov=True, group=None)``. The model's weights must be equal on every rank at the
+    nesterov=True, *, group=None)``. The model's weights must be equal on every rank at the
     start (same seed, or a broadcast). ``step()`` takes one inner step (``inner_optimizer.step()``
     then ``zero_grad``); after every `inner_steps`-th one it syncs (collective): the averaged
     pseudo-gradient goes to the outer SGD, which updates ``self.shared``, and the model's
@@ -79,7 +70,7 @@ class DiLoCo:
     """
 
     def __init__(self, model: nn.Module, inner_optimizer, inner_steps: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True, group=None):
+                 outer_momentum: float = 0.9, nesterov: bool = True, *, group: dist.ProcessGroup | None = None):
         self.inner_steps = _positive_int("inner_steps (H)", inner_steps,
                                          "H is the number of local steps between syncs; H=1 syncs every step")
         if not outer_lr > 0:
@@ -111,12 +102,12 @@ def orthonormalize(p: torch.Tensor) -> torch.Tensor:
 
 
 class PowerSGD:
-    """Rank-r PowerSGD with error feedback for `model`'s gradients: ``reduce()`` between backward and step.
+    """Rank-r PowerSGD with error feedback for `model`'s gradients: ``sync_gradients()`` between backward and step.
 
-    ``PowerSGD(model, rank, group=None, seed=0)``. Every trainable parameter with >= 2
+    ``PowerSGD(model, rank, *, group=None, seed=0)``. Every trainable parameter with >= 2
     dimensions is a matrix M = grad.reshape(shape[0], -1) (n x m), compressed at rank
     r = min(rank, n, m); vectors (biases, norms) are all-reduced uncompressed.
-    ``reduce()`` (collective; every trainable parameter must have a .grad) replaces each .grad
+    ``sync_gradients()`` (collective; every trainable parameter must have a .grad) replaces each .grad
     by its compressed average over the ranks:
 
         M = grad + residual                      error feedback: add what was dropped before
@@ -134,7 +125,7 @@ class PowerSGD:
     itself) per trainable parameter, in the parameter's shape. Raises ValueError for rank < 1.
     """
 
-    def __init__(self, model: nn.Module, rank: int, group=None, seed: int = 0):
+    def __init__(self, model: nn.Module, rank: int, *, group: dist.ProcessGroup | None = None, seed: int = 0):
         self.rank = _positive_int("rank r", rank, "PowerSGD sends rank-r factors; r=1 is the smallest, "
                                   "r >= min(n, m) is uncompressed")
         self.model, self.group = model, group
@@ -154,5 +145,5 @@ class PowerSGD:
         sent += sum((self.params[i].shape[0] + q.shape[0]) * q.shape[1] for i, q in self.qs.items())
         return sent, sum(p.numel() for p in self.params)
 
-    def reduce(self) -> None:
+    def sync_gradients(self) -> None:
         raise NotImplementedError("exercise PowerSGD is not implemented yet: edit exercises/slow_links.py, see notebooks/13_slow_links_and_failures.ipynb")

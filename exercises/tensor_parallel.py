@@ -1,6 +1,6 @@
 # GENERATED from solutions/tensor_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/08_tensor_parallel.ipynb.
-# untouched-stub fingerprint: a61c61befe9dd4cd
+# untouched-stub fingerprint: 016093a43db147ef
 """Tensor parallelism, Megatron-style (notebook 08_tensor_parallel).
 
 A linear layer y = x W^T + b can be cut across the ranks of a TP group in two ways:
@@ -27,22 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.parallel.tp import check_divisible, tp_world  # noqa: F401 (notebooks 08 and 11 use them from here)
+
 NOTEBOOK = "08_tensor_parallel"
-
-
-def tp_world(group=None) -> tuple[int, int]:
-    """(rank, world size) in `group`; (0, 1) when no process group is initialised."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def check_divisible(size: int, world: int, what: str) -> int:
-    """size // world, or a ValueError that says which dimension does not split."""
-    if size % world:
-        raise ValueError(f"{what}={size} does not divide by the tensor-parallel size {world}: "
-                         f"choose a TP size that divides {size}, or pad {what} to a multiple of {world}")
-    return size // world
 
 
 # ---------------------------------------------------------------------------------------
@@ -122,19 +109,19 @@ class ScatterToParallel(torch.autograd.Function):
         return _all_gather_last(grad, ctx.group), None
 
 
-def copy_to_parallel(x, group=None):
+def copy_to_parallel(x, *, group: dist.ProcessGroup | None = None):
     return CopyToParallel.apply(x, group)
 
 
-def reduce_from_parallel(x, group=None):
+def reduce_from_parallel(x, *, group: dist.ProcessGroup | None = None):
     return ReduceFromParallel.apply(x, group)
 
 
-def gather_from_parallel(x, group=None):
+def gather_from_parallel(x, *, group: dist.ProcessGroup | None = None):
     return GatherFromParallel.apply(x, group)
 
 
-def scatter_to_parallel(x, group=None):
+def scatter_to_parallel(x, *, group: dist.ProcessGroup | None = None):
     return ScatterToParallel.apply(x, group)
 
 
@@ -158,7 +145,7 @@ class ColumnParallelLinear(nn.Module):
     Raises ValueError when out_features does not divide by the TP size.
     """
 
-    def __init__(self, linear: nn.Linear, group=None, gather_output: bool = False):
+    def __init__(self, linear: nn.Linear, *, group: dist.ProcessGroup | None = None, gather_output: bool = False):
         super().__init__()
         self.group, self.gather_output = group, gather_output
         raise NotImplementedError("exercise ColumnParallelLinear is not implemented yet: edit exercises/tensor_parallel.py, see notebooks/08_tensor_parallel.ipynb")
@@ -178,7 +165,7 @@ class RowParallelLinear(nn.Module):
     Raises ValueError when in_features does not divide by the TP size.
     """
 
-    def __init__(self, linear: nn.Linear, group=None, input_is_parallel: bool = True):
+    def __init__(self, linear: nn.Linear, *, group: dist.ProcessGroup | None = None, input_is_parallel: bool = True):
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
         raise NotImplementedError("exercise RowParallelLinear is not implemented yet: edit exercises/tensor_parallel.py, see notebooks/08_tensor_parallel.ipynb")
@@ -201,7 +188,7 @@ class ParallelMLP(nn.Module):
     TP size.
     """
 
-    def __init__(self, mlp: nn.Module, group=None):
+    def __init__(self, mlp: nn.Module, *, group: dist.ProcessGroup | None = None):
         super().__init__()
         raise NotImplementedError("exercise ParallelMLP is not implemented yet: edit exercises/tensor_parallel.py, see notebooks/08_tensor_parallel.ipynb")
 
@@ -219,25 +206,26 @@ class ParallelAttention(nn.Module):
     Attention.forward. Raises ValueError when n_heads does not divide by the TP size.
     """
 
-    def __init__(self, attention: nn.Module, group=None):
+    def __init__(self, attention: nn.Module, *, group: dist.ProcessGroup | None = None):
         super().__init__()
         _, world = tp_world(group)
         self.local_heads = check_divisible(attention.n_heads, world, "n_heads")
         self.group = group
         # wq, wk, wv share one input: ONE copy_to_parallel (one backward all-reduce) for the three
-        self.wq, self.wk, self.wv = (ColumnParallelLinear(w, group) for w in (attention.wq, attention.wk, attention.wv))
-        self.wo = RowParallelLinear(attention.wo, group, input_is_parallel=True)
+        self.wq, self.wk, self.wv = (ColumnParallelLinear(w, group=group)
+                                     for w in (attention.wq, attention.wk, attention.wv))
+        self.wo = RowParallelLinear(attention.wo, group=group, input_is_parallel=True)
 
     def forward(self, x, rope):
         B, T, _ = x.shape
-        x = copy_to_parallel(x, self.group)
+        x = copy_to_parallel(x, group=self.group)
         local = lambda w: F.linear(x, w.weight).view(B, T, self.local_heads, -1).transpose(1, 2)
         q, k, v = local(self.wq), local(self.wk), local(self.wv)  # [B, local heads, T, hd]
         y = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
-def parallelize_model(model: nn.Module, group=None) -> nn.Module:
+def parallelize_model(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> nn.Module:
     """A copy of a labkit.model.Transformer whose attention and MLPs are tensor parallel.
 
     The embedding, norms and head stay replicated (every rank computes them in full): their
@@ -246,8 +234,8 @@ def parallelize_model(model: nn.Module, group=None) -> nn.Module:
     """
     tp = copy.deepcopy(model)
     for layer in tp.layers:
-        layer.attention = ParallelAttention(layer.attention, group)
-        layer.feed_forward = ParallelMLP(layer.feed_forward, group)
+        layer.attention = ParallelAttention(layer.attention, group=group)
+        layer.feed_forward = ParallelMLP(layer.feed_forward, group=group)
     return tp
 
 

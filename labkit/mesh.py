@@ -244,27 +244,5 @@ class Mesh:
         return f"Mesh({self.world_size}, {shape}; rank {self.rank} at {self.coords()})"
 
 
-def shard_rows(batch, index: int, count: int):
-    """Rows ``[index*b, (index+1)*b)`` of a global batch, ``b = B // count``: the lab's one sharding rule.
-
-    ``batch`` is a tensor or a tuple/list (or namedtuple) of tensors sharing their first
-    dimension; the result has the same structure. Shards are disjoint and cover the batch.
-    Raises ValueError when B does not split into ``count`` equal parts or ``index`` is out of range.
-    """
-    tensors = list(batch) if isinstance(batch, (tuple, list)) else [batch]
-    if not tensors:
-        raise ValueError("the batch holds no tensors: pass a tensor or a tuple such as (x, y)")
-    if not 0 <= index < count:
-        raise ValueError(f"shard index {index} is not in [0, {count})")
-    rows = {t.shape[0] for t in tensors}
-    if len(rows) != 1:
-        raise ValueError(f"the tensors of a batch must share their first dimension, got {sorted(rows)}")
-    (size,) = rows
-    if size % count:
-        raise ValueError(f"global batch of {size} rows does not split into {count} equal shards: "
-                         f"use a global batch size that is a multiple of {count}")
-    b = size // count
-    shards = [t[index * b:(index + 1) * b] for t in tensors]
-    if not isinstance(batch, (tuple, list)):
-        return shards[0]
-    return type(batch)(*shards) if hasattr(batch, "_fields") else type(batch)(shards)
+# The one sharding rule lives in labkit.parallel.sharding; kept importable from here.
+from labkit.parallel.sharding import shard_rows  # noqa: E402,F401

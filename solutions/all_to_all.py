@@ -17,7 +17,7 @@ raises the same ValueError when they do not match, instead of hanging.
 import torch
 import torch.distributed as dist
 
-from labkit.comm.checks import _DTYPES, _metadata_device, group_info
+from labkit.comm.checks import DTYPE_CODES, metadata_device, group_info
 
 NOTEBOOK = "12_experts"
 
@@ -62,9 +62,9 @@ def check_splits(output, input, output_split_sizes, input_split_sizes, group=Non
             problem = "output must be contiguous (received rows are written into it): pass a contiguous tensor"
         ins, outs = (ins or [0] * n), (outs or [0] * n)
     row = input.shape[1:].numel() if isinstance(input, torch.Tensor) and input.dim() else 0
-    code = _DTYPES.index(input.dtype) if isinstance(input, torch.Tensor) and input.dtype in _DTYPES else -1
+    code = DTYPE_CODES.index(input.dtype) if isinstance(input, torch.Tensor) and input.dtype in DTYPE_CODES else -1
     mine = torch.tensor([problem is not None, row, code] + list(ins) + list(outs), dtype=torch.int64,
-                        device=_metadata_device(group))  # nccl moves CUDA tensors only
+                        device=metadata_device(group))  # nccl moves CUDA tensors only
     every = [torch.empty_like(mine) for _ in range(n)]
     dist.all_gather(every, mine, group=group)
     table = torch.stack(every).cpu()  # [n, 3 + 2n]

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from labkit.grading import impl
-from labkit.measure.timeline import NullTimeline
+from labkit.measure.timeline import Timeline, or_null
+from labkit.mesh import Mesh
 
 NOTEBOOK = "11_long_sequences"
 
@@ -121,17 +122,18 @@ class ContextParallel(torch.nn.Module):
     forward(tokens, targets) takes the FULL batch [B, s] (the same on every CP rank), keeps this
     rank's positions (embedding, norms, MLP and head are per token: no communication) and
     returns this rank's share of the global mean loss: the shares sum to the model's loss.
-    After backward, `allreduce_gradients()` sums the parameter gradients over the CP group.
+    After backward, `sync_gradients()` sums the parameter gradients over the CP group.
     The parameters are the model's own. ValueError when the mesh has no cp axis.
+    `timeline`: a labkit Timeline that the ring attention records its spans into.
     """
 
-    def __init__(self, model, mesh, split: str = "zigzag"):
+    def __init__(self, model, *, mesh: Mesh, split: str = "zigzag", timeline: Timeline | None = None):
         super().__init__()
         if mesh.size("cp") < 2:
             raise ValueError(f"{mesh} has no cp axis of size >= 2: build it with Mesh(world, cp=c)")
         self.model, self.split, self.c, self.mesh = model, split, mesh.size("cp"), mesh
         self.group, self.index = mesh.group("cp"), mesh.coord("cp")
-        self.timeline = NullTimeline()
+        self.timeline = or_null(timeline)
 
     def forward(self, tokens, targets):
         m, s = self.model, tokens.shape[1]
@@ -157,7 +159,8 @@ class ContextParallel(torch.nn.Module):
             x = x + layer.feed_forward(layer.ffn_norm(x))
         return x
 
-    def allreduce_gradients(self):
+    def sync_gradients(self) -> None:
+        """Sum every parameter's gradient over the CP group, in place (collective over the group)."""
         for p in self.model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self.group)

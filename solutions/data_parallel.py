@@ -15,12 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit.parallel.flat import bucket_parameters, trainable as _trainable  # a tied Parameter is listed once
+
 NOTEBOOK = "04_data_parallel"
-
-
-def _trainable(model: nn.Module) -> list:
-    # model.parameters() lists a tied (shared) Parameter once, so it is reduced once.
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _sum_in_place(flat: torch.Tensor, group, allreduce_fn) -> torch.Tensor:
@@ -32,7 +29,7 @@ def _sum_in_place(flat: torch.Tensor, group, allreduce_fn) -> torch.Tensor:
     return flat if out is None else out
 
 
-def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
+def broadcast_parameters(model: nn.Module, src: int = 0, *, group: dist.ProcessGroup | None = None) -> None:
     """Overwrite every rank's parameters AND buffers with those of rank `src`, in place.
 
     Call it once after building the model (and after loading a checkpoint on
@@ -46,7 +43,7 @@ def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
     ### END SOLUTION
 
 
-def allreduce_gradients(model: nn.Module, group=None, allreduce_fn=None) -> None:
+def sync_gradients(model: nn.Module, *, group: dist.ProcessGroup | None = None, allreduce_fn=None) -> None:
     """Replace each trainable parameter's .grad by its average over the ranks, in place.
 
     Call it between loss.backward() and optimizer.step(). Gradients are
@@ -83,7 +80,7 @@ def allreduce_gradients(model: nn.Module, group=None, allreduce_fn=None) -> None
     ### END SOLUTION
 
 
-def average_weights(model: nn.Module, group=None) -> None:
+def average_weights(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
     """Replace every parameter by its average over the ranks, in place ("weight aggregation").
 
     After one local plain-SGD step this equals gradient averaging; with
@@ -148,37 +145,25 @@ class BucketedDataParallel(nn.Module):
     Like torch's DDP, construction first broadcasts the parameters and buffers from the group's
     first rank (`broadcast_parameters`), so every replica starts from the same weights.
 
-    Usage, once per step:  loss = ddp(x, y); loss.backward(); ddp.finish(); opt.step()
+    Usage, once per step:  loss = ddp(x, y); loss.backward(); ddp.sync_gradients(); opt.step()
     Attributes: `module` (the wrapped model), `world_size`, and `buckets`: a list of
     lists of Parameters, buckets[0] holding the LAST parameters of the model.
     __init__ builds them, registers the hooks (kept in `_hooks`) and calls `_reset()`.
-    finish() launches the buckets still waiting (those holding parameters that
+    sync_gradients() launches the buckets still waiting (those holding parameters that
     got no gradient), waits for all of them and writes back averaged
-    gradients, with the same None rule as `allreduce_gradients`. Tied weights
-    are reduced once, frozen parameters never. One backward per finish():
-    a second backward before finish() raises RuntimeError.
+    gradients, with the same None rule as `sync_gradients`. Tied weights
+    are reduced once, frozen parameters never. One backward per sync_gradients():
+    a second backward before sync_gradients() raises RuntimeError.
     """
 
-    def __init__(self, model: nn.Module, bucket_size_mb: float = 25.0, group=None):
+    def __init__(self, model: nn.Module, bucket_size_mb: float = 25.0, *, group: dist.ProcessGroup | None = None):
         super().__init__()
         first = dist.get_global_rank(group, 0) if group is not None else 0
         broadcast_parameters(model, src=first, group=group)  # as DDP does: replicas start equal
         ### BEGIN SOLUTION
-        if bucket_size_mb <= 0:
-            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self.module, self.group = model, group
         self.world_size = dist.get_world_size(group)
-        limit = bucket_size_mb * 2**20
-        self.buckets, current, size = [], [], 0
-        for p in reversed(_trainable(model)):
-            nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > limit:
-                self.buckets.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        if current:
-            self.buckets.append(current)
+        self.buckets = bucket_parameters(_trainable(model), bucket_size_mb)  # reversed, ~bucket_size_mb each
         self._bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._bucket_of]
         self._reset()
@@ -197,8 +182,8 @@ class BucketedDataParallel(nn.Module):
         ### BEGIN SOLUTION
         i = self._bucket_of[param]
         if self._pending[i] is not None or id(param) in self._ready[i]:
-            raise RuntimeError("BucketedDataParallel: a second backward before finish(); "
-                               "call finish() after every backward (no gradient accumulation)")
+            raise RuntimeError("BucketedDataParallel: a second backward before sync_gradients(); "
+                               "call sync_gradients() after every backward (no gradient accumulation)")
         self._ready[i].add(id(param))
         while self._next < len(self.buckets) and len(self._ready[self._next]) == len(self.buckets[self._next]):
             self._launch(self._next)
@@ -216,7 +201,7 @@ class BucketedDataParallel(nn.Module):
         self._next = i + 1
         ### END SOLUTION
 
-    def finish(self) -> None:
+    def sync_gradients(self) -> None:
         """Launch the waiting buckets, wait for every all-reduce, write averaged grads back."""
         ### BEGIN SOLUTION
         while self._next < len(self.buckets):  # buckets holding a parameter that got no grad
@@ -228,7 +213,7 @@ class BucketedDataParallel(nn.Module):
             offset = 0
             for p, count in zip(bucket, counts):
                 n = p.numel()
-                if count > 0:  # same None rule as allreduce_gradients
+                if count > 0:  # same None rule as the function sync_gradients
                     grad = flat[offset:offset + n].view_as(p)
                     if p.grad is None:
                         p.grad = grad.to(p.dtype)
@@ -260,7 +245,7 @@ class ReplicaMismatchError(RuntimeError):
     """The ranks' copies of the model differ."""
 
 
-def check_replicas(model: nn.Module, group=None) -> None:
+def check_replicas(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
     """Raise ReplicaMismatchError on EVERY rank if the replicas' weights differ bit for bit.
 
     Compares one CRC32 checksum per parameter and buffer (one small all-gather);

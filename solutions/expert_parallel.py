@@ -35,7 +35,8 @@ from torch import nn
 
 from labkit.model import moe as moe_lib
 from labkit.grading import impl
-from labkit.measure.timeline import NullTimeline
+from labkit.measure.timeline import Timeline, or_null
+from labkit.mesh import Mesh
 
 NOTEBOOK = "12_experts"
 
@@ -62,7 +63,7 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-def all_to_all(x, out_splits: list, in_splits: list, group=None):
+def all_to_all(x, out_splits: list, in_splits: list, *, group: dist.ProcessGroup | None = None):
     """Rows in_splits[j] of x to group rank j; returns the received rows. Differentiable."""
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
@@ -81,7 +82,7 @@ class Plan:
     recv_counts: torch.Tensor  # [ep, L] rows received from rank s for local expert e
 
 
-def dispatch(x: torch.Tensor, routing, group=None):
+def dispatch(x: torch.Tensor, routing, *, group: dist.ProcessGroup | None = None):
     """Send every kept pick's token row to the rank that holds its expert.
 
     x [B, T, D] (or [N, D]): this rank's tokens; routing: their labkit.model.moe.Routing.
@@ -101,7 +102,7 @@ def dispatch(x: torch.Tensor, routing, group=None):
     # the counts first (one row per rank, equal splits), so every rank knows what it receives
     impl("all_to_all").all_to_all_single(recv_counts, send_counts, group=group)
     send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-    received = all_to_all(rows, recv_splits, send_splits, group)
+    received = all_to_all(rows, recv_splits, send_splits, group=group)
     ### END SOLUTION
     return received, Plan(tokens, picks, send_splits, recv_splits, recv_counts)
 
@@ -128,7 +129,7 @@ def compute_experts(experts, received: torch.Tensor, recv_counts: torch.Tensor) 
     ### END SOLUTION
 
 
-def combine(rows: torch.Tensor, plan: Plan, routing, group=None) -> torch.Tensor:
+def combine(rows: torch.Tensor, plan: Plan, routing, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Send the expert outputs back, put each at its token, weighted by its gate.
 
     rows: compute_experts's output (the received order). Returns y [N, D], N = this
@@ -137,7 +138,7 @@ def combine(rows: torch.Tensor, plan: Plan, routing, group=None) -> torch.Tensor
     swapped, then `labkit.model.moe.unpermute(rows, plan.tokens, gates, N)`.
     """
     ### BEGIN SOLUTION
-    back = all_to_all(rows, plan.send_splits, plan.recv_splits, group)  # sizes reversed
+    back = all_to_all(rows, plan.send_splits, plan.recv_splits, group=group)  # sizes reversed
     gates = routing.gate.reshape(-1)[plan.picks]
     return moe_lib.unpermute(back, plan.tokens, gates, routing.gate.shape[0] * routing.gate.shape[1])
     ### END SOLUTION
@@ -152,14 +153,15 @@ class EPMoE(nn.Module):
     ep_rank*L ... (ep_rank+1)*L - 1 (in `.experts`, keyed by their global index, so parameter
     names match the single-device model's) and the router. Same forward contract as MoE."""
 
-    def __init__(self, moe: moe_lib.MoE, group, ep_rank: int, ep_size: int, timeline=None, layer=None):
+    def __init__(self, moe: moe_lib.MoE, *, group: dist.ProcessGroup | None, ep_rank: int, ep_size: int,
+                 timeline: Timeline | None = None, layer: int | None = None):
         super().__init__()
         local = moe.n_experts // ep_size
         self.n_experts, self.top_k, self.capacity_factor = moe.n_experts, moe.top_k, moe.capacity_factor
         self.group, self.layer = group, layer
         self.router = moe.router
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(ep_rank * local, (ep_rank + 1) * local)})
-        self.timeline = timeline or NullTimeline()
+        self.timeline = or_null(timeline)
         self.aux_loss, self.routing = None, None
 
     def forward(self, x):
@@ -167,19 +169,17 @@ class EPMoE(nn.Module):
         routing = moe_lib.route(x, self.router.weight, self.top_k, self.capacity_factor)
         self.aux_loss, self.routing = routing.aux_loss, routing
         with tl.span("dispatch", stage=self.layer):
-            received, plan = dispatch(x, routing, self.group)
+            received, plan = dispatch(x, routing, group=self.group)
         with tl.span("F", stage=self.layer):
             rows = compute_experts(list(self.experts.values()), received, plan.recv_counts)
         with tl.span("combine", stage=self.layer):
-            y = combine(rows, plan, routing, self.group)
+            y = combine(rows, plan, routing, group=self.group)
         return y.view_as(x)
 
 
-def check_mesh(mesh, n_experts: int) -> None:
+def check_mesh(mesh: Mesh, n_experts: int) -> None:
     """ValueError, with the fix, unless `mesh` is a labkit Mesh of this world with only dp and ep axes,
     the ("dp", "ep") group, and n_experts divisible by ep."""
-    from labkit.mesh import Mesh
-
     if not isinstance(mesh, Mesh):
         raise ValueError(f"expected a labkit.mesh.Mesh, got {type(mesh).__name__}: "
                          "use Mesh(world_size, dp=.., ep=.., combined=[('dp', 'ep')])")
@@ -198,13 +198,13 @@ def check_mesh(mesh, n_experts: int) -> None:
         raise ValueError(f"{error} (EP x DP all-reduces the replicated parameters over it)") from None
 
 
-def shard_experts(model: nn.Module, mesh, timeline=None) -> nn.Module:
+def shard_experts(model: nn.Module, *, mesh: Mesh, timeline: Timeline | None = None) -> nn.Module:
     """Replace every MoE layer of `model` (in place) by an EPMoE over mesh's "ep" group; returns model."""
     check_mesh(mesh, model.config.n_experts)
     for i, block in enumerate(model.layers):
         if isinstance(block.feed_forward, moe_lib.MoE):
-            block.feed_forward = EPMoE(block.feed_forward, mesh.group("ep"), mesh.index("ep"),
-                                       mesh.sizes["ep"], timeline, layer=i)
+            block.feed_forward = EPMoE(block.feed_forward, group=mesh.group("ep"), ep_rank=mesh.index("ep"),
+                                       ep_size=mesh.sizes["ep"], timeline=timeline, layer=i)
     return model
 
 
@@ -218,7 +218,7 @@ def gradient_groups(model: nn.Module) -> dict:
     return {name: ("dp",) if is_expert_parameter(name) else ("dp", "ep") for name, _ in model.named_parameters()}
 
 
-def allreduce_ep_gradients(model: nn.Module, mesh) -> None:
+def sync_gradients(model: nn.Module, *, mesh: Mesh) -> None:
     """Average the gradients of an EP x DP model, each over its group (`gradient_groups`).
 
     Sum over the group, divide by mesh.world_size (each rank's loss is the mean over 1/world
@@ -234,11 +234,12 @@ def allreduce_ep_gradients(model: nn.Module, mesh) -> None:
     ### END SOLUTION
 
 
-def build_ep_model(config, mesh, seed: int = 0, dtype=None, timeline=None) -> nn.Module:
+def build_ep_model(config, *, mesh: Mesh, seed: int = 0, dtype: torch.dtype | None = None,
+                   timeline: Timeline | None = None) -> nn.Module:
     """The model `labkit.model.build_model(config, seed)` (same weights on every rank) with its experts sharded."""
     from labkit.model import build_model
 
     model = build_model(config, seed=seed)
     if dtype is not None:
         model = model.to(dtype)
-    return shard_experts(model, mesh, timeline)
+    return shard_experts(model, mesh=mesh, timeline=timeline)

@@ -30,13 +30,17 @@ are unreadable: use `full_parameters()`.
 Frozen parameters (requires_grad=False) are not sharded: they stay whole on every rank,
 as in the given model. Every function here is collective over `group` (None: default group).
 """
+from __future__ import annotations
+
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .zero import flatten_padded, reduce_scatter_mean, shard_size
+from labkit.parallel.flat import flatten, grads_or_zeros
+from labkit.measure.timeline import Timeline, or_null
+from labkit.parallel.sharding import local_shard, reduce_scatter_mean, shard_size
 
 NOTEBOOK = "09_zero_fsdp"
 
@@ -44,7 +48,7 @@ NOTEBOOK = "09_zero_fsdp"
 class FlatShard:
     """One ZeRO-3 unit: the trainable parameters `params` of one module, stored flat and sharded.
 
-    FlatShard(params, group=None, name=""):
+    FlatShard(params, *, group=None, name=""):
       - `shard`: an nn.Parameter, this rank's s = ceil(numel/N) elements [rank*s, (rank+1)*s)
         of the unit's flat, zero-padded parameters: what the optimizer steps;
       - `flat`: the gathered buffer of s*N elements; every parameter's .data becomes a view of
@@ -59,7 +63,7 @@ class FlatShard:
     `gathered_bytes()`: bytes the gathered buffer holds now (0 when resharded).
     """
 
-    def __init__(self, params, group=None, name: str = ""):
+    def __init__(self, params, *, group: dist.ProcessGroup | None = None, name: str = ""):
         self.params, self.group, self.name = list(params), group, name
         if not self.params:
             raise ValueError(f"unit {name!r} has no trainable parameter to shard: leave a frozen block "
@@ -71,9 +75,8 @@ class FlatShard:
         self.work = None  # an in-flight async all-gather
         ### BEGIN SOLUTION
         self.shard_size = shard_size(self.numel, self.world_size)
-        self.flat = flatten_padded([p.detach() for p in self.params], self.shard_size * self.world_size)
-        start = self.rank * self.shard_size
-        self.shard = nn.Parameter(self.flat[start:start + self.shard_size].clone())
+        self.flat = flatten([p.detach() for p in self.params], self.shard_size * self.world_size)
+        self.shard = nn.Parameter(local_shard(self.flat, self.rank, self.world_size).clone())
         offset = 0
         for p in self.params:  # the module keeps its Parameters; their data now lives in `flat`
             p.data = self.flat[offset:offset + p.numel()].view_as(p)
@@ -108,8 +111,7 @@ class FlatShard:
 
     def reduce_grads(self) -> None:
         ### BEGIN SOLUTION
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        mine = reduce_scatter_mean(flatten_padded(grads, self.flat.numel()), self.group)
+        mine = reduce_scatter_mean(flatten(grads_or_zeros(self.params), self.flat.numel()), group=self.group)
         self.shard.grad = mine if self.shard.grad is None else self.shard.grad + mine
         for p in self.params:
             p.grad = None
@@ -119,7 +121,7 @@ class FlatShard:
 class ZeRO3:
     """FSDP by hand: shard `model` into one FlatShard per block plus a root unit, and hook it.
 
-    ZeRO3(model, blocks=None, group=None, prefetch=True, timeline=None): `blocks` are the
+    ZeRO3(model, blocks=None, *, group=None, prefetch=True, timeline=None): `blocks` are the
     modules gathered one at a time, in forward order (default: `model.layers`); every other
     trainable parameter forms the root unit, gathered in the model's pre-forward hook and kept
     until its gradients are reduced. Raises ValueError when there is no block to wrap, or when
@@ -128,8 +130,8 @@ class ZeRO3:
     whole, as given). Every rank must use the same parameters in its forward, so that the hooks
     issue the same collectives in the same order everywhere.
     Usage, once per step (every rank):
-        loss = model(x, y); loss.backward(); zero3.finish(); opt.step(); opt.zero_grad()
-    with `opt = torch.optim.AdamW(zero3.shards(), ...)`. finish() reduces the units whose
+        loss = model(x, y); loss.backward(); zero3.sync_gradients(); opt.step(); opt.zero_grad()
+    with `opt = torch.optim.AdamW(zero3.shards(), ...)`. sync_gradients() reduces the units whose
     gradients never all arrived (a parameter unused by the loss: zeros) and frees them.
     `peak_gathered_bytes`: the most bytes of gathered parameters held at once (reset it
     yourself); `gathered_elements`, `reduced_elements`: elements all-gathered and
@@ -137,12 +139,13 @@ class ZeRO3:
     gets "F"/"B" spans per block (mb = block index) and "allgather" spans (issue to wait end).
     """
 
-    def __init__(self, model: nn.Module, blocks=None, group=None, prefetch: bool = True, timeline=None):
+    def __init__(self, model: nn.Module, blocks=None, *, group: dist.ProcessGroup | None = None,
+                 prefetch: bool = True, timeline: Timeline | None = None):
         blocks = list(blocks if blocks is not None else getattr(model, "layers", []))
         if not blocks:
             raise ValueError(f"{type(model).__name__} has no blocks to wrap: pass blocks=[...], the "
                              "modules to gather one at a time (e.g. model.layers)")
-        self.model, self.group, self.prefetch, self.timeline = model, group, prefetch, timeline
+        self.model, self.group, self.prefetch, self.timeline = model, group, prefetch, or_null(timeline)
         owner = {}
         for i, block in enumerate(blocks):
             for p in block.parameters():
@@ -153,10 +156,10 @@ class ZeRO3:
             if p in owner and any(p is q for m in _outside(model, blocks) for q in m.parameters(recurse=False)):
                 raise ValueError(f"{name} is shared by block {owner[p]} and the root: keep tied weights in one unit")
         self.blocks = blocks
-        self.units = [FlatShard([p for p in b.parameters() if p.requires_grad], group, f"block {i}")
+        self.units = [FlatShard([p for p in b.parameters() if p.requires_grad], group=group, name=f"block {i}")
                       for i, b in enumerate(blocks)]
         rest = [p for p in model.parameters() if p.requires_grad and p not in owner]
-        self.root = FlatShard(rest, group, "root") if rest else None
+        self.root = FlatShard(rest, group=group, name="root") if rest else None
         self.peak_gathered_bytes = self.gathered_elements = self.reduced_elements = 0
         self._t0 = {}
         ### BEGIN SOLUTION
@@ -184,7 +187,7 @@ class ZeRO3:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
         if not async_op:
             unit.wait()
-            if self.timeline is not None and unit in self._t0:
+            if unit in self._t0:
                 self.timeline.record("allgather", self._t0[unit], time.perf_counter(), mb=self._index(unit))
             self._t0.pop(unit, None)
 
@@ -198,11 +201,10 @@ class ZeRO3:
         unit.pending = {p for p in unit.params}  # parameters whose gradient has not arrived yet
 
     def _span(self, kind, i):
-        if self.timeline is not None:
-            self._t0[(kind, i)] = time.perf_counter()
+        self._t0[(kind, i)] = time.perf_counter()
 
     def _end_span(self, kind, i):
-        if self.timeline is not None and (kind, i) in self._t0:
+        if (kind, i) in self._t0:
             self.timeline.record(kind, self._t0.pop((kind, i)), time.perf_counter(), mb=i)
 
     # -- the hooks -----------------------------------------------------------------------------
@@ -247,7 +249,7 @@ class ZeRO3:
         self._ready(unit)
         ### END SOLUTION
 
-    def finish(self) -> None:
+    def sync_gradients(self) -> None:
         """After backward: reduce the units still waiting for a gradient (zeros), free everything."""
         for unit in self._all_units():
             # not reduced by its hook: some (or all) of its gradients never arrived

@@ -87,7 +87,7 @@ def hybrid_step(stage_module, x, y, n_microbatches: int, optimizer=None, *, mesh
          ``impl("pipeline").run_schedule(..., mesh=mesh, act_shape=...)``, which sends along
          the mesh's pp axis; the accumulated ``.grad`` is that of the replica's mean loss;
       3. ONCE, after the pipeline's flush: average the stage's gradients over the
-         replicas of this stage, ``impl("data_parallel").allreduce_gradients`` on
+         replicas of this stage, ``impl("data_parallel").sync_gradients`` on
          ``mesh.group("dp")`` (recorded as an "allreduce" span); skipped when
          ``sync_grads=False`` (a caller that synchronised the gradients itself);
       4. ``optimizer.step()`` when an optimizer is given.
@@ -112,7 +112,7 @@ def hybrid_step(stage_module, x, y, n_microbatches: int, optimizer=None, *, mesh
         # After the flush every micro-batch's gradient has been accumulated: one all-reduce
         # per step moves each gradient once, instead of once per micro-batch.
         with tl.span("allreduce", mesh.coord("pp")):
-            data_parallel.allreduce_gradients(stage_module, group=mesh.group("dp"))
+            data_parallel.sync_gradients(stage_module, group=mesh.group("dp"))
     if optimizer is not None:
         optimizer.step()
     if mesh.is_last("pp"):
@@ -131,7 +131,7 @@ class PerMicrobatchAllReduce(torch.nn.Module):
     What not to do: it moves the same gradient volume once per micro-batch (m times per
     step) and makes every backward wait for the slowest replica. Still correct: each
     micro-batch's contribution (the change of ``.grad`` in its backward) is averaged on
-    its own, with the same `allreduce_gradients` as `hybrid_step`. Use it as
+    its own, with the same `sync_gradients` as `hybrid_step`. Use it as
     ``hybrid_step(PerMicrobatchAllReduce(stage, mesh.group("dp")), ..., mesh=mesh, sync_grads=False)``.
     The all-reduce runs at the end of each micro-batch's backward pass, queued from a
     hook on the stage's output, as torch's DDP does it.
@@ -163,7 +163,7 @@ class PerMicrobatchAllReduce(torch.nn.Module):
                 p.grad.sub_(before)
         tl = self.timeline if self.timeline is not None else NullTimeline()
         with tl.span("allreduce", getattr(self.inner, "stage", None)):
-            impl("data_parallel").allreduce_gradients(self.inner, group=self.group)
+            impl("data_parallel").sync_gradients(self.inner, group=self.group)
         for p, before in zip(params, self._before):
             if before is not None:
                 if p.grad is None:

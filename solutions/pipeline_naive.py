@@ -73,7 +73,7 @@ def backward_step(inp, out, grad_out=None):
     ### END SOLUTION
 
 
-def naive_step(stage_module, x, targets, *, mesh: Mesh, act_shape, timeline=None, dtype=torch.float32):
+def naive_step(stage_module, x, targets, *, mesh: Mesh, act_shape, timeline=None, dtype=None):
     """One pipelined forward and backward of a whole batch; returns the loss on the last stage.
 
     x: the batch's token ids [B, T] on stage 0 (ignored elsewhere); targets [B, T] on the
@@ -99,7 +99,8 @@ def naive_step(stage_module, x, targets, *, mesh: Mesh, act_shape, timeline=None
     stage, None elsewhere.
     """
     tl = timeline if timeline is not None else NullTimeline()
-    device = next(stage_module.parameters()).device  # receive buffers live where the stage does
+    param = next(stage_module.parameters())  # receive buffers follow the stage: its device, its dtype (dtype=None)
+    device, dtype = param.device, dtype or param.dtype
     stage, first, last = mesh.coord("pp"), mesh.is_first("pp"), mesh.is_last("pp")
     ### BEGIN SOLUTION
     prev_rank, next_rank, group = mesh.prev_rank("pp"), mesh.next_rank("pp"), mesh.group("pp")

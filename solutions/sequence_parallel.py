@@ -13,7 +13,7 @@ The conjugate pair again. An all-reduce is a reduce-scatter then an all-gather, 
 same bytes as TP, and the norm and residual activations shrink by t.
 
 The norms' weights are replicated but each rank's copy sees only s/t tokens: their gradients
-are partial sums, added over the TP group by `allreduce_norm_grads` (as Megatron does).
+are partial sums, added over the TP group by `ParallelBlock.sync_gradients()` (as Megatron does).
 Every function with a group is collective over it (None: the default group).
 """
 import copy
@@ -24,16 +24,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.grading import impl
+from labkit.parallel.tp import check_divisible, tp_world
 
 NOTEBOOK = "11_long_sequences"
 SEQ = 1  # activations are [batch, sequence, features]
 
 
 def _world(group):
-    return impl("tensor_parallel").tp_world(group)  # the non-exercise helper of notebook 08
+    return tp_world(group)
 
 
-def all_gather_sequence(x, group=None):
+def all_gather_sequence(x, *, group: dist.ProcessGroup | None = None):
     """[B, n, d] on each rank -> [B, t*n, d], the ranks' blocks in rank order."""
     _, world = _world(group)
     if world == 1:
@@ -44,12 +45,12 @@ def all_gather_sequence(x, group=None):
     return out.movedim(0, SEQ).contiguous()  # contiguous: the matmuls that read it save it once, not a copy each
 
 
-def reduce_scatter_sequence(x, group=None):
+def reduce_scatter_sequence(x, *, group: dist.ProcessGroup | None = None):
     """[B, s, d] partial sums on each rank -> this rank's block [B, s/t, d] of their sum."""
     rank, world = _world(group)
     if world == 1:
         return x
-    n = impl("tensor_parallel").check_divisible(x.shape[SEQ], world, "sequence length s")
+    n = check_divisible(x.shape[SEQ], world, "sequence length s")
     out = torch.empty((n,) + x.movedim(SEQ, 0).shape[1:], dtype=x.dtype, device=x.device)
     dist.reduce_scatter_single(out, x.movedim(SEQ, 0).contiguous(), group=group)
     return out.movedim(0, SEQ).contiguous()
@@ -67,13 +68,13 @@ class GatherSequence(torch.autograd.Function):
     def forward(ctx, x, group):
         ### BEGIN SOLUTION
         ctx.group = group
-        return all_gather_sequence(x, group)
+        return all_gather_sequence(x, group=group)
         ### END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
         ### BEGIN SOLUTION
-        return reduce_scatter_sequence(grad.contiguous(), ctx.group), None
+        return reduce_scatter_sequence(grad.contiguous(), group=ctx.group), None
         ### END SOLUTION
 
 
@@ -89,21 +90,21 @@ class ScatterSequence(torch.autograd.Function):
     def forward(ctx, x, group):
         ### BEGIN SOLUTION
         ctx.group = group
-        return reduce_scatter_sequence(x, group)
+        return reduce_scatter_sequence(x, group=group)
         ### END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
         ### BEGIN SOLUTION
-        return all_gather_sequence(grad.contiguous(), ctx.group), None
+        return all_gather_sequence(grad.contiguous(), group=ctx.group), None
         ### END SOLUTION
 
 
-def gather_sequence(x, group=None):
+def gather_sequence(x, *, group: dist.ProcessGroup | None = None):
     return GatherSequence.apply(x, group)
 
 
-def scatter_sequence(x, group=None):
+def scatter_sequence(x, *, group: dist.ProcessGroup | None = None):
     return ScatterSequence.apply(x, group)
 
 
@@ -120,13 +121,13 @@ class ParallelBlock(nn.Module):
     gathered [B, s, d] input is not kept for backward but all-gathered again there.
     """
 
-    def __init__(self, block: nn.Module, group=None, sequence_parallel: bool = True, regather: bool = False):
+    def __init__(self, block: nn.Module, *, group: dist.ProcessGroup | None = None, sequence_parallel: bool = True,
+                 regather: bool = False):
         super().__init__()
-        tp = impl("tensor_parallel")
-        rank, world = tp.tp_world(group)
+        rank, world = tp_world(group)
         self.group, self.sequence_parallel, self.regather = group, sequence_parallel, regather and sequence_parallel
-        self.heads = tp.check_divisible(block.attention.n_heads, world, "n_heads")
-        hidden = tp.check_divisible(block.feed_forward.w1.out_features, world, "hidden_dim")
+        self.heads = check_divisible(block.attention.n_heads, world, "n_heads")
+        hidden = check_divisible(block.feed_forward.w1.out_features, world, "hidden_dim")
         d = block.attention.wq.out_features // world
         rows = lambda w, k: nn.Parameter(w.weight[rank * k:(rank + 1) * k].detach().clone())
         cols = lambda w, k: nn.Parameter(w.weight[:, rank * k:(rank + 1) * k].detach().clone())
@@ -135,20 +136,29 @@ class ParallelBlock(nn.Module):
         self.w1, self.w3, self.w2 = rows(m.w1, hidden), rows(m.w3, hidden), cols(m.w2, hidden)
         self.attention_norm, self.ffn_norm = copy.deepcopy(block.attention_norm), copy.deepcopy(block.ffn_norm)
 
+    def sync_gradients(self) -> None:
+        """After backward: with SP, sum the norm weights' partial gradients (each rank saw s/t tokens) over
+        the group, in place; without SP every rank saw every token and there is nothing to do."""
+        if not self.sequence_parallel or tp_world(self.group)[1] == 1:
+            return
+        for norm in (self.attention_norm, self.ffn_norm):
+            if norm.weight.grad is not None:
+                dist.all_reduce(norm.weight.grad, group=self.group)
+
     def enter(self, x, *weights):
         """The TP region's first matmuls (column parallel) on x: one output per weight."""
         if self.regather:
             return GatherThenLinear.apply(x, self.group, *weights)
         if self.sequence_parallel:
-            x = gather_sequence(x, self.group)
+            x = gather_sequence(x, group=self.group)
         else:
-            x = impl("tensor_parallel").copy_to_parallel(x, self.group)
+            x = impl("tensor_parallel").copy_to_parallel(x, group=self.group)
         return [F.linear(x, w) for w in weights]
 
     def leave(self, x):
         if self.sequence_parallel:
-            return scatter_sequence(x, self.group)
-        return impl("tensor_parallel").reduce_from_parallel(x, self.group)
+            return scatter_sequence(x, group=self.group)
+        return impl("tensor_parallel").reduce_from_parallel(x, group=self.group)
 
     def forward(self, x, rope):
         q, k, v = self.enter(self.attention_norm(x), self.wq, self.wk, self.wv)  # [B, s, d/t]: every position
@@ -174,20 +184,13 @@ class GatherThenLinear(torch.autograd.Function):
     def forward(ctx, x, group, *weights):
         ctx.group = group
         ctx.save_for_backward(x, *weights)
-        full = all_gather_sequence(x, group)
+        full = all_gather_sequence(x, group=group)
         return tuple(F.linear(full, w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        full = all_gather_sequence(x, ctx.group).flatten(0, -2)  # again, instead of having kept it
+        full = all_gather_sequence(x, group=ctx.group).flatten(0, -2)  # again, instead of having kept it
         grad_x = sum(g @ w for g, w in zip(grads, weights))
         grad_w = [g.flatten(0, -2).T @ full for g in grads]
-        return (reduce_scatter_sequence(grad_x.contiguous(), ctx.group), None, *grad_w)
-
-
-def allreduce_norm_grads(block: ParallelBlock):
-    """SP only: sum the norm weights' partial gradients (each rank saw s/t tokens) over the group."""
-    for norm in (block.attention_norm, block.ffn_norm):
-        if norm.weight.grad is not None and _world(block.group)[1] > 1:
-            dist.all_reduce(norm.weight.grad, group=block.group)
+        return (reduce_scatter_sequence(grad_x.contiguous(), group=ctx.group), None, *grad_w)

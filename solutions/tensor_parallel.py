@@ -24,22 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.parallel.tp import check_divisible, tp_world  # noqa: F401 (notebooks 08 and 11 use them from here)
+
 NOTEBOOK = "08_tensor_parallel"
-
-
-def tp_world(group=None) -> tuple[int, int]:
-    """(rank, world size) in `group`; (0, 1) when no process group is initialised."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def check_divisible(size: int, world: int, what: str) -> int:
-    """size // world, or a ValueError that says which dimension does not split."""
-    if size % world:
-        raise ValueError(f"{what}={size} does not divide by the tensor-parallel size {world}: "
-                         f"choose a TP size that divides {size}, or pad {what} to a multiple of {world}")
-    return size // world
 
 
 # ---------------------------------------------------------------------------------------
@@ -119,19 +106,19 @@ class ScatterToParallel(torch.autograd.Function):
         return _all_gather_last(grad, ctx.group), None
 
 
-def copy_to_parallel(x, group=None):
+def copy_to_parallel(x, *, group: dist.ProcessGroup | None = None):
     return CopyToParallel.apply(x, group)
 
 
-def reduce_from_parallel(x, group=None):
+def reduce_from_parallel(x, *, group: dist.ProcessGroup | None = None):
     return ReduceFromParallel.apply(x, group)
 
 
-def gather_from_parallel(x, group=None):
+def gather_from_parallel(x, *, group: dist.ProcessGroup | None = None):
     return GatherFromParallel.apply(x, group)
 
 
-def scatter_to_parallel(x, group=None):
+def scatter_to_parallel(x, *, group: dist.ProcessGroup | None = None):
     return ScatterToParallel.apply(x, group)
 
 
@@ -155,7 +142,7 @@ class ColumnParallelLinear(nn.Module):
     Raises ValueError when out_features does not divide by the TP size.
     """
 
-    def __init__(self, linear: nn.Linear, group=None, gather_output: bool = False):
+    def __init__(self, linear: nn.Linear, *, group: dist.ProcessGroup | None = None, gather_output: bool = False):
         super().__init__()
         self.group, self.gather_output = group, gather_output
         ### BEGIN SOLUTION
@@ -168,9 +155,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         ### BEGIN SOLUTION
-        x = copy_to_parallel(x, self.group)  # backward: sum dL/dx over the ranks' blocks
+        x = copy_to_parallel(x, group=self.group)  # backward: sum dL/dx over the ranks' blocks
         y = F.linear(x, self.weight, self.bias)
-        return gather_from_parallel(y, self.group) if self.gather_output else y
+        return gather_from_parallel(y, group=self.group) if self.gather_output else y
         ### END SOLUTION
 
 
@@ -185,7 +172,7 @@ class RowParallelLinear(nn.Module):
     Raises ValueError when in_features does not divide by the TP size.
     """
 
-    def __init__(self, linear: nn.Linear, group=None, input_is_parallel: bool = True):
+    def __init__(self, linear: nn.Linear, *, group: dist.ProcessGroup | None = None, input_is_parallel: bool = True):
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
         ### BEGIN SOLUTION
@@ -198,8 +185,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         ### BEGIN SOLUTION
         if not self.input_is_parallel:
-            x = scatter_to_parallel(x, self.group)
-        y = reduce_from_parallel(F.linear(x, self.weight), self.group)  # sum of partial products
+            x = scatter_to_parallel(x, group=self.group)
+        y = reduce_from_parallel(F.linear(x, self.weight), group=self.group)  # sum of partial products
         return y + self.bias if self.bias is not None else y  # bias after the sum: added once
         ### END SOLUTION
 
@@ -218,17 +205,17 @@ class ParallelMLP(nn.Module):
     TP size.
     """
 
-    def __init__(self, mlp: nn.Module, group=None):
+    def __init__(self, mlp: nn.Module, *, group: dist.ProcessGroup | None = None):
         super().__init__()
         ### BEGIN SOLUTION
-        self.w1 = ColumnParallelLinear(mlp.w1, group)
-        self.w3 = ColumnParallelLinear(mlp.w3, group)
-        self.w2 = RowParallelLinear(mlp.w2, group, input_is_parallel=True)
+        self.w1 = ColumnParallelLinear(mlp.w1, group=group)
+        self.w3 = ColumnParallelLinear(mlp.w3, group=group)
+        self.w2 = RowParallelLinear(mlp.w2, group=group, input_is_parallel=True)
         ### END SOLUTION
 
     def forward(self, x):
         ### BEGIN SOLUTION
-        x = copy_to_parallel(x, self.w1.group)
+        x = copy_to_parallel(x, group=self.w1.group)
         w1, w3 = self.w1, self.w3
         hidden = F.silu(F.linear(x, w1.weight, w1.bias)) * F.linear(x, w3.weight, w3.bias)  # [..., k]
         return self.w2(hidden)
@@ -245,25 +232,26 @@ class ParallelAttention(nn.Module):
     Attention.forward. Raises ValueError when n_heads does not divide by the TP size.
     """
 
-    def __init__(self, attention: nn.Module, group=None):
+    def __init__(self, attention: nn.Module, *, group: dist.ProcessGroup | None = None):
         super().__init__()
         _, world = tp_world(group)
         self.local_heads = check_divisible(attention.n_heads, world, "n_heads")
         self.group = group
         # wq, wk, wv share one input: ONE copy_to_parallel (one backward all-reduce) for the three
-        self.wq, self.wk, self.wv = (ColumnParallelLinear(w, group) for w in (attention.wq, attention.wk, attention.wv))
-        self.wo = RowParallelLinear(attention.wo, group, input_is_parallel=True)
+        self.wq, self.wk, self.wv = (ColumnParallelLinear(w, group=group)
+                                     for w in (attention.wq, attention.wk, attention.wv))
+        self.wo = RowParallelLinear(attention.wo, group=group, input_is_parallel=True)
 
     def forward(self, x, rope):
         B, T, _ = x.shape
-        x = copy_to_parallel(x, self.group)
+        x = copy_to_parallel(x, group=self.group)
         local = lambda w: F.linear(x, w.weight).view(B, T, self.local_heads, -1).transpose(1, 2)
         q, k, v = local(self.wq), local(self.wk), local(self.wv)  # [B, local heads, T, hd]
         y = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
-def parallelize_model(model: nn.Module, group=None) -> nn.Module:
+def parallelize_model(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> nn.Module:
     """A copy of a labkit.model.Transformer whose attention and MLPs are tensor parallel.
 
     The embedding, norms and head stay replicated (every rank computes them in full): their
@@ -272,8 +260,8 @@ def parallelize_model(model: nn.Module, group=None) -> nn.Module:
     """
     tp = copy.deepcopy(model)
     for layer in tp.layers:
-        layer.attention = ParallelAttention(layer.attention, group)
-        layer.feed_forward = ParallelMLP(layer.feed_forward, group)
+        layer.attention = ParallelAttention(layer.attention, group=group)
+        layer.feed_forward = ParallelMLP(layer.feed_forward, group=group)
     return tp
 
 

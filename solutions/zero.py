@@ -18,83 +18,34 @@ extra communication. ZeRO-2 would also free the gradients outside the shard, ZeR
 
 Every function here is collective over `group` (None: the default group).
 """
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
+# The sharding rule, the flat collectives and the flat helpers are labkit's (labkit.parallel);
+# notebook 09 reads them from here too.
+from labkit.parallel.flat import flatten, grads_or_zeros, write_back
+from labkit.parallel.optim import WrapperOptimizer
+from labkit.parallel.sharding import (all_gather_flat, local_shard, optimizer_state_bytes,  # noqa: F401
+                                      reduce_scatter_mean, shard_size)
+
 NOTEBOOK = "09_zero_fsdp"
 
 
-def shard_size(numel: int, world_size: int) -> int:
-    """Elements per rank once `numel` is padded to a multiple of world_size: ceil(numel / N)."""
-    return math.ceil(numel / world_size)
-
-
-def reduce_scatter_mean(flat: torch.Tensor, group=None, via_allreduce: bool = False) -> torch.Tensor:
-    """This rank's shard of the average of `flat` over the ranks.
-
-    flat: 1-D, length a multiple of the world size, identical in length on every rank.
-    Returns a new tensor of length len(flat) // N: elements [r*s, (r+1)*s) of the mean.
-    gloo supports reduce-scatter in torch 2.13 (checked); `via_allreduce=True` is the
-    fallback for a backend that does not: all-reduce everything, keep the shard. Same
-    result, but every rank receives the whole sum: about twice the traffic.
-    """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if flat.dim() != 1 or flat.numel() % world:
-        raise ValueError(f"flat must be 1-D with a length that divides by the world size {world}, "
-                         f"got shape {tuple(flat.shape)}: pad it first (see shard_size)")
-    size = flat.numel() // world
-    if via_allreduce:
-        total = flat.clone()
-        dist.all_reduce(total, group=group)
-        out = total[rank * size:(rank + 1) * size].clone()
-    else:
-        out = torch.empty(size, dtype=flat.dtype, device=flat.device)
-        # SUM then divide (not ReduceOp.AVG): AVG is missing on some backends and versions
-        dist.reduce_scatter_single(out, flat.contiguous(), group=group)
-    return out.div_(world)
-
-
-def all_gather_flat(shard: torch.Tensor, group=None) -> torch.Tensor:
-    """Concatenate every rank's 1-D `shard` (same length everywhere) in rank order."""
-    world = dist.get_world_size(group)
-    out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
-    dist.all_gather_single(out, shard.contiguous(), group=group)
-    return out
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes THIS rank holds in an optimizer's state (Adam: exp_avg, exp_avg_sq, step).
-
-    A DTensor (FSDP2's sharded state) counts its local shard only.
-    """
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
-    return sum(local(t).numel() * t.element_size()
-               for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
-
-
-def flatten_padded(tensors, total: int) -> torch.Tensor:
-    """The tensors flattened into one 1-D tensor, zero-padded to `total` elements."""
-    flat = [t.reshape(-1) for t in tensors]
-    pad = total - sum(t.numel() for t in flat)
-    return torch.cat(flat + [flat[0].new_zeros(pad)])
-
-
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(WrapperOptimizer):
     """ZeRO-1: any element-wise optimizer with its state sharded over the ranks of `group`.
 
-    ShardedOptimizer(params, optimizer_class=torch.optim.AdamW, group=None, **defaults) is a
-    torch.optim.Optimizer, called like torch's ZeroRedundancyOptimizer: `params` is an iterable
-    of parameters or of parameter-group dicts (every rank passes the same parameters, in the
-    same order, with the same values), `defaults` the optimizer's hyper-parameters (lr, ...).
-    After loss.backward() on this rank's data, step():
-      - averages the gradients over the ranks AND shards them: per parameter group, one
-        reduce-scatter of the flat, zero-padded gradient; a .grad of None counts as zeros;
-      - runs `optimizer_class` on this rank's shards only (one inner group per outer group,
-        with the outer group's hyper-parameters, copied at every step so that lr schedulers work);
-      - all-gathers the updated shards and writes them back into every parameter, in place.
+    ShardedOptimizer(params, optimizer_class=torch.optim.AdamW, *, group=None, **defaults) is a
+    torch.optim.Optimizer (a labkit.parallel.optim.WrapperOptimizer), called like torch's
+    ZeroRedundancyOptimizer: `params` is an iterable of parameters or of parameter-group dicts
+    (every rank passes the same parameters, in the same order, with the same values), `defaults`
+    the optimizer's hyper-parameters (lr, ...). After loss.backward() on this rank's data, step()
+    copies the outer groups' hyper-parameters to the inner optimizer (lr schedulers work), then
+      - sync_gradients(), unless called already, averages the gradients over the ranks AND shards
+        them: per parameter group, one reduce-scatter of the flat, zero-padded gradient; a .grad
+        of None counts as zeros;
+      - update_parameters() runs `optimizer_class` on this rank's shards only (one inner group per
+        outer group), all-gathers the updated shards and writes them back into every parameter, in place.
     Every rank ends each step with the parameters of plain DP + optimizer_class, with ~1/N of
     its state. Parameters with requires_grad=False are left alone.
 
@@ -107,7 +58,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     state_dict() (the state is spread over the ranks).
     """
 
-    def __init__(self, params, optimizer_class=torch.optim.AdamW, group=None, **defaults):
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, *, group: dist.ProcessGroup | None = None,
+                 **defaults):
         self.group, self.optimizer_class = group, optimizer_class
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.shards, self.shard_sizes, self.optimizer = [], [], None
@@ -134,9 +86,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ### BEGIN SOLUTION
         numel = sum(p.numel() for p in params)
         size = shard_size(numel, self.world_size)
-        flat = flatten_padded([p.detach() for p in params], size * self.world_size)
+        flat = flatten([p.detach() for p in params], size * self.world_size)
         # this rank's master copy of its shard: the only parameters the inner optimizer knows
-        shard = nn.Parameter(flat[self.rank * size:(self.rank + 1) * size].clone())
+        shard = nn.Parameter(local_shard(flat, self.rank, self.world_size).clone())
         self.shards.append(shard)
         self.shard_sizes.append(size)
         if self.optimizer is None:
@@ -151,39 +103,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self.shards[0]
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
-            inner.update({k: v for k, v in outer.items() if k != "params"})  # lr schedulers write outer
+    def sync_gradients(self) -> None:
+        """Average the gradients over the ranks into this rank's shards' .grad (collective).
+
+        step() calls it when it has not been called since the last step; call it yourself
+        to look at the averaged shard gradients first (clipping them, say).
+        """
         ### BEGIN SOLUTION
         for group, shard, size in zip(self.param_groups, self.shards, self.shard_sizes):
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._trainable(group)]
-            shard.grad = reduce_scatter_mean(flatten_padded(grads, size * self.world_size), self.group)
+            grads = grads_or_zeros(self._trainable(group))
+            shard.grad = reduce_scatter_mean(flatten(grads, size * self.world_size), group=self.group)
+        ### END SOLUTION
+        self.mark_synced()
+
+    @torch.no_grad()
+    def update_parameters(self) -> None:
+        """The inner optimizer's step on the shards, then every updated shard back into the parameters."""
+        ### BEGIN SOLUTION
         self.optimizer.step()  # the optimizer on 1/N of the parameters
         for group, shard in zip(self.param_groups, self.shards):
-            flat = all_gather_flat(shard.detach(), self.group)  # everyone gets every shard
-            offset = 0
-            for p in self._trainable(group):
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            flat = all_gather_flat(shard.detach(), group=self.group)  # everyone gets every shard
+            write_back(flat, self._trainable(group))
         ### END SOLUTION
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self.optimizer.zero_grad(set_to_none)
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank (e.g. exp_avg, exp_avg_sq of the shards, step)."""
-        return optimizer_state_bytes(self.optimizer)
 
 
 class ZeroAdamW(ShardedOptimizer):
-    """ShardedOptimizer(params, torch.optim.AdamW, group, lr=, betas=, eps=, weight_decay=)."""
+    """ShardedOptimizer(params, torch.optim.AdamW, group=group, lr=, betas=, eps=, weight_decay=)."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, group=None):
-        super().__init__(params, torch.optim.AdamW, group, lr=lr, betas=betas, eps=eps,
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, *,
+                 group: dist.ProcessGroup | None = None):
+        super().__init__(params, torch.optim.AdamW, group=group, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay)

@@ -10,7 +10,8 @@ buffer goes once the collective is done. At most two buckets of full gradient ex
     backward   post-accumulate-grad hook: when a bucket's gradients are all there, flatten
                them (zero-padded to a multiple of N), drop the params' .grad, start an async
                reduce-scatter (waiting first for the previous bucket: its buffer is freed)
-    step()     wait for the last buckets, average, step the optimizer on the shards,
+    sync_gradients()  wait for the last buckets, average into the shards' .grad
+    step()     (sync_gradients() unless called already), step the optimizer on the shards,
                all-gather each bucket's updated shard back into the parameters
 
 Every rank ends each step with the parameters of DP + the same optimizer. Communication:
@@ -20,63 +21,55 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .zero import all_gather_flat, flatten_padded, optimizer_state_bytes, shard_size
+from labkit.parallel.flat import bucket_parameters, flatten, grads_or_zeros, trainable, write_back
+from labkit.parallel.optim import WrapperOptimizer
+from labkit.parallel.sharding import all_gather_flat, local_shard, shard_size
 
 NOTEBOOK = "09_zero_fsdp"
 
 
-class Zero2Optimizer:
-    """ZeRO-2: Zero2Optimizer(model, optimizer_class=torch.optim.AdamW, bucket_size_mb=25.0, group=None, **defaults).
+class Zero2Optimizer(WrapperOptimizer):
+    """ZeRO-2: Zero2Optimizer(model, optimizer_class=torch.optim.AdamW, bucket_size_mb=25.0, *, group=None, **defaults).
 
-    Trainable parameters (model.parameters(): tied weights once, frozen ones never) are put in
-    REVERSE order into buckets of about bucket_size_mb MB, as BucketedDataParallel does (a larger
-    parameter gets a bucket of its own). Bucket i is a flat vector padded to a multiple of N; rank r
-    owns its elements [r*s_i, (r+1)*s_i), s_i = ceil(numel_i / N), as the nn.Parameter `shards[i]`.
-    `optimizer` = optimizer_class(shards, **defaults) (element-wise optimizers only, as ZeRO-1).
-    Usage: loss.backward(); opt.step(); opt.zero_grad(). A .grad that is None when its bucket is
-    reduced counts as zeros. Attributes: `buckets` (lists of Parameters, buckets[0] = the LAST
-    parameters of the model), `shards`, `optimizer`, and `peak_grad_bytes`: the most bytes of
-    gradient (full .grad, bucket buffers, shard gradients) seen at once by the hooks and step().
-    Raises ValueError when bucket_size_mb <= 0 or no parameter requires grad. One backward per
-    step(): a second backward before step() raises RuntimeError.
+    A torch.optim.Optimizer (a labkit.parallel.optim.WrapperOptimizer: lr schedulers drive it; its
+    one parameter group holds the model's trainable parameters and `defaults`, copied to the inner
+    optimizer at each step()). Trainable parameters (model.parameters(): tied weights once, frozen
+    ones never) are put in REVERSE order into buckets of about bucket_size_mb MB (`labkit.parallel.flat.
+    bucket_parameters`, as BucketedDataParallel does). Bucket i is a flat vector padded to a
+    multiple of N; rank r owns its elements [r*s_i, (r+1)*s_i), s_i = ceil(numel_i / N), as the
+    nn.Parameter `shards[i]`. `optimizer` = optimizer_class(shards, **defaults) (element-wise
+    optimizers only, as ZeRO-1). Usage: loss.backward(); opt.step(); opt.zero_grad(), step()
+    calling sync_gradients() unless you did; step(closure) returns the closure's loss. A .grad
+    that is None when its bucket is reduced counts as zeros. Attributes: `buckets` (lists of
+    Parameters, buckets[0] = the LAST parameters of the model), `shards`, `optimizer`, and
+    `peak_grad_bytes`: the most bytes of gradient (full .grad, bucket buffers, shard gradients)
+    seen at once by the hooks and step(). Raises ValueError when bucket_size_mb <= 0 or no
+    parameter requires grad. One backward per step(): a second backward before step() raises
+    RuntimeError.
     """
 
-    def __init__(self, model: nn.Module, optimizer_class=torch.optim.AdamW, bucket_size_mb: float = 25.0,
-                 group=None, **defaults):
-        params = [p for p in model.parameters() if p.requires_grad]
+    def __init__(self, model: nn.Module, optimizer_class=torch.optim.AdamW, bucket_size_mb: float = 25.0, *,
+                 group: dist.ProcessGroup | None = None, **defaults):
+        params = trainable(model)
         if not params:
             raise ValueError("the model has no parameter that requires grad")
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.peak_grad_bytes = 0
+        super().__init__(params, defaults)  # the outer group: what lr schedulers write
         ### BEGIN SOLUTION
-        if not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}: "
-                             "use e.g. 25 (MB of gradient per reduce-scatter)")
-        limit = bucket_size_mb * 2**20
-        self.buckets, current, size = [], [], 0
-        for p in reversed(params):
-            nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > limit:
-                self.buckets.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        self.buckets.append(current)
+        self.buckets = bucket_parameters(params, bucket_size_mb)
         self.sizes = [shard_size(sum(p.numel() for p in b), self.world_size) for b in self.buckets]
         self.shards = []
         for bucket, s in zip(self.buckets, self.sizes):
-            flat = flatten_padded([p.detach() for p in bucket], s * self.world_size)
-            self.shards.append(nn.Parameter(flat[self.rank * s:(self.rank + 1) * s].clone()))
+            flat = flatten([p.detach() for p in bucket], s * self.world_size)
+            self.shards.append(nn.Parameter(local_shard(flat, self.rank, self.world_size).clone()))
         self.optimizer = optimizer_class(self.shards, **defaults)
         self._bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._bucket_of]
         self._reset()
         ### END SOLUTION
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups  # so that lr schedulers can drive it
+        self.state = self.optimizer.state  # the (sharded) state lives in the inner optimizer
 
     def _reset(self):
         self._ready = [set() for _ in self.buckets]  # ids of the params whose grad is ready
@@ -117,8 +110,7 @@ class Zero2Optimizer:
         if i > 0:
             self._finish_bucket(i - 1)  # at most two full buckets alive: the previous one is freed now
         bucket = self.buckets[i]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-        flat = flatten_padded(grads, self.sizes[i] * self.world_size)
+        flat = flatten(grads_or_zeros(bucket), self.sizes[i] * self.world_size)
         for p in bucket:
             p.grad = None  # the full gradient lives on only in `flat`, until the collective is done
         out = torch.empty(self.sizes[i], dtype=flat.dtype, device=flat.device)
@@ -129,8 +121,8 @@ class Zero2Optimizer:
         ### END SOLUTION
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Launch the waiting buckets, wait, average, step the shards, all-gather the parameters."""
+    def sync_gradients(self) -> None:
+        """Launch the waiting buckets, wait for them, average into the shards' .grad (collective)."""
         ### BEGIN SOLUTION
         while self._next < len(self.buckets):  # buckets holding a parameter that got no grad
             self._launch(self._next)
@@ -138,24 +130,18 @@ class Zero2Optimizer:
             self._finish_bucket(i)
             shard.grad = self._pending[i][1].div_(self.world_size)
         self._track()
+        ### END SOLUTION
+        self.mark_synced()
+
+    @torch.no_grad()
+    def update_parameters(self) -> None:
+        """Step the shards, all-gather every bucket's updated shard back into its parameters."""
+        ### BEGIN SOLUTION
         self.optimizer.step()
         for bucket, shard in zip(self.buckets, self.shards):
-            flat = all_gather_flat(shard.detach(), self.group)
-            offset = 0
-            for p in bucket:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            write_back(all_gather_flat(shard.detach(), group=self.group), bucket)
         self._reset()
         ### END SOLUTION
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none)
-        for p in self._bucket_of:
-            p.grad = None
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank."""
-        return optimizer_state_bytes(self.optimizer)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

@@ -162,11 +162,11 @@ def _average_ignores_group(model, group=None):
 
 
 def _allreduce_gradients_ignores_group(model, group=None, allreduce_fn=None):
-    impl("data_parallel", "solutions").allreduce_gradients(model, None, allreduce_fn)  # BUG: group dropped
+    impl("data_parallel", "solutions").sync_gradients(model, group=None, allreduce_fn=allreduce_fn)  # BUG: group dropped
 
 
 def _bucketed_ignores_group(model, bucket_size_mb=25.0, group=None):
-    return impl("data_parallel", "solutions").BucketedDataParallel(model, bucket_size_mb, None)  # BUG: group dropped
+    return impl("data_parallel", "solutions").BucketedDataParallel(model, bucket_size_mb, group=None)  # BUG: group dropped
 
 
 MUTANTS = {"broadcast_ignores_group": _broadcast_ignores_group,
@@ -191,7 +191,7 @@ def _dp_group_cases_with(rank, world_size, exercise, mutant_name):
     ("broadcast_parameters", "broadcast_from_group_rank_0",
      "it must hold global rank 2's values: first differing parameter or buffer: 'scale'"),
     ("average_weights", "average_ignores_group", "called dist.all_reduce on the default group"),
-    ("allreduce_gradients", "allreduce_gradients_ignores_group", "called dist.all_reduce on the default group"),
+    ("sync_gradients", "allreduce_gradients_ignores_group", "called dist.all_reduce on the default group"),
     ("BucketedDataParallel", "bucketed_ignores_group", "called dist.broadcast on the default group"),  # its DDP-like broadcast
 ])
 def test_dp_group_cases_catch_a_mutant(exercise, mutant, message):
@@ -216,8 +216,8 @@ def _tp_with_mutant(rank, world_size):
     original = tp.ColumnParallelLinear
 
     class IgnoresGroup(original):
-        def __init__(self, linear, group=None, gather_output=False):
-            super().__init__(linear, None, gather_output)  # BUG: group dropped
+        def __init__(self, linear, *, group=None, gather_output=False):
+            super().__init__(linear, group=None, gather_output=gather_output)  # BUG: group dropped
     tp.ColumnParallelLinear = IgnoresGroup
     try:
         return grading_module("tensor_parallel")._run_group_cases(rank, world_size)

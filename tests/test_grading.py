@@ -157,11 +157,11 @@ def test_every_grading_test_fails_on_the_untouched_stubs(stub_run):
 def test_every_exercise_has_grading_tests_and_appears_in_the_table(stub_run):
     out, outcomes = stub_run
     graded = {name for o in outcomes.values() for name in o["exercises"]}
-    missing = [e.name for e in exercises() if e.name not in graded]
+    missing = [e.key for e in exercises() if e.key not in graded]
     assert not missing, f"exercises without a grading test: {missing}"
     for exercise in exercises():
-        assert any(line.split()[:1] == [exercise.name] and "not implemented yet" in line
-                   for line in out.stdout.splitlines()), f"{exercise.name} missing from the grade table"
+        assert any(line.split()[:1] == [exercise.key] and "not implemented yet" in line
+                   for line in out.stdout.splitlines()), f"{exercise.key} missing from the grade table"
 
 
 @pytest.mark.parametrize("tb", ["long", "no"])

@@ -60,3 +60,130 @@ def test_the_check_sees_a_forbidden_import(tmp_path, monkeypatch):
         assert planted in list(core_modules())
     finally:
         planted.unlink()
+
+
+# -- the solution layer ------------------------------------------------------------------------
+# A solution builds on another topic only through impl("<topic>") at call time (so a learner's
+# notebook 07 runs on their own notebook 06 code), never imports a private (_name) core name, and
+# no solution module imports another one at all, so there can be no import cycle among them.
+SOLUTIONS = LABKIT.parent / "solutions"
+# Known violations still to remove (none now). Each entry must still be found, so a stale one fails.
+PENDING: set = set()
+
+
+def _solution_imports(path: Path, topics: set):
+    """(imported solutions topic or None, imported labkit module, names, line, at module level) per import."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = {id(n) for n in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, [], node.lineno, id(node) in top
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: inside the solutions package
+                module = "solutions" + (f".{module}" if module else "")
+            names = [a.name for a in node.names]
+            if module == "solutions":  # "from . import zero" imports solutions.zero
+                for name in names:
+                    yield f"solutions.{name}", [], node.lineno, id(node) in top
+            else:
+                yield module, names, node.lineno, id(node) in top
+
+
+def _module_level_impl_calls(path: Path):
+    """Lines of impl(...) calls that run when the module is imported (outside any def or class body)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    lines = []
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "impl":
+                lines.append(node.lineno)
+    return lines
+
+
+def _private_attribute_uses(path: Path):
+    """(line, 'alias._name') where a labkit module bound to `alias` has a private attribute read."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    aliases = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit"):
+            aliases |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            aliases |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("labkit")}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name) and node.value.id in aliases):
+            yield node.lineno, f"{node.value.id}.{node.attr}"
+
+
+def solution_violations(root: Path) -> list[str]:
+    """Every break of the solution layer's rules in root/solutions/*.py, one line each."""
+    paths = {p.stem: p for p in sorted((root / "solutions").glob("*.py")) if p.stem != "__init__"}
+    found, edges = [], {topic: set() for topic in paths}
+    for topic, path in paths.items():
+        for module, names, line, _ in _solution_imports(path, set(paths)):
+            if module == "solutions" or module.startswith("solutions.") or module.startswith("exercises"):
+                other = module.split(".")[1] if "." in module else "?"
+                found.append(f"{topic} imports {module}")
+                edges[topic].add(other)
+            elif module.startswith("labkit"):
+                found += [f"{topic} imports the private core name {module}.{n} (line {line})"
+                          for n in names if n.startswith("_") and not n.startswith("__")]
+        found += [f"{topic} calls impl() at import time (line {n}): call it where it is used"
+                  for n in _module_level_impl_calls(path)]
+        found += [f"{topic} reads the private core name {name} (line {n})" for n, name in _private_attribute_uses(path)]
+    found += _cycles(edges)
+    return found
+
+
+def _cycles(edges: dict) -> list[str]:
+    """'import cycle: a -> b -> a' for each cycle of the import graph (each reported once)."""
+    cycles = set()
+
+    def walk(node, path):
+        for nxt in sorted(edges.get(node, ())):
+            if nxt in path:
+                cycle = path[path.index(nxt):]
+                start = cycle.index(min(cycle))  # one rotation per cycle
+                cycles.add(tuple(cycle[start:] + cycle[:start]))
+            else:
+                walk(nxt, path + [nxt])
+
+    for node in edges:
+        walk(node, [node])
+    return [f"import cycle: {' -> '.join(c + (c[0],))}" for c in sorted(cycles)]
+
+
+def test_solutions_reach_other_topics_only_through_impl_no_private_core_names_no_cycles():
+    found = solution_violations(LABKIT.parent)
+    stale = PENDING - set(found)
+    assert not stale, f"fixed, delete them from PENDING in tests/test_layers.py: {sorted(stale)}"
+    new = [v for v in found if v not in PENDING]
+    assert not new, ("a solution reaches another topic only through impl('<topic>') at call time, and uses "
+                     "labkit's public names only:\n" + "\n".join(new))
+
+
+def test_the_solution_check_catches_each_planted_violation(tmp_path):
+    """A tree of planted solutions: every rule is broken once and every break is reported."""
+    (tmp_path / "solutions").mkdir()
+    plant = {
+        "clean": "from labkit.grading import impl\n\ndef f():\n    return impl('a').x\n",
+        "a": "from .b import y\nx = 1\n",                                  # cross-topic import ...
+        "b": "import solutions.a\ny = 2\n",                                # ... and the cycle a -> b -> a
+        "c": "from labkit.comm.checks import _DTYPES\n",            # a private core name
+        "d": "from labkit.grading import impl\nzero = impl('zero')\n",     # impl() bound at import time
+        "e": "from labkit.comm import checks as cc\n\ndef f():\n    return cc._allowed_devices\n",
+        "f": "def g():\n    from exercises.zero import shard_size\n",      # the other package, inside a function
+    }
+    for name, text in plant.items():
+        (tmp_path / "solutions" / f"{name}.py").write_text(text)
+    found = solution_violations(tmp_path)
+    expected = ["a imports solutions.b", "b imports solutions.a",
+                "c imports the private core name labkit.comm.checks._DTYPES (line 1)",
+                "d calls impl() at import time (line 2): call it where it is used",
+                "e reads the private core name cc._allowed_devices (line 4)",
+                "f imports exercises.zero", "import cycle: a -> b -> a"]
+    assert sorted(found) == sorted(expected), found

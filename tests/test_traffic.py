@@ -67,7 +67,7 @@ def padded(n):  # the sharding rule: ceil(n / N) per rank
 def dp(rank):
     model = Net()
     model(torch.randn(2, 5)).backward()
-    m = measure(lambda: impl("data_parallel").allreduce_gradients(model))
+    m = measure(lambda: impl("data_parallel").sync_gradients(model))
     # one flat buffer: every trainable gradient, then one has-a-gradient flag per parameter
     size = (numel(trainable(model)) + len(trainable(model))) * F32
     expect(m, {"all_reduce": 1}, size, size * ALL_REDUCE, "DP")
@@ -78,7 +78,7 @@ def bucketed_dp(rank):
 
     def step():
         ddp(torch.randn(2, 5)).backward()
-        ddp.finish()
+        ddp.sync_gradients()
     m = measure(step)
     assert len(ddp.buckets) > 1
     size = sum((numel(b) + len(b)) * F32 for b in ddp.buckets)
@@ -134,7 +134,7 @@ def zero3(rank):
 
     def step():
         model(x, x).backward()
-        z3.finish()
+        z3.sync_gradients()
     m = measure(step)
     blocks = [padded(numel(trainable(b))) * F32 for b in model.layers]
     in_blocks = {p for b in model.layers for p in b.parameters()}
@@ -168,7 +168,7 @@ def sp(rank):
 
     def step():
         pb(xs, model.rope).backward(torch.ones(2, s // N, d))
-        sp.allreduce_norm_grads(pb)
+        pb.sync_gradients()
     m = measure(step)
     full = 2 * s * d * F32  # S of each all-gather / reduce-scatter: the full [B, s, d]
     norms = 2 * d * F32
@@ -180,13 +180,13 @@ def cp(rank):
     from labkit.mesh import Mesh
     from labkit.model import build_model
     model = build_model("tiny", seed=0)
-    cp = impl("context_parallel").ContextParallel(model, Mesh(N, cp=N))
+    cp = impl("context_parallel").ContextParallel(model, mesh=Mesh(N, cp=N))
     s, d, L = 16, model.config.d_model, model.config.n_layers
     x = torch.randint(0, 256, (1, s), generator=torch.Generator().manual_seed(0))
 
     def step():
         cp(x, x).backward()
-        cp.allreduce_gradients()
+        cp.sync_gradients()
     m = measure(step)
     kv = 2 * (s // N) * d * F32  # one K and V block of this rank's s/N positions
     # per layer: forward passes K,V on N-1 times; backward N-1 times more, and dK,dV travel N times
@@ -202,12 +202,12 @@ def ep(rank):
     from labkit.mesh import Mesh
     epm = impl("expert_parallel")
     mesh = Mesh(N, ep=N, combined=[("dp", "ep")])
-    model = epm.build_ep_model("tiny-moe", mesh, seed=0)
+    model = epm.build_ep_model("tiny-moe", mesh=mesh, seed=0)
     x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(rank))
 
     def step():
         model(x, x).backward()
-        epm.allreduce_ep_gradients(model, mesh)
+        epm.sync_gradients(model, mesh=mesh)
     m = measure(step)
     d, E = model.config.d_model, model.config.n_experts
     layers, local = moe.moe_layers(model), E // N

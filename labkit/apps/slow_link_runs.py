@@ -86,9 +86,9 @@ def train_over_link(rank, world_size, method="dp", steps=48, bandwidth=5e6, late
                 algo.step()
             else:
                 if method == "dp":
-                    sl.dp_allreduce_gradients(model)
+                    sl.sync_gradients(model)
                 elif method == "powersgd":
-                    comp.reduce()
+                    comp.sync_gradients()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             history["loss"].append(loss.item())

@@ -166,7 +166,7 @@ def train_rank(rank: int, world_size: int, args) -> dict:
             xs, ys = shard_rows((x, y), mesh.coord("dp"), mesh.size("dp"))
             loss = module(xs, ys)
             loss.backward()
-            impl("data_parallel").allreduce_gradients(module, group=mesh.group("dp"))
+            impl("data_parallel").sync_gradients(module, group=mesh.group("dp"))
             loss = loss.detach().clone()
             dist.all_reduce(loss, group=mesh.group("dp"))
             loss /= mesh.size("dp")

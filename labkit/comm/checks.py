@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 # A stable code per dtype, so ranks can compare dtypes as integers.
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+DTYPE_CODES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
            torch.complex64, torch.complex128]
 
@@ -60,7 +60,8 @@ def _allowed_devices(group) -> set | None:
     return {"gloo": {"cpu"}, "nccl": {"cuda"}}.get(backend)
 
 
-def _metadata_device(group) -> torch.device:
+def metadata_device(group) -> torch.device:
+    """Where a small tensor of metadata (sizes, dtype codes) must live to travel over `group`'s backend."""
     backend = str(dist.get_backend(group)).lower()
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -79,9 +80,9 @@ def check_tensors(name: str, tensor: torch.Tensor, group=None, local_error: str 
         tensor = torch.empty(0)
     allowed = _allowed_devices(group)
     device_ok = allowed is None or tensor.device.type in allowed
-    code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1
+    code = DTYPE_CODES.index(tensor.dtype) if tensor.dtype in DTYPE_CODES else -1
     mine = torch.tensor([tensor.numel(), code, int(device_ok), int(local_error is None)],
-                        dtype=torch.int64, device=_metadata_device(group))
+                        dtype=torch.int64, device=metadata_device(group))
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     rows = [tuple(int(v) for v in row.cpu()) for row in everyone]
@@ -101,7 +102,7 @@ def check_tensors(name: str, tensor: torch.Tensor, group=None, local_error: str 
             f"move the tensor (.cpu() / .cuda()) or pick the matching backend")
     if len({row[:2] for row in rows}) > 1:
         def describe(row):
-            dtype = _DTYPES[row[1]] if row[1] >= 0 else "an unusual dtype"
+            dtype = DTYPE_CODES[row[1]] if row[1] >= 0 else "an unusual dtype"
             return f"{row[0]} elements of {dtype}"
         listing = ", ".join(f"rank {r}: {describe(row)}" for r, row in zip(ranks, rows))
         raise ValueError(f"{name}: the tensors differ across ranks ({listing}); every rank must "

@@ -97,7 +97,7 @@ def pytest_runtest_makereport(item, call):
 def _rows(outcomes):
     from labkit.grading.registry import exercises
 
-    known = {e.name: e for e in exercises()}
+    known = {e.key: e for e in exercises()}
     by_exercise: dict[str, list[str]] = {}
     for outcome in outcomes.values():
         for name in outcome["exercises"]:

@@ -20,6 +20,8 @@ class Exercise:
     topic: str  # the module: solutions/<topic>.py
     notebook: str  # e.g. "03_allreduce"
 
+    key: str = ""  # how grading marks and the grade table name it: `name`, or `topic.name` when two topics share it
+
     @property
     def file(self) -> str:
         return f"exercises/{self.topic}.py"
@@ -73,6 +75,10 @@ def exercises() -> list[Exercise]:
         notebook = notebook_of(source, path.stem)
         for name in dict.fromkeys(name for name, _, _ in blocks):
             found.append(Exercise(name, path.stem, notebook))
+    # One verb across topics (e.g. sync_gradients in DP and EP): a shared name is qualified by its topic.
+    shared = {e.name for e in found if sum(f.name == e.name for f in found) > 1}
+    found = [Exercise(e.name, e.topic, e.notebook, f"{e.topic}.{e.name}" if e.name in shared else e.name)
+             for e in found]
     return sorted(found, key=lambda e: e.notebook)  # stable: source order within a notebook
 
 

@@ -75,11 +75,11 @@ def elastic_train(rank, world_size, directory, steps: int = 8, every: int = 2, k
     `out`: rank 0 also saves the final weights there (for torchrun, which returns nothing).
     """
     import torch
-    import torch.distributed as dist
 
     from labkit.training.checkpoint import load_state, save_state
     from labkit.data import get_batch, load_tokens
     from labkit.model import build_model
+    from labkit.parallel.flat import allreduce_mean_
 
     config = config or small_config()
     tokens = load_tokens()
@@ -98,13 +98,7 @@ def elastic_train(rank, world_size, directory, steps: int = 8, every: int = 2, k
         x = x * (torch.rand(x.shape) > 0.1)  # token dropout: uses this rank's RNG
         opt.zero_grad(set_to_none=True)
         model(x, y).backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        dist.all_reduce(flat)
-        flat /= world_size
-        offset = 0
-        for p in model.parameters():
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        allreduce_mean_([p.grad for p in model.parameters()])
         opt.step()
         if (step + 1) % every == 0:
             save_state(directory, step + 1, model, opt, config=config)

@@ -199,6 +199,12 @@ class NullTimeline:
         pass
 
 
+def or_null(timeline: Timeline | None) -> Timeline | NullTimeline:
+    """The lab's one optional-timeline idiom: a function takes ``*, timeline: Timeline | None = None``
+    and records into ``or_null(timeline)``: the timeline itself, or a NullTimeline that records nothing."""
+    return timeline if timeline is not None else NullTimeline()
+
+
 # --------------------------------------------------------------------------- analysis
 def _union(intervals) -> float:
     total, cur_s, cur_e = 0.0, None, None

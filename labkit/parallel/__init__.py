@@ -1,2 +1,3 @@
 """Infrastructure shared by the parallelisms that is not an exercise: pipeline schedules as data
-(`schedules`) and stage plumbing (`stages`)."""
+(`schedules`) and stage plumbing (`stages`), flatten/write-back and bucketing (`flat`), the one sharding
+rule (`sharding`), the optimizer wrapper of ZeRO-1/2 (`optim`), tensor-parallel helpers (`tp`)."""

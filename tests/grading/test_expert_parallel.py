@@ -1,5 +1,5 @@
 """Grading tests for notebook 12_experts: expert parallelism (dispatch, compute_experts,
-combine) and EP x DP (allreduce_ep_gradients).
+combine) and EP x DP (sync_gradients).
 
 Run: pytest tests/grading/test_expert_parallel.py   (add --impl=solutions for the reference)
 
@@ -94,7 +94,7 @@ def model_case(r, n, E, cf):
     mesh = Mesh(n, ep=n, combined=[("dp", "ep")])
     cfg = get_config("tiny-moe", n_experts=E, capacity_factor=cf)
     ref = build_model(cfg, seed=3).double()
-    model = ep.build_ep_model(cfg, mesh, seed=3, dtype=torch.float64)
+    model = ep.build_ep_model(cfg, mesh=mesh, seed=3, dtype=torch.float64)
     x, y = tokens(2 * n, seed=E)
     shards = [shard_rows((x, y), s, n) for s in range(n)]
     # reference: one process runs every rank's rows; the sum of their losses (each a mean over its rows)
@@ -129,7 +129,7 @@ def ep_dp_training_case(r, n, steps=3):
     mesh = Mesh(n, dp=2, ep=2, combined=[("dp", "ep")])
     cfg = get_config("tiny-moe", capacity_factor=1.0)
     ref = build_model(cfg, seed=5).double()
-    model = ep.build_ep_model(cfg, mesh, seed=5, dtype=torch.float64)
+    model = ep.build_ep_model(cfg, mesh=mesh, seed=5, dtype=torch.float64)
     groups = ep.gradient_groups(model)
     assert all(groups[k] == (("dp",) if ".experts." in k else ("dp", "ep")) for k in groups), groups
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3)
@@ -142,7 +142,7 @@ def ep_dp_training_case(r, n, steps=3):
         opt_ref.zero_grad()
         loss = model(*shard_rows((x, y), mesh.index(("dp", "ep")), n))
         loss.backward()
-        ep.allreduce_ep_gradients(model, mesh)
+        ep.sync_gradients(model, mesh=mesh)
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -156,11 +156,11 @@ def ep_dp_training_case(r, n, steps=3):
 def bad_input_case(r, n, make_mesh, E, words):
     ep = impl("expert_parallel")
     good = Mesh(n, ep=n, combined=[("dp", "ep")])
-    model = ep.build_ep_model(get_config("tiny-moe", n_layers=1), good, seed=0)
+    model = ep.build_ep_model(get_config("tiny-moe", n_layers=1), mesh=good, seed=0)
     model(tokens(1, 0)[0])  # must work on good input first
     mesh = make_mesh()
     try:
-        ep.build_ep_model(get_config("tiny-moe", n_layers=1, n_experts=E), mesh, seed=0)
+        ep.build_ep_model(get_config("tiny-moe", n_layers=1, n_experts=E), mesh=mesh, seed=0)
     except ValueError as e:
         assert any(w in str(e) for w in words), f"the error should say what is wrong: {e}"
     else:
@@ -228,7 +228,7 @@ def test_expert_parallel_equals_single_device_same_drops_logits_every_gradient(e
     expect_ok(f"model_E{E}", ep)
 
 
-@pytest.mark.exercise("allreduce_ep_gradients", "dispatch", "compute_experts", "combine", "all_to_all_single")
+@pytest.mark.exercise("expert_parallel.sync_gradients", "dispatch", "compute_experts", "combine", "all_to_all_single")
 def test_ep_x_dp_k_adamw_steps_equal_one_process():
     expect_ok("ep_dp_training", 4)
 

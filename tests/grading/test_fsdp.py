@@ -87,7 +87,7 @@ def _train(rank, world, make, steps=3, prefetch=True, fsdp2=False):
                                    msg=lambda m: f"step {step}: the forward's loss differs from one process: {m}")
         loss.backward()
         ref_loss.backward()
-        zero3.finish()
+        zero3.sync_gradients()
         if step == 0:  # the gradient shards: this rank's slice of one process's flat gradient, per unit
             for unit in zero3.units + ([zero3.root] if zero3.root else []):
                 full = torch.cat([dict(zip(map(id, ours.parameters()), one.parameters()))[id(p)].grad.reshape(-1)
@@ -135,7 +135,7 @@ def _prefetch_order(rank, world, prefetch):
     tl = Timeline()
     zero3 = fsdp.ZeRO3(model, prefetch=prefetch, timeline=tl)
     model(torch.ones(2, 5, dtype=torch.float64)).backward()
-    zero3.finish()
+    zero3.sync_gradients()
     spans = tl.spans
     fwd = {s.mb: s for s in spans if s.kind == "F"}
     assert set(fwd) == {0, 1, 2}, f"expected F spans for blocks 0, 1, 2, got {sorted(fwd)}"

@@ -124,14 +124,14 @@ def test_backward_step_accumulates_over_two_half_batches():
         torch.testing.assert_close(p.grad, q.grad, **F32_GRAD_TOL, msg=lambda m: f"{name}: {m}")
 
 
-def _naive_rank(rank, world_size, tp=1):
+def _naive_rank(rank, world_size, tp=1, dtype=torch.float32):
     """naive_step on Mesh(world_size, pp=world_size // tp, tp=tp): with tp > 1 there are tp pipelines
     and pp is not the innermost axis (Mesh(4, pp=2, tp=2): pipelines 0->2 and 1->3)."""
     from labkit.model import build_model, make_stage
 
     naive = impl("pipeline_naive")
     x, y = _data()
-    model = build_model("tiny", seed=0)
+    model = build_model("tiny", seed=0).to(dtype)  # naive_step's buffers follow the stage: no dtype= passed
     mesh = Mesh(world_size, pp=world_size // tp, tp=tp)
     stage = make_stage(model, mesh.coord("pp"), mesh.size("pp"))
     loss = naive.naive_step(stage, x, y, mesh=mesh, act_shape=(BATCH, SEQ, model.config.d_model))
@@ -206,3 +206,27 @@ def test_naive_step_two_pipelines_pp_not_innermost_neighbours_from_the_mesh():
             torch.testing.assert_close(loss, ref_loss)
         else:
             assert loss is None, f"rank {rank} is stage 0: it must return None (only the last stage has the loss)"
+
+
+def _naive_rank_float64(rank, world_size):
+    return _naive_rank(rank, world_size, 1, torch.float64)
+
+
+@pytest.mark.exercise("naive_step")
+def test_naive_step_float64_stages_receive_float64_without_a_dtype_argument():
+    """dtype follows the module: a float64 pipeline equals the float64 model (float64: the sums of
+    different order agree to ~1e-15 relative, so 1e-10 is far from rounding and far below any real error)."""
+    from labkit.model import build_model, make_stages
+
+    results = _launch_or_show_your_lines(_naive_rank_float64, 2)
+    x, y = _data()
+    ref = build_model("tiny", seed=0).double()
+    ref_loss = ref(x, y)
+    ref_loss.backward()
+    for s, stage in enumerate(make_stages(ref, 2)):
+        grads, loss = results[s]
+        for n, param in stage.named_parameters():
+            assert grads[n] is not None and grads[n].dtype == torch.float64, f"stage {s}, {n}: {grads[n]!r:.80}"
+            torch.testing.assert_close(grads[n], param.grad, rtol=1e-10, atol=1e-12,
+                                       msg=lambda m: f"stage {s} is the first whose gradient differs ({n}): {m}")
+    torch.testing.assert_close(results[1][1], ref_loss.detach(), rtol=1e-12, atol=0)

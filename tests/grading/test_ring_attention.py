@@ -131,7 +131,7 @@ def check_model(rank, c, split):
     from labkit.model import build_model
     ra, cpm = impl("ring_attention"), impl("context_parallel")
     ref, mine = build_model("tiny", seed=0).double(), build_model("tiny", seed=0).double()
-    cp = cpm.ContextParallel(mine, Mesh(c, cp=c), split=split)
+    cp = cpm.ContextParallel(mine, mesh=Mesh(c, cp=c), split=split)
     opt_ref, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(mine.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -140,7 +140,7 @@ def check_model(rank, c, split):
         loss_ref.backward()
         share = cp(x, y)
         share.backward()
-        cp.allreduce_gradients()
+        cp.sync_gradients()
         total = share.detach().clone()
         torch.distributed.all_reduce(total)
         torch.testing.assert_close(total, loss_ref.detach())
@@ -151,7 +151,7 @@ def check_model(rank, c, split):
         torch.testing.assert_close(q, p, msg=lambda m: f"{name}: {m}")
     odd, what = 4 * c + 1, ("2c" if split == "zigzag" else "c")
     raises_value_error(lambda: cp(x[:, :odd], y[:, :odd]), rf"s={odd} does not split into {what}=")
-    raises_value_error(lambda: cpm.ContextParallel(mine, Mesh(c, tp=c)), r"cp axis")
+    raises_value_error(lambda: cpm.ContextParallel(mine, mesh=Mesh(c, tp=c)), r"cp axis")
 
 
 def run_all(rank, c):

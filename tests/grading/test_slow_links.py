@@ -137,7 +137,7 @@ def diloco_bytes_fall_by_H(rank, n):
     with SlowLink(float("inf")) as dp_link:
         for step in range(steps):
             model(mine(global_batch(step, n), rank)).backward()
-            sl().dp_allreduce_gradients(model)
+            sl().sync_gradients(model)
             model.zero_grad()
     assert link.by_op == {"all_reduce": steps // H}
     assert link.wire_bytes * H == dp_link.wire_bytes, (link.wire_bytes, dp_link.wire_bytes)
@@ -171,7 +171,7 @@ def powersgd_steps(rank, n, r, steps):
         model(mine(global_batch(step, n), rank)).backward()
         for acc, p in zip(true_sum, trainable(model)):
             acc += p.grad
-        comp.reduce()
+        comp.sync_gradients()
         for acc, sent, applied, p in zip(sent_sum, comp.transmitted, applied_sum, trainable(model)):
             acc += sent
             applied += p.grad
@@ -202,7 +202,7 @@ def powersgd_bytes_match_numbers_sent(rank, n):
     comp = sl().PowerSGD(model, 1)
     model(mine(global_batch(0, n), rank)).backward()
     with SlowLink(float("inf")) as link:
-        comp.reduce()
+        comp.sync_gradients()
     sent, full = comp.numbers_sent()
     assert link.payload_bytes == sent * 8 and sent < full
     assert link.by_op == {"all_reduce": 3}  # vectors, P, Q

@@ -47,12 +47,16 @@ class Odd(nn.Module):
         return self.d(torch.tanh(self.c(self.b(torch.tanh(self.a(x))))))
 
 
-def _train(rank, world, make, bucket_mb, steps=STEPS):
-    """Zero2Optimizer vs one process (float64) and, on 2 ranks, vs DP bit for bit."""
+def _train(rank, world, make, bucket_mb, steps=STEPS, schedule=None):
+    """Zero2Optimizer vs one process (float64) and, on 2 ranks, vs DP bit for bit.
+
+    schedule: a function of the step count; every optimizer is then driven by LambdaLR(opt, schedule).
+    """
     zero2 = impl("zero2")
     ours, one, dp = make(), make(), make()
     opt = zero2.Zero2Optimizer(ours, torch.optim.AdamW, bucket_size_mb=bucket_mb, **HYPER)
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], **HYPER) for m in (one, dp)]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in [opt] + opts] if schedule else []
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x = torch.randn(3 * world, 5, generator=g, dtype=torch.float64)
@@ -67,6 +71,11 @@ def _train(rank, world, make, bucket_mb, steps=STEPS):
         for o in [opt] + opts:
             o.step()
             o.zero_grad()
+        for scheduler in schedulers:
+            scheduler.step()
+    if schedule:  # the schedule reached the inner optimizer: what the shards were stepped with
+        assert opt.param_groups[0]["lr"] == HYPER["lr"] * schedule(steps)
+        assert opt.optimizer.param_groups[0]["lr"] == HYPER["lr"] * schedule(steps - 1)
     for (name, p), q, r in zip(ours.named_parameters(), one.parameters(), dp.parameters()):
         torch.testing.assert_close(p, q, **F64, msg=lambda m: f"{name} after {steps} steps vs one process: {m}")
         if world == 2:
@@ -107,6 +116,8 @@ def cases(world):
         "one_bucket_for_everything": lambda r, n: _train(r, n, Odd, 100.0),
         "tied_weights": lambda r, n: _train(r, n, functools.partial(Odd, tied=True), 1e-4),
         "frozen_parameter_untouched": lambda r, n: _frozen(r, n),
+        "lr_scheduler_lambda_lr_drives_it": lambda r, n: _train(r, n, Odd, 1e-4, schedule=lambda s: 0.5 ** s),
+        "step_with_closure_returns_its_loss": lambda r, n: _closure(r, n),
         "parameter_without_grad_counts_as_zero": lambda r, n: _unused(r, n),
     }
     if world == 2:
@@ -119,21 +130,48 @@ def _frozen(rank, world):
     assert all(p.requires_grad for b in opt.buckets for p in b), "a frozen parameter was put in a bucket"
 
 
+def _same_data_pair(seed):
+    """(ZeRO-2 model, its optimizer, reference model, AdamW, x): every rank gets the same x."""
+    ours, ref = Odd(), Odd()
+    opt = impl("zero2").Zero2Optimizer(ours, torch.optim.AdamW, bucket_size_mb=1e-4, **HYPER)
+    x = torch.randn(2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return ours, opt, ref, torch.optim.AdamW(ref.parameters(), **HYPER), x
+
+
+def _assert_same(ours, ref):
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        # every rank has the same data: the mean of N equal gradients; float64, see F64
+        torch.testing.assert_close(p, q, **F64, msg=lambda m: f"{name}: {m}")
+
+
+def _closure(rank, world):
+    """step(closure) returns the closure's loss, as torch's optimizers do; the step is the one of backward()+step()."""
+    ours, opt, ref, ref_opt, x = _same_data_pair(4)
+
+    def closure():
+        opt.zero_grad()
+        loss = ours(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    expected = ref(x).pow(2).mean()  # the same weights and data before the step: the same bits
+    expected.backward()
+    ref_opt.step()
+    assert torch.is_tensor(loss) and torch.equal(loss.detach(), expected.detach()), \
+        f"step(closure) returned {loss!r}, not the closure's loss {expected.item()}"
+    _assert_same(ours, ref)
+
+
 def _unused(rank, world):
     """d is skipped by the loss on every rank: its grad is None, counted as zeros (weight decay moves it)."""
-    zero2 = impl("zero2")
-    model, ref = Odd(), Odd()
-    opt = zero2.Zero2Optimizer(model, torch.optim.AdamW, bucket_size_mb=1e-4, **HYPER)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
-    x = torch.randn(2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    model, opt, ref, ref_opt, x = _same_data_pair(3)
     for m in (model, ref):
         m.c(m.b(m.a(x))).sum().backward()
     ref.d.weight.grad = torch.zeros_like(ref.d.weight)
     for o in (opt, ref_opt):
         o.step()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        # every rank has the same data: the mean of N equal gradients; float64, see F64
-        torch.testing.assert_close(p, q, **F64, msg=lambda m: f"{name}: {m}")
+    _assert_same(model, ref)
 
 
 def _run_all(rank, world):
