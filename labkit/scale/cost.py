@@ -1,0 +1,105 @@
+"""Step time of a layout on a cluster: compute + exposed traffic + bubble (notebook 15).
+
+    compute   the GPU's FLOPs per step (model FLOPs + recomputation) / (peak x efficiency)
+    traffic   each axis's alpha-beta time (labkit.scale.traffic), of which only the part
+              that cannot hide behind compute is paid:
+                dp    overlaps the whole forward and backward (FSDP prefetch, bucketed
+                      reduction): exposed = max(0, t_dp - t_compute) + t_dp / L (the first
+                      gather and the last reduction of a step have nothing to hide behind)
+                cp    the K/V ring overlaps attention (Liu et al. 2023): exposed =
+                      max(0, t_cp - t_attention)
+                tp, ep, pp   on the critical path: exposed in full (no async TP)
+    bubble    1F1B: (pp - 1) / m of the compute and TP/EP time of a step (m micro-batches);
+              interleaved with v virtual stages: (pp - 1) / (v m) (Narayanan et al. 2021)
+Outputs tokens/s per GPU (the step's tokens / step time / GPUs), MFU (model FLOPs only, against
+the cluster's peak) and the peak memory (labkit.scale.footprint).
+
+`EFFICIENCY` is the one achieved-efficiency constant: the fraction of the bf16 peak a
+transformer's forward and backward reach once every kernel, not only the matmuls, is counted.
+It is not fitted to any row we predict: it is Meta's own measurement of Llama 3 pre-training
+in bf16 on H100s, 38-43% MFU on 8,192-16,384 GPUs ("The Llama 3 Herd of Models", Dubey et al.
+2024, table 4); we take 0.40, the middle, as the efficiency of compute alone (their MFU also pays
+the bubble and exposed traffic, so it is a slight underestimate).
+
+Left out: kernel fusion and torch.compile (fewer, faster non-matmul kernels), float8 matmuls,
+async TP (TP traffic hidden behind matmuls), stragglers and jitter between ranks, the
+efficiency's dependence on matrix size (small TP shards and micro-batches run below it),
+NCCL's protocol choices and link contention between axes that share a NIC, power limits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from labkit.scale.footprint import peak_memory
+from labkit.scale.layout import Layout, check_layout
+from labkit.scale.traffic import axis_traffic
+
+EFFICIENCY = 0.40
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    peak_bytes: float
+    fits: bool
+    n_micro: int
+    parts_s: dict = field(default_factory=dict)  # compute, bubble, exposed per axis
+    memory: dict = field(default_factory=dict)   # bytes by part, for the worst stage
+    traffic: dict = field(default_factory=dict)  # per axis: bytes, seconds, count
+    flops_per_gpu: float = 0.0                   # model + recompute FLOPs per step
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / 2**30
+
+
+def rank_key(p: Prediction):
+    """The search's order: fastest first, then the least memory, then the layout's fields."""
+    lay = p.layout
+    return (-round(p.tokens_per_s_per_gpu, 6), round(p.peak_bytes), lay.dp, lay.pp, lay.cp, lay.tp, lay.ep,
+            lay.zero, lay.recompute, lay.micro_batch, lay.schedule, lay.virtual_stages)
+
+
+def _params_per_gpu(model, layout) -> dict:
+    m = model
+    layers = layout.layers_per_rank(m.n_layers)
+    head = max(m.embedding_params, m.head_params)  # the heavier end stage
+    dense = layers * m.layer_dense_params + (head if layout.pp > 1 else m.embedding_params + m.head_params)
+    return {"dense": dense / layout.tp, "experts": layers * m.expert_params * m.n_experts / (layout.tp * layout.ep)}
+
+
+def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_gpus: int | None = None,
+            efficiency: float = EFFICIENCY) -> Prediction:
+    """The cost model's figures for one layout (LayoutError if it cannot run, before any arithmetic)."""
+    n_gpus = layout.world_size if n_gpus is None else n_gpus
+    n_micro = check_layout(model, layout, n_gpus, cluster.gpus_per_node, global_batch, seq_len)
+    tokens = global_batch * seq_len
+    model_flops = model.flops_per_token(seq_len) * tokens / n_gpus
+    flops = model_flops + model.recompute_flops_per_token(seq_len, layout.recompute) * tokens / n_gpus
+    # an uneven pipeline split: the fullest rank's blocks set the pace
+    L = layout.layers_per_rank(model.n_layers)
+    flops *= L * layout.pp / model.n_layers if layout.pp > 1 else 1.0
+    rate = cluster.peak_bf16_flops * efficiency
+    t_compute = flops / rate
+    traffic = axis_traffic(model, layout, cluster, n_micro, seq_len, _params_per_gpu(model, layout))
+    secs = {axis: v["seconds"] for axis, v in traffic.items()}
+    attention = 12 * model.n_layers * model.d_model * seq_len * tokens / n_gpus / rate
+    exposed = {
+        "dp": max(0.0, secs.get("dp", 0) - t_compute) + secs.get("dp", 0) / L,
+        "cp": max(0.0, secs.get("cp", 0) - attention),
+        "tp": secs.get("tp", 0), "ep": secs.get("ep", 0), "pp": secs.get("pp", 0),
+    }
+    per_micro = t_compute + exposed["tp"] + exposed["ep"]
+    stages_per_rank = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    bubble = (layout.pp - 1) / (stages_per_rank * n_micro) * per_micro if layout.pp > 1 else 0.0
+    step = t_compute + sum(exposed.values()) + bubble
+    memory = peak_memory(model, layout, n_micro, seq_len)
+    return Prediction(
+        layout=layout, step_s=step, tokens_per_s_per_gpu=tokens / step / n_gpus,
+        mfu=model_flops / step / cluster.peak_bf16_flops, peak_bytes=memory["total"],
+        fits=memory["total"] <= cluster.memory_bytes, n_micro=n_micro,
+        parts_s=dict(compute=t_compute, bubble=bubble, **{f"exposed_{a}": v for a, v in exposed.items()}),
+        memory=memory, traffic=traffic, flops_per_gpu=flops)
