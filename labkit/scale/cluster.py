@@ -22,8 +22,8 @@ from pathlib import Path
 
 CLUSTER_DIR = Path(__file__).resolve().parent / "clusters"
 
-# field: (type, unit, plausible low, plausible high); the range is about 100x wide around
-# today's hardware, so a factor of 1,000 always falls outside it
+# field: (type, unit, plausible low, plausible high); each range is about 100x wide around
+# today's hardware, so a factor of 1,000 always falls outside it (and 1e12: TFLOP/s for FLOP/s)
 FIELDS = {
     "gpus_per_node": (int, "GPUs", 1, 72),
     "peak_bf16_flops": (float, "FLOP/s (e.g. 989e12 for an H100 SXM)", 1e13, 1e16),
@@ -76,7 +76,8 @@ def check_fields(values: dict, where: str = "the cluster") -> dict:
         if kind is int and value != int(value):
             raise ClusterError(f"{where}: {field}={value!r} must be a whole number of {unit}")
         if not low <= value <= high:
-            hint = " (a unit off by 1,000?)" if value < low / 30 or value > high * 30 else ""
+            fixed = [value * f for f in (1e3, 1e-3, 1e12, 1e-12) if low <= value * f <= high]
+            hint = f" (a unit off by 1,000? {fixed[0]:g} would fit)" if fixed else ""
             raise ClusterError(f"{where}: {field}={value:g} is outside {low:g}..{high:g}{hint}: "
                                f"the unit expected is {unit}")
         out[field] = kind(value)

@@ -16,7 +16,7 @@ are predicted and reported, not aimed at.
 from __future__ import annotations
 
 from labkit.scale.cluster import load_cluster
-from labkit.scale.cost import predict
+from labkit.scale.cost import EFFICIENCY, predict
 from labkit.scale.layout import Layout
 from labkit.scale.specs import LLAMA3
 
@@ -63,14 +63,14 @@ def layout_of(run: dict) -> Layout:
                   virtual_stages=2 if run["schedule"] == "interleaved" else 1)
 
 
-def predict_published(cluster=CLUSTER) -> list[dict]:
+def predict_published(cluster=CLUSTER, efficiency: float = EFFICIENCY) -> list[dict]:
     """One row per published run: published and predicted TPS/GPU and GiB, and the errors (pred/pub - 1)."""
     cluster = load_cluster(cluster)
     rows = []
     for run in RUNS:
         layout = layout_of(run)
         p = predict(LLAMA3[run["model"]], layout, cluster, global_batch=run["local_batch"] * run["dp"],
-                    seq_len=run["seq_len"])
+                    seq_len=run["seq_len"], efficiency=efficiency)
         rows.append(dict(run, predicted_tps=p.tokens_per_s_per_gpu, predicted_gib=p.peak_gib, mfu=p.mfu,
                          tps_error=p.tokens_per_s_per_gpu / run["tps_per_gpu"] - 1,
                          memory_error=p.peak_gib / run["memory_gib"] - 1, prediction=p))
