@@ -103,3 +103,28 @@ def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_g
         fits=memory["total"] <= cluster.memory_bytes, n_micro=n_micro,
         parts_s=dict(compute=t_compute, bubble=bubble, **{f"exposed_{a}": v for a, v in exposed.items()}),
         memory=memory, traffic=traffic, flops_per_gpu=flops)
+
+
+def min_gpus(model, cluster) -> int:
+    """Whole nodes of GPUs whose memory holds the model states alone (16 bytes per parameter,
+    fully sharded): a lower bound below which no layout can fit."""
+    per_gpu = cluster.memory_bytes
+    need = -(-16 * model.n_params // int(per_gpu))
+    g = cluster.gpus_per_node
+    return max(1, -(-need // g) * g) if need > 1 else 1
+
+
+def no_layout_fits(model, cluster, n_gpus: int, smallest_peak: float | None):
+    """The LayoutError for a search that found nothing: what the model needs, in GPUs of this kind."""
+    from labkit.scale.layout import LayoutError
+
+    need = min_gpus(model, cluster)
+    kind = f"{cluster.name} ({cluster.memory_gib:g} GiB each)"
+    states = 16 * model.n_params / 2**30
+    if need > n_gpus:
+        return LayoutError(f"{model.name} needs at least {need} GPUs of this kind, {kind}: its model states "
+                           f"alone are 16 bytes x {model.n_params:,} parameters = {states:,.0f} GiB; "
+                           f"{n_gpus} GPUs cannot hold them in any layout")
+    least = f"; the least memory of any layout is {smallest_peak / 2**30:,.1f} GiB" if smallest_peak else ""
+    return LayoutError(f"no layout of {model.name} on {n_gpus} GPUs of {kind} fits{least}: "
+                       "use more GPUs, shorter sequences or a smaller global batch")

@@ -10,7 +10,7 @@
     gathered       ZeRO-3 only: the layer being computed and the prefetched next one in bf16
                    (2 x 2 bytes/param), plus that layer's unsharded gradient in bf16 and its
                    fp32 copy for the reduce-scatter (2 + 4): 10 bytes x the larger of a block
-                   and the head, / tp. Under PP, FSDP keeps the whole stage gathered across
+                   (its experts / ep) and the head, / tp. Under PP, FSDP keeps the whole stage gathered across
                    its micro-batches, as torchtitan does (reshard_after_forward=False, the
                    gradient accumulated unsharded in fp32): 6 bytes x the stage's parameters.
     activations    bytes a block saves for backward for one micro-batch (bf16), x the blocks
@@ -97,8 +97,9 @@ def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int) -> dict:
         # (reshard_after_forward=False) and accumulates its unsharded gradient in fp32: 2 + 4 bytes
         gathered = 6 * sum(stage_params(model, layout, first, last))
     elif layout.zero == "zero3":
-        biggest = max(m.layer_params, last * m.head_params, first * m.embedding_params)
-        gathered = 10 * biggest / layout.tp
+        block = m.layer_dense_params / layout.tp + m.expert_params * m.n_experts / (layout.tp * layout.ep)
+        ends = max(last * m.head_params, first * m.embedding_params) / layout.tp
+        gathered = 10 * max(block, ends)
     out["gathered"] = gathered
     act = block_activation_bytes(model, layout, layout.micro_batch, seq_len)
     in_flight = min(n_micro, pp - stage) if pp > 1 else 1
