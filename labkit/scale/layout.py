@@ -55,11 +55,11 @@ class Layout:
 
     def level(self, axis: str, gpus_per_node: int) -> str:
         """"node" if every group along `axis` lies inside one node, else "network"."""
-        if axis == "ep":  # borrowed from dp x cp: its ranks are cp's neighbours first
-            size, stride = self.ep, self.tp
+        if axis == "ep":  # borrowed from dp x cp: cp's ranks first (stride tp), then dp's (stride pp cp tp)
+            span = self.ep * self.tp if self.ep <= self.cp else self.ep * self.pp * self.tp
         else:
-            size, stride = getattr(self, axis), self.stride(axis)
-        return "node" if size * stride <= gpus_per_node else "network"
+            span = getattr(self, axis) * self.stride(axis)
+        return "node" if span <= gpus_per_node else "network"
 
     def layers_per_rank(self, n_layers: int) -> int:
         """Blocks on the busiest pipeline rank: stages get ceil(L / stages) blocks (torchtitan
