@@ -43,6 +43,12 @@ _SENT = {  # fraction of the tensor's bytes one rank sends, ring algorithms, n r
 }
 
 
+# torch 2.13 renamed the flat collectives *_single; both spellings count as one op
+_CANONICAL = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+              "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+              "all_to_all_single": "all_to_all"}
+
+
 @dataclass
 class SimStep:
     build: Callable  # () -> (model, optimizer, batch), run under FakeTensorMode
@@ -68,7 +74,9 @@ def fake_world(world_size: int, rank: int = 0):
 
 @contextlib.contextmanager
 def count_collectives():
-    """{(op, group size): bytes sent by this rank} for the collectives called inside (dist.* patched)."""
+    """{(op, group size): bytes sent by this rank} for the collectives called inside (dist.* patched).
+
+    op: "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send"."""
     counts: dict = {}
     originals = {name: getattr(dist, name) for name in _SENT if hasattr(dist, name)}
 
@@ -77,7 +85,7 @@ def count_collectives():
             # all_gather_into_tensor(output, input); reduce_scatter_tensor(output, input); others: first arg
             t = args[0] if name.startswith("reduce_scatter") else tensor
             n = dist.get_world_size(group)
-            key = (name, n)
+            key = (_CANONICAL.get(name, name), n)
             counts[key] = counts.get(key, 0) + _SENT[name](n) * t.numel() * t.element_size()
             return fn(tensor, *args, group=group, **kwargs)
         return counted
