@@ -224,3 +224,26 @@ def test_bad_layouts_name_the_fix(layout, match):
 def test_gpus_not_a_whole_number_of_nodes():
     with pytest.raises(LayoutError, match="not a whole number of nodes of 8"):
         check_layout(LLAMA3["8b"], Layout(dp=12), 12, 8, 48, 8192)
+
+
+def test_step_time_overlap_rules():
+    """DP hides behind compute (but for one layer's share), CP behind attention, TP is paid in full."""
+    from labkit.scale.cost import step_time
+
+    lay = Layout(dp=2, tp=2, cp=2)
+    step, parts = step_time(10.0, 2.0, {"dp": 4.0, "cp": 1.5, "tp": 0.5}, lay, n_micro=1, layers_per_rank=8)
+    assert parts["exposed_dp"] == 4.0 / 8 and parts["exposed_cp"] == 0 and parts["exposed_tp"] == 0.5
+    assert step == 10.0 + 0.5 + 0.5
+    step, parts = step_time(10.0, 2.0, {"dp": 14.0, "cp": 3.0}, lay, n_micro=1, layers_per_rank=7)
+    assert parts["exposed_dp"] == 4.0 + 2.0 and parts["exposed_cp"] == 1.0
+
+
+def test_too_big_for_any_layout_says_how_many_gpus():
+    from labkit.scale.cost import min_gpus, no_layout_fits
+
+    # 16 bytes x 405.85e9 parameters over 79.6 GiB GPUs: 76.1 -> 80 GPUs (10 nodes of 8)
+    assert min_gpus(LLAMA3["405b"], H100) == 80
+    assert min_gpus(LLAMA3["8b"], H100) == 8  # 1.5 GPUs' worth: one whole node
+    err = no_layout_fits(LLAMA3["405b"], H100, 64, None)
+    assert "llama3-405b needs at least 80 GPUs of this kind, h100-sxm (79.6 GiB each)" in str(err)
+    assert "the least memory of any layout is 90.0 GiB" in str(no_layout_fits(LLAMA3["8b"], H100, 64, 90 * 2**30))

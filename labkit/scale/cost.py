@@ -71,6 +71,24 @@ def _params_per_gpu(model, layout) -> dict:
     return {"dense": dense / layout.tp, "experts": layers * m.expert_params * m.n_experts / (layout.tp * layout.ep)}
 
 
+def step_time(compute_s: float, attention_s: float, traffic_s: dict, layout: Layout, n_micro: int,
+              layers_per_rank: int) -> tuple[float, dict]:
+    """(step seconds, parts) from one GPU's compute time, its attention's share, and each axis's
+    traffic time: the overlap rules and the bubble of the module's docstring. `predict` feeds it
+    the closed forms; a measured step (labkit.scale.simulate) feeds it its own FLOPs and bytes."""
+    secs = {axis: traffic_s.get(axis, 0.0) for axis in ("dp", "cp", "tp", "ep", "pp")}
+    exposed = {
+        "dp": max(0.0, secs["dp"] - compute_s) + secs["dp"] / layers_per_rank,
+        "cp": max(0.0, secs["cp"] - attention_s),
+        "tp": secs["tp"], "ep": secs["ep"], "pp": secs["pp"],
+    }
+    per_micro = compute_s + exposed["tp"] + exposed["ep"]
+    stages_per_rank = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    bubble = (layout.pp - 1) / (stages_per_rank * n_micro) * per_micro if layout.pp > 1 else 0.0
+    step = compute_s + sum(exposed.values()) + bubble
+    return step, dict(compute=compute_s, bubble=bubble, **{f"exposed_{a}": v for a, v in exposed.items()})
+
+
 def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_gpus: int | None = None,
             efficiency: float = EFFICIENCY) -> Prediction:
     """The cost model's figures for one layout (LayoutError if it cannot run, before any arithmetic)."""
@@ -83,25 +101,16 @@ def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_g
     L = layout.layers_per_rank(model.n_layers)
     flops *= L * layout.pp / model.n_layers if layout.pp > 1 else 1.0
     rate = cluster.peak_bf16_flops * efficiency
-    t_compute = flops / rate
     traffic = axis_traffic(model, layout, cluster, n_micro, seq_len, _params_per_gpu(model, layout))
-    secs = {axis: v["seconds"] for axis, v in traffic.items()}
     attention = 12 * model.n_layers * model.d_model * seq_len * tokens / n_gpus / rate
-    exposed = {
-        "dp": max(0.0, secs.get("dp", 0) - t_compute) + secs.get("dp", 0) / L,
-        "cp": max(0.0, secs.get("cp", 0) - attention),
-        "tp": secs.get("tp", 0), "ep": secs.get("ep", 0), "pp": secs.get("pp", 0),
-    }
-    per_micro = t_compute + exposed["tp"] + exposed["ep"]
-    stages_per_rank = layout.virtual_stages if layout.schedule == "interleaved" else 1
-    bubble = (layout.pp - 1) / (stages_per_rank * n_micro) * per_micro if layout.pp > 1 else 0.0
-    step = t_compute + sum(exposed.values()) + bubble
+    step, parts = step_time(flops / rate, attention, {a: v["seconds"] for a, v in traffic.items()}, layout,
+                            n_micro, L)
     memory = peak_memory(model, layout, n_micro, seq_len)
     return Prediction(
         layout=layout, step_s=step, tokens_per_s_per_gpu=tokens / step / n_gpus,
         mfu=model_flops / step / cluster.peak_bf16_flops, peak_bytes=memory["total"],
         fits=memory["total"] <= cluster.memory_bytes, n_micro=n_micro,
-        parts_s=dict(compute=t_compute, bubble=bubble, **{f"exposed_{a}": v for a, v in exposed.items()}),
+        parts_s=parts,
         memory=memory, traffic=traffic, flops_per_gpu=flops)
 
 

@@ -20,7 +20,9 @@ of `world_size`; ranks with the same role give the same figures, so one run per 
     bytes     each collective's bytes sent by this rank (ring formulas of labkit.scale.traffic),
               by op and group size. This counter is a stand-in: the lab's one communication
               layer (labkit.comm, count_traffic) replaces it when it lands.
-The composed step of notebook 14 plugs in as a SimStep whose `run` calls it on a Mesh.
+The composed step of notebook 14 plugs in as a SimStep whose `run` calls it on a Mesh; its
+measured FLOPs and bytes per axis then go through `labkit.scale.cost.step_time`, the same
+overlap and bubble rules the closed forms go through in `predict`.
 """
 from __future__ import annotations
 
