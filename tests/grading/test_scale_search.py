@@ -41,6 +41,26 @@ def brute_force(model, cluster, global_batch, seq_len, n_gpus, top):
     return sorted(found, key=rank_key)[:top]
 
 
+def explain(got, want, everything) -> str:
+    """The first place where the learner's list differs from brute force's, in words
+    (`everything`: the learner's search with no limit on the results)."""
+    i = next(i for i, (g, w) in enumerate(zip(got + [None] * len(want), want)) if g is None or g.layout != w.layout)
+    w = want[i]
+    head = (f"search's result #{i + 1} should be {w.layout.short()} ({w.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+            f"{w.peak_gib:.1f} GiB)")
+    if i >= len(got):
+        return head + f", but search returned only {len(got)} layouts"
+    g = got[i]
+    mine = f"; search returned {g.layout.short()} ({g.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {g.peak_gib:.1f} GiB)"
+    if not g.fits:
+        return head + mine + ", which does not fit the GPUs' memory (keep only p.fits)"
+    if w.layout in [p.layout for p in everything]:
+        return head + mine + f": search found it, but ranked it #{[p.layout for p in everything].index(w.layout) + 1} " \
+                             "(sort with rank_key)"
+    return head + mine + (": search never kept it; do your loops try every divisor of the GPUs for each axis, "
+                          "every micro-batch size, every ZeRO stage and recompute mode, every ep of a MoE?")
+
+
 CASES = {
     "8b-on-16-h100": (LLAMA3["8b"], "h100-sxm", 16, 8192, 16),
     "70b-on-32-a100": (LLAMA3["70b"], "a100-sxm", 16, 4096, 32),
@@ -54,11 +74,17 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_search_equals_brute_force(case):
     model, cluster, batch, seq, gpus = CASES[case]
-    got = impl("scale_search").search(model, cluster, batch, seq, gpus, top=5)
-    want = brute_force(model, cluster, batch, seq, gpus, top=5)
-    assert [p.layout for p in got] == [p.layout for p in want], (
-        "search's layouts differ from brute force's:\n  got  " + "\n       ".join(p.layout.short() for p in got)
-        + "\n  want " + "\n       ".join(p.layout.short() for p in want))
+    try:
+        got = impl("scale_search").search(model, cluster, batch, seq, gpus, top=5)
+    except LayoutError as err:
+        want = brute_force(model, cluster, batch, seq, gpus, top=5)
+        pytest.fail(f"search raised LayoutError ({err}), but {want[0].layout.short()} fits "
+                    f"({want[0].peak_gib:.1f} GiB): do your loops try every divisor of the GPUs for each axis?",
+                    pytrace=False)
+    want = brute_force(model, cluster, batch, seq, gpus, top=5)  # after: an unwritten stub fails at once
+    if [p.layout for p in got] != [p.layout for p in want]:
+        everything = impl("scale_search").search(model, cluster, batch, seq, gpus, top=10**9)
+        pytest.fail(explain(got, want, everything), pytrace=False)
     assert [p.tokens_per_s_per_gpu for p in got] == [p.tokens_per_s_per_gpu for p in want]
 
 
