@@ -1,0 +1,42 @@
+# GENERATED from solutions/scale_search.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
+# Fill in every `raise NotImplementedError(...)`; see notebooks/15_at_scale.ipynb.
+# untouched-stub fingerprint: 08d35fb0f7313f1b
+"""The configuration search (notebook 15_at_scale): fit memory, reach the global batch, maximise throughput.
+
+The Ultra-Scale Playbook's recipe, done by the cost model instead of by 4,000 GPU runs:
+    1. fit memory: keep only the layouts whose peak memory per GPU fits the cluster's GPUs;
+    2. reach the global batch: dp x (each dp rank's micro-batches x their size) = global batch;
+    3. maximise throughput: rank what is left by predicted tokens/s per GPU.
+
+The space searched (every layout `labkit.scale.layout.check_layout` accepts in it):
+    dp, pp, cp, tp   any sizes whose product is n_gpus
+    ep               1 for a dense model; any divisor of the experts for a MoE
+    zero             "dp", "zero1", "zero2", "zero3"
+    recompute        "none", "selective", "full"
+    micro_batch      any size that splits each dp rank's share of the global batch
+with the 1F1B schedule and sequence parallelism (the Layout's defaults for the other fields).
+The order is `labkit.scale.cost.rank_key`: fastest first, then the least memory, then the
+layout's fields (so that ties break the same way everywhere).
+"""
+from labkit.scale.cluster import load_cluster
+from labkit.scale.cost import no_layout_fits, predict, rank_key
+from labkit.scale.layout import RECOMPUTE, ZERO_STAGES, Layout, LayoutError
+
+NOTEBOOK = "15_at_scale"
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of n, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(model, cluster, global_batch: int, seq_len: int, n_gpus: int, top: int = 5) -> list:
+    """The `top` best layouts of `model` on `n_gpus` GPUs of `cluster` as labkit.scale Predictions,
+    best first (order: `rank_key`), among those that fit the GPUs' memory.
+
+    model: a labkit.scale.specs.ModelSpec; cluster: a Cluster or a name ("h100-sxm").
+    Raises the LayoutError of `no_layout_fits` (which says how many GPUs of this kind the model
+    needs at least) when no layout fits.
+    """
+    cluster = load_cluster(cluster)
+    raise NotImplementedError("exercise search is not implemented yet: edit exercises/scale_search.py, see notebooks/15_at_scale.ipynb")

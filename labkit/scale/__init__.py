@@ -1,0 +1,22 @@
+"""Past one machine by simulation: a layout's memory, traffic and time at 8 to 1,024 GPUs (notebook 15).
+
+    from labkit.scale.cluster import load_cluster
+    from labkit.scale.specs import LLAMA3
+    from labkit.scale.layout import Layout
+    from labkit.scale.cost import predict
+    p = predict(LLAMA3["8b"], Layout(dp=8, zero="zero3", recompute="selective"),
+                load_cluster("h100-sxm"), global_batch=16, seq_len=8192)
+    p.tokens_per_s_per_gpu, p.mfu, p.peak_bytes
+
+Modules, one job each:
+    cluster    the described GPUs and links (clusters/*.json, units checked)
+    specs      Llama-3-shaped model shapes, parameter counts, FLOPs per token
+    layout     a layout (dp, pp, ep, cp, tp, ZeRO stage, recompute, micro-batches), its checks,
+               which link level each axis's group uses
+    footprint  peak memory per GPU (labkit.measure.memory's ZeRO formulas + activations)
+    traffic    bytes per axis per step, closed forms, and their alpha-beta time
+    cost       step time = compute + exposed traffic + bubble -> tokens/s/GPU, MFU
+    published  torchtitan's published Llama 3.1 H100 runs, and our predictions of them
+    simulate   one rank of a large world on fake tensors and the fake process group: the
+               place where a composed parallel step plugs in (`measure_step`)
+"""

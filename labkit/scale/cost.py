@@ -1,0 +1,139 @@
+"""Step time of a layout on a cluster: compute + exposed traffic + bubble (notebook 15).
+
+    compute   the GPU's FLOPs per step (model FLOPs + recomputation) / (peak x efficiency)
+    traffic   each axis's alpha-beta time (labkit.scale.traffic), of which only the part
+              that cannot hide behind compute is paid:
+                dp    overlaps the whole forward and backward (FSDP prefetch, bucketed
+                      reduction): exposed = max(0, t_dp - t_compute) + t_dp / L (the first
+                      gather and the last reduction of a step have nothing to hide behind)
+                cp    the K/V ring overlaps attention (Liu et al. 2023): exposed =
+                      max(0, t_cp - t_attention)
+                tp, ep, pp   on the critical path: exposed in full (no async TP)
+    bubble    1F1B: (pp - 1) / m of the compute and TP/EP time of a step (m micro-batches);
+              interleaved with v virtual stages: (pp - 1) / (v m) (Narayanan et al. 2021)
+Outputs tokens/s per GPU (the step's tokens / step time / GPUs), MFU (model FLOPs only, against
+the cluster's peak) and the peak memory (labkit.scale.footprint).
+
+`EFFICIENCY` is the one achieved-efficiency constant: the fraction of the bf16 peak a
+transformer's forward and backward reach once every kernel, not only the matmuls, is counted.
+It is not fitted to any row we predict: it is Meta's own measurement of Llama 3 pre-training
+in bf16 on H100s, 38-43% MFU on 8,192-16,384 GPUs ("The Llama 3 Herd of Models", Dubey et al.
+2024, table 4); we take 0.40, the middle, as the efficiency of compute alone (their MFU also pays
+the bubble and exposed traffic, so it is a slight underestimate).
+
+Left out: kernel fusion and torch.compile (fewer, faster non-matmul kernels), float8 matmuls,
+async TP (TP traffic hidden behind matmuls), stragglers and jitter between ranks, the
+efficiency's dependence on matrix size (small TP shards and micro-batches run below it),
+NCCL's protocol choices and link contention between axes that share a NIC, power limits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from labkit.scale.footprint import peak_memory
+from labkit.scale.layout import Layout, check_layout
+from labkit.scale.traffic import axis_traffic
+
+EFFICIENCY = 0.40
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    peak_bytes: float
+    fits: bool
+    n_micro: int
+    parts_s: dict = field(default_factory=dict)  # compute, bubble, exposed per axis
+    memory: dict = field(default_factory=dict)   # bytes by part, for the worst stage
+    traffic: dict = field(default_factory=dict)  # per axis: bytes, seconds, count
+    flops_per_gpu: float = 0.0                   # model + recompute FLOPs per step
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / 2**30
+
+
+def rank_key(p: Prediction):
+    """The search's order: fastest first, then the least memory, then the layout's fields."""
+    lay = p.layout
+    return (-round(p.tokens_per_s_per_gpu, 6), round(p.peak_bytes), lay.dp, lay.pp, lay.cp, lay.tp, lay.ep,
+            lay.zero, lay.recompute, lay.micro_batch, lay.schedule, lay.virtual_stages)
+
+
+def _params_per_gpu(model, layout) -> dict:
+    m = model
+    layers = layout.layers_per_rank(m.n_layers)
+    head = max(m.embedding_params, m.head_params)  # the heavier end stage
+    dense = layers * m.layer_dense_params + (head if layout.pp > 1 else m.embedding_params + m.head_params)
+    return {"dense": dense / layout.tp, "experts": layers * m.expert_params * m.n_experts / (layout.tp * layout.ep)}
+
+
+def step_time(compute_s: float, attention_s: float, traffic_s: dict, layout: Layout, n_micro: int,
+              layers_per_rank: int) -> tuple[float, dict]:
+    """(step seconds, parts) from one GPU's compute time, its attention's share, and each axis's
+    traffic time: the overlap rules and the bubble of the module's docstring. `predict` feeds it
+    the closed forms; a measured step (labkit.scale.simulate) feeds it its own FLOPs and bytes."""
+    secs = {axis: traffic_s.get(axis, 0.0) for axis in ("dp", "cp", "tp", "ep", "pp")}
+    exposed = {
+        "dp": max(0.0, secs["dp"] - compute_s) + secs["dp"] / layers_per_rank,
+        "cp": max(0.0, secs["cp"] - attention_s),
+        "tp": secs["tp"], "ep": secs["ep"], "pp": secs["pp"],
+    }
+    per_micro = compute_s + exposed["tp"] + exposed["ep"]
+    stages_per_rank = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    bubble = (layout.pp - 1) / (stages_per_rank * n_micro) * per_micro if layout.pp > 1 else 0.0
+    step = compute_s + sum(exposed.values()) + bubble
+    return step, dict(compute=compute_s, bubble=bubble, **{f"exposed_{a}": v for a, v in exposed.items()})
+
+
+def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_gpus: int | None = None,
+            efficiency: float = EFFICIENCY) -> Prediction:
+    """The cost model's figures for one layout (LayoutError if it cannot run, before any arithmetic)."""
+    n_gpus = layout.world_size if n_gpus is None else n_gpus
+    n_micro = check_layout(model, layout, n_gpus, cluster.gpus_per_node, global_batch, seq_len)
+    tokens = global_batch * seq_len
+    model_flops = model.flops_per_token(seq_len) * tokens / n_gpus
+    flops = model_flops + model.recompute_flops_per_token(seq_len, layout.recompute) * tokens / n_gpus
+    # an uneven pipeline split: the fullest rank's blocks set the pace
+    L = layout.layers_per_rank(model.n_layers)
+    flops *= L * layout.pp / model.n_layers if layout.pp > 1 else 1.0
+    rate = cluster.peak_bf16_flops * efficiency
+    traffic = axis_traffic(model, layout, cluster, n_micro, seq_len, _params_per_gpu(model, layout))
+    attention = 12 * model.n_layers * model.d_model * seq_len * tokens / n_gpus / rate
+    step, parts = step_time(flops / rate, attention, {a: v["seconds"] for a, v in traffic.items()}, layout,
+                            n_micro, L)
+    memory = peak_memory(model, layout, n_micro, seq_len)
+    return Prediction(
+        layout=layout, step_s=step, tokens_per_s_per_gpu=tokens / step / n_gpus,
+        mfu=model_flops / step / cluster.peak_bf16_flops, peak_bytes=memory["total"],
+        fits=memory["total"] <= cluster.memory_bytes, n_micro=n_micro,
+        parts_s=parts,
+        memory=memory, traffic=traffic, flops_per_gpu=flops)
+
+
+def min_gpus(model, cluster) -> int:
+    """Whole nodes of GPUs whose memory holds the model states alone (16 bytes per parameter,
+    fully sharded): a lower bound below which no layout can fit."""
+    per_gpu = cluster.memory_bytes
+    need = -(-16 * model.n_params // int(per_gpu))
+    g = cluster.gpus_per_node
+    return max(1, -(-need // g) * g) if need > 1 else 1
+
+
+def no_layout_fits(model, cluster, n_gpus: int, smallest_peak: float | None):
+    """The LayoutError for a search that found nothing: what the model needs, in GPUs of this kind."""
+    from labkit.scale.layout import LayoutError
+
+    need = min_gpus(model, cluster)
+    kind = f"{cluster.name} ({cluster.memory_gib:g} GiB each)"
+    states = 16 * model.n_params / 2**30
+    if need > n_gpus:
+        return LayoutError(f"{model.name} needs at least {need} GPUs of this kind, {kind}: its model states "
+                           f"alone are 16 bytes x {model.n_params:,} parameters = {states:,.0f} GiB; "
+                           f"{n_gpus} GPUs cannot hold them in any layout")
+    least = f"; the least memory of any layout is {smallest_peak / 2**30:,.1f} GiB" if smallest_peak else ""
+    return LayoutError(f"no layout of {model.name} on {n_gpus} GPUs of {kind} fits{least}: "
+                       "use more GPUs, shorter sequences or a smaller global batch")

@@ -1,0 +1,121 @@
+"""Peak memory per GPU of a layout: model states, gathered layers, activations, logits (notebook 15).
+
+    model states   labkit.measure.memory.memory_per_rank (the ZeRO paper's formulas) for the parameters
+                   this GPU's stage and tp shard hold, sharded over dp x cp (experts over the
+                   dp x cp / ep ranks that replicate them). ZeRO-3 is FSDP2's mixed precision,
+                   as torchtitan runs it: fp32 parameters, gradients and Adam moments, all
+                   sharded (labkit.measure.memory's "fp32": 4 + 4 + 8 bytes); the other stages keep
+                   Megatron's bf16 parameters and gradients with fp32 master + moments
+                   ("mixed": 2 + 2 + 12).
+    gathered       ZeRO-3 only: the layer being computed and the prefetched next one in bf16
+                   (2 x 2 bytes/param), plus that layer's unsharded gradient in bf16 and its
+                   fp32 copy for the reduce-scatter (2 + 4): 10 bytes x the larger of a block
+                   (its experts / ep) and the head, / tp. Under PP, FSDP keeps the whole stage gathered across
+                   its micro-batches, as torchtitan does (reshard_after_forward=False, the
+                   gradient accumulated unsharded in fp32): 6 bytes x the stage's parameters.
+    activations    bytes a block saves for backward for one micro-batch (bf16), x the blocks
+                   of the stage, x the micro-batches in flight (1F1B: stage i holds pp - i;
+                   stage 0 the most), see `block_activation_bytes`.
+    logits         on the last stage, the loss of one micro-batch: the fp32 log-softmax output
+                   saved for backward, its gradient and the gradient of its input: 12 bytes per
+                   logit, / (tp x cp) (torchtitan computes the loss vocabulary-parallel).
+Not counted: the allocator's fragmentation and cache (published "reserved" figures include
+them), the CUDA context, NCCL's buffers, temporary buffers of attention's backward.
+"""
+from __future__ import annotations
+
+from labkit.measure.memory import memory_per_rank
+
+BF16 = 2
+LOGIT_BYTES = 12
+
+
+def block_activation_bytes(model, layout, micro_batch: int, seq_len: int) -> dict:
+    """Bytes one block keeps for backward, for one micro-batch: {"saved", "rebuilt"}.
+
+    "saved" lives from the block's forward to its backward; "rebuilt" exists during the
+    block's backward only (with recompute). Elements per layer, with b sequences of s
+    tokens, width d, a heads, KV width d_kv, MLP width H (labkit.measure.activations' table, with
+    grouped-query attention: k and v are d_kv wide):
+        norms          2 x (3 b s d + b s)
+        attention      q b s d, k and v 2 b s d_kv, output b s d, log-sum-exp a b s
+        wo input       b s d
+        SwiGLU         4 b s H  (x top_k for MoE: each token's activations in its k experts)
+    TP splits the heads and H; with sequence parallelism also the norms. CP splits s.
+    Recompute "full" keeps the block's input only (b s d); "selective" keeps the block's input,
+    the outputs of wq, wv, attention (and its log-sum-exp), w1 and w2.
+    """
+    m, tp, cp = model, layout.tp, layout.cp
+    b, s, d, dkv, a = micro_batch, seq_len // cp, m.d_model, m.kv_dim, m.n_heads
+    h = m.hidden_dim * (m.top_k if m.n_experts else 1)
+    sp = tp if layout.sequence_parallel else 1
+    norms = 2 * (3 * b * s * d + b * s) / sp
+    attention = (2 * b * s * d + 2 * b * s * dkv + a * b * s) / tp + b * s * d / tp
+    everything = norms + attention + 4 * b * s * h / tp
+    block_input = b * s * d / sp
+    if layout.recompute == "none":
+        saved, rebuilt = everything, 0.0
+    elif layout.recompute == "full":
+        saved, rebuilt = block_input, everything
+    else:
+        saved = block_input + (2 * b * s * d + b * s * dkv + a * b * s) / tp + b * s * h / tp + b * s * d / sp
+        rebuilt = everything - saved
+    return {"saved": BF16 * saved, "rebuilt": BF16 * max(rebuilt, 0.0)}
+
+
+def stage_params(model, layout, first: bool, last: bool) -> tuple[int, int]:
+    """(dense, expert) parameters one GPU of a stage holds before ZeRO: its blocks (and the
+    embedding if first, the head if last), / tp; experts also / ep."""
+    m = model
+    layers = layout.layers_per_rank(m.n_layers)
+    dense = layers * m.layer_dense_params + first * m.embedding_params + last * m.head_params
+    experts = layers * m.expert_params * m.n_experts
+    return -(-dense // layout.tp), -(-experts // (layout.tp * layout.ep))
+
+
+def _states(model, layout, first: bool, last: bool) -> dict:
+    """labkit.measure.memory's model states for one GPU of a stage."""
+    dense, experts = stage_params(model, layout, first, last)
+    precision = "fp32" if layout.zero == "zero3" else "mixed"
+    shard_over = layout.dp * layout.cp
+    out = memory_per_rank(dense, shard_over, layout.zero, precision)
+    if experts:
+        extra = memory_per_rank(experts, shard_over // layout.ep, layout.zero, precision)  # an expert's replicas
+        out = {k: out[k] + extra[k] for k in out}
+    return out
+
+
+def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int) -> dict:
+    """Peak bytes of a GPU of pipeline stage `stage`, by part, and their "total"."""
+    m, pp = model, layout.pp
+    first, last = stage == 0, stage == pp - 1
+    states = _states(model, layout, first, last)
+    out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"]}
+    gathered = 0.0
+    if layout.zero == "zero3" and pp > 1:
+        # FSDP inside a pipeline (torchtitan): the stage stays gathered over all its micro-batches
+        # (reshard_after_forward=False) and accumulates its unsharded gradient in fp32: 2 + 4 bytes
+        gathered = 6 * sum(stage_params(model, layout, first, last))
+    elif layout.zero == "zero3":
+        block = m.layer_dense_params / layout.tp + m.expert_params * m.n_experts / (layout.tp * layout.ep)
+        ends = max(last * m.head_params, first * m.embedding_params) / layout.tp
+        gathered = 10 * max(block, ends)
+    out["gathered"] = gathered
+    act = block_activation_bytes(model, layout, layout.micro_batch, seq_len)
+    in_flight = min(n_micro, pp - stage) if pp > 1 else 1
+    if layout.schedule == "interleaved" and pp > 1:
+        # Narayanan et al. 2021: interleaving holds (1 + (p - 1)/(p v)) x 1F1B's activations
+        in_flight = in_flight * (1 + (pp - 1) / (pp * layout.virtual_stages))
+    layers = layout.layers_per_rank(m.n_layers)
+    out["activations"] = in_flight * layers * act["saved"] + act["rebuilt"]
+    tokens = layout.micro_batch * seq_len
+    out["logits"] = LOGIT_BYTES * tokens * m.vocab_size / (layout.tp * layout.cp) if last else 0.0
+    out["total"] = sum(out.values())
+    return out
+
+
+def peak_memory(model, layout, n_micro: int, seq_len: int) -> dict:
+    """The stage with the largest total (PP ranks differ; torchtitan reports the max over GPUs)."""
+    stages = [stage_memory(model, layout, i, n_micro, seq_len) for i in range(layout.pp)]
+    worst = max(range(layout.pp), key=lambda i: stages[i]["total"])
+    return dict(stages[worst], stage=worst)

@@ -1,0 +1,88 @@
+"""torchtitan's published Llama 3.1 runs on H100s, and the cost model's predictions of them (notebook 15).
+
+Source: pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (runs of Dec 2024;
+torch 1963fc8, torchtitan 9dec370). Hardware: Grand Teton hosts, 8 H100 (96 GB HBM2e, 500 W)
+per host on NVLink, 400 Gb/s RDMA per GPU (clusters/h100-grand-teton.json). TPS/GPU is read
+at iteration 90; memory is the maximum over GPUs of torch's peak *reserved* memory (GiB).
+"local batch" is sequences per data-parallel rank (FSDP x CP ranks share theirs).
+Sequence length: 8192 where the tables do not give one (torchtitan's llama3 train_configs,
+`seq_len = 8192`). Pipeline micro-batches: torchtitan's default then, as many as the stages.
+The interleaved schedule's stages per rank are not published; we assume 2.
+
+Only the first row of tables 1 and 3 is plain bf16 eager: the cost model aims at those. The
+others use torch.compile and float8 matmuls (and async TP), which the model leaves out: they
+are predicted and reported, not aimed at.
+"""
+from __future__ import annotations
+
+from labkit.scale.cluster import load_cluster
+from labkit.scale.cost import EFFICIENCY, predict
+from labkit.scale.layout import Layout
+from labkit.scale.specs import LLAMA3
+
+SOURCE = "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md"
+CLUSTER = "h100-grand-teton"
+
+# (table, model, techniques, dp, cp, tp, pp, local batch, seq, recompute, schedule, tps/gpu, GiB, aimed)
+_ROWS = [
+    ("1", "8b", "FSDP", 8, 1, 1, 1, 2, 8192, "selective", "1f1b", 5762, 82.4, True),
+    ("1", "8b", "FSDP + compile", 8, 1, 1, 1, 2, 8192, "selective", "1f1b", 6667, 77.0, False),
+    ("1", "8b", "FSDP + compile + float8", 8, 1, 1, 1, 2, 8192, "selective", "1f1b", 8532, 76.8, False),
+    ("2", "8b", "FSDP 8 CP 1, compile + float8", 8, 1, 1, 1, 1, 32768, "full", "1f1b", 3890, 83.9, False),
+    ("2", "8b", "FSDP 4 CP 2, compile + float8", 4, 2, 1, 1, 1, 65536, "full", "1f1b", 2540, 84.2, False),
+    ("2", "8b", "FSDP 2 CP 4, compile + float8", 2, 4, 1, 1, 1, 131072, "full", "1f1b", 1071, 84.0, False),
+    ("2", "8b", "FSDP 1 CP 8, compile + float8", 1, 8, 1, 1, 1, 262144, "full", "1f1b", 548, 84.5, False),
+    ("3", "8b", "FSDP", 128, 1, 1, 1, 2, 8192, "selective", "1f1b", 5605, 67.0, True),
+    ("3", "8b", "FSDP + compile", 128, 1, 1, 1, 2, 8192, "selective", "1f1b", 6514, 62.0, False),
+    ("3", "8b", "FSDP + compile + float8", 128, 1, 1, 1, 2, 8192, "selective", "1f1b", 8380, 61.8, False),
+    ("4", "70b", "FSDP 32 TP 8, compile + float8", 32, 1, 8, 1, 16, 8192, "full", "1f1b", 829, 71.9, False),
+    ("4", "70b", "FSDP 32 TP 8, compile + float8 + async TP", 32, 1, 8, 1, 16, 8192, "full", "1f1b", 876, 67.6, False),
+    ("5", "405b", "FSDP 8 TP 8 PP 8 1F1B, compile + float8 + async TP", 8, 1, 8, 8, 32, 8192, "full", "1f1b",
+     100, 82.5, False),
+    ("5", "405b", "FSDP 8 TP 8 PP 8 interleaved, compile + float8 + async TP", 8, 1, 8, 8, 32, 8192, "full",
+     "interleaved", 128, 72.7, False),
+    ("6", "405b", "FSDP 8 CP 1 TP 8 PP 8, compile + float8 + async TP", 8, 1, 8, 8, 8, 32768, "full", "1f1b",
+     76, 75.3, False),
+    ("6", "405b", "FSDP 4 CP 2 TP 8 PP 8, compile + float8 + async TP", 4, 2, 8, 8, 8, 65536, "full", "1f1b",
+     47, 75.9, False),
+    ("6", "405b", "FSDP 2 CP 4 TP 8 PP 8, compile + float8 + async TP", 2, 4, 8, 8, 8, 131072, "full", "1f1b",
+     31, 77.1, False),
+    ("6", "405b", "FSDP 1 CP 8 TP 8 PP 8, compile + float8 + async TP", 1, 8, 8, 8, 8, 262144, "full", "1f1b",
+     16, 84.9, False),
+]
+FIELDS = ("table", "model", "techniques", "dp", "cp", "tp", "pp", "local_batch", "seq_len", "recompute",
+          "schedule", "tps_per_gpu", "memory_gib", "aimed")
+RUNS = [dict(zip(FIELDS, row)) for row in _ROWS]
+
+
+def layout_of(run: dict) -> Layout:
+    """The published setup as a Layout: micro-batches = pp stages (torchtitan's default then)."""
+    micro = run["local_batch"] // run["pp"] if run["pp"] > 1 else run["local_batch"]
+    return Layout(dp=run["dp"], cp=run["cp"], tp=run["tp"], pp=run["pp"], zero="zero3",
+                  recompute=run["recompute"], micro_batch=micro, schedule=run["schedule"],
+                  virtual_stages=2 if run["schedule"] == "interleaved" else 1)
+
+
+def predict_published(cluster=CLUSTER, efficiency: float = EFFICIENCY) -> list[dict]:
+    """One row per published run: published and predicted TPS/GPU and GiB, and the errors (pred/pub - 1)."""
+    cluster = load_cluster(cluster)
+    rows = []
+    for run in RUNS:
+        layout = layout_of(run)
+        p = predict(LLAMA3[run["model"]], layout, cluster, global_batch=run["local_batch"] * run["dp"],
+                    seq_len=run["seq_len"], efficiency=efficiency)
+        rows.append(dict(run, predicted_tps=p.tokens_per_s_per_gpu, predicted_gib=p.peak_gib, mfu=p.mfu,
+                         tps_error=p.tokens_per_s_per_gpu / run["tps_per_gpu"] - 1,
+                         memory_error=p.peak_gib / run["memory_gib"] - 1, prediction=p))
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = (f"{'table':>5} {'model':>5} {'setup':58s} {'TPS/GPU':>8} {'pred':>7} {'err':>6} "
+            f"{'GiB':>6} {'pred':>6} {'err':>6}  aimed")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['table']:>5} {r['model']:>5} {r['techniques'][:58]:58s} {r['tps_per_gpu']:8,d} "
+                     f"{r['predicted_tps']:7,.0f} {r['tps_error']:+6.0%} {r['memory_gib']:6.1f} "
+                     f"{r['predicted_gib']:6.1f} {r['memory_error']:+6.0%}  {'yes' if r['aimed'] else 'no'}")
+    return "\n".join(lines)

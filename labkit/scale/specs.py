@@ -1,0 +1,136 @@
+"""Model shapes for the cost model: Llama-3-like decoders, their parameters and FLOPs (notebook 15).
+
+`ModelSpec` is labkit.model's architecture (RMSNorm, RoPE attention, SwiGLU, untied head) with
+two additions the published models need: grouped-query attention (`n_kv_heads` < `n_heads`:
+wk and wv are d x (d * n_kv_heads / n_heads)) and, optionally, mixture-of-experts MLPs
+(`n_experts` SwiGLU experts of width `hidden_dim`, `top_k` per token, plus a d x n_experts
+router). `spec_from_config` turns a labkit `ModelConfig` into one (n_kv_heads = n_heads).
+
+FLOPs per token (Kaplan et al. 2020; PaLM, Chowdhery et al. 2022, appendix B, as torchtitan
+counts them): forward + backward = 6 N + 12 L d s, where N is the parameters a token
+multiplies by (every matrix except the embedding lookup; for MoE only the top_k active
+experts) and 12 L d s is attention's scores and weighted sum (2 matmuls of s x d per token
+and layer, x 3 for backward, x 2 FLOPs per multiply-add; the causal mask's half is not
+subtracted, as in torchtitan's and the Playbook's MFU). Recomputation adds forward work that
+is not model FLOPs: `recompute_flops_per_token`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    vocab_size: int
+    n_experts: int = 0
+    top_k: int = 1
+
+    def __post_init__(self):
+        for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelSpec.{field} must be a positive int, got {value!r}")
+        if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"{self.name}: d_model={self.d_model} must split into n_heads={self.n_heads}, "
+                             f"and n_heads into n_kv_heads={self.n_kv_heads} groups")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"{self.name}: top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
+
+    @property
+    def kv_dim(self) -> int:
+        return self.d_model // self.n_heads * self.n_kv_heads
+
+    @property
+    def attention_params(self) -> int:
+        d = self.d_model
+        return 2 * d * d + 2 * d * self.kv_dim  # wq, wo; wk, wv
+
+    @property
+    def expert_params(self) -> int:
+        """One SwiGLU MLP (w1, w3: d x H; w2: H x d)."""
+        return 3 * self.d_model * self.hidden_dim
+
+    @property
+    def layer_params(self) -> int:
+        """One block: attention, its MLP(s) (all experts and the router for MoE), two norms."""
+        mlp = self.expert_params * max(1, self.n_experts) + self.d_model * self.n_experts
+        return self.attention_params + mlp + 2 * self.d_model
+
+    @property
+    def layer_dense_params(self) -> int:
+        """The parameters of a block that are not experts (every TP/DP rank has them)."""
+        return self.layer_params - (self.expert_params * self.n_experts)
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.d_model
+
+    @property
+    def head_params(self) -> int:
+        """The output head and the final norm."""
+        return self.vocab_size * self.d_model + self.d_model
+
+    @property
+    def n_params(self) -> int:
+        return self.embedding_params + self.n_layers * self.layer_params + self.head_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token multiplies by: all but the embedding; top_k experts of each MoE layer."""
+        per_layer = self.layer_params
+        if self.n_experts:
+            per_layer -= self.expert_params * (self.n_experts - self.top_k)
+        return self.n_layers * per_layer + self.head_params
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of forward + backward for one token: 6 N + 12 L d s."""
+        return 6 * self.active_params + 12 * self.n_layers * self.d_model * seq_len
+
+    def recompute_flops_per_token(self, seq_len: int, recompute: str) -> float:
+        """Forward FLOPs done again in backward, per token.
+
+        "none": 0. "full": the blocks' whole forward again (2 N_blocks + 4 L d s).
+        "selective": torchtitan's op-level policy, which keeps the output of every other
+        matmul of a block (wq, wv, w1, w2 kept; wk, wo, w3 recomputed) and of attention.
+        """
+        d, L = self.d_model, self.n_layers
+        if recompute == "none":
+            return 0.0
+        mlp_active = self.expert_params * max(1, self.top_k if self.n_experts else 1)
+        if recompute == "full":
+            return 2 * L * (self.attention_params + mlp_active) + 4 * L * d * seq_len
+        if recompute == "selective":
+            w3 = mlp_active // 3
+            return 2 * L * (d * self.kv_dim + d * d + w3)
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+
+
+# Llama 3 / 3.1 shapes (Meta's model cards and params.json; "The Llama 3 Herd of Models",
+# Dubey et al. 2024, table 3): vocabulary 128,256, 8 KV heads
+LLAMA3 = {
+    "8b": ModelSpec("llama3-8b", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
+                    vocab_size=128256),
+    "70b": ModelSpec("llama3-70b", d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672,
+                     vocab_size=128256),
+    "405b": ModelSpec("llama3-405b", d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8, hidden_dim=53248,
+                      vocab_size=128256),
+    # a Mixtral-8x7B-shaped MoE (Jiang et al. 2024): 8 experts, top 2, Llama-2 vocabulary
+    "moe-8x7b": ModelSpec("moe-8x7b", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
+                          vocab_size=32000, n_experts=8, top_k=2),
+}
+
+
+def spec_from_config(config, name: str = "labkit") -> ModelSpec:
+    """A labkit.model ModelConfig (or its name) as a ModelSpec: full multi-head attention."""
+    from labkit.model import get_config
+
+    c = get_config(config) if isinstance(config, str) else config
+    return ModelSpec(name, d_model=c.d_model, n_layers=c.n_layers, n_heads=c.n_heads, n_kv_heads=c.n_heads,
+                     hidden_dim=c.hidden_dim, vocab_size=c.vocab_size, n_experts=c.n_experts,
+                     top_k=c.top_k if c.n_experts else 1)
