@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch._subclasses.fake_tensor import is_fake
 
 
 @dataclass
@@ -190,7 +191,8 @@ def check_tokens(tokens: torch.Tensor, cfg: ModelConfig) -> None:
                          f"{cfg.context}: use seq_len <= {cfg.context} or a config with a longer context")
     # the value check reads the tensor: on a GPU that would cost a sync every step, and
     # there the embedding's own device-side assert stops out-of-range ids anyway
-    if tokens.numel() and tokens.device.type == "cpu":
+    # fake tensors (labkit.scale.simulate) have shapes but no values to read
+    if tokens.numel() and tokens.device.type == "cpu" and not is_fake(tokens):
         lo, hi = torch.aminmax(tokens)
         if lo < 0 or hi >= cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got min {int(lo)} max {int(hi)}: "

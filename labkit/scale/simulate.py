@@ -122,26 +122,20 @@ def measure_step(step: SimStep, world_size: int = 1, rank: int = 0) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    import labkit.model as lm
-
-    # labkit.model checks token ids by reading them; fake tensors have no values to read
-    check_tokens, lm.check_tokens = lm.check_tokens, lambda tokens, cfg: None
-    try:
-        with fake_world(world_size, rank), FakeTensorMode():
-            model, optimizer, batch = step.build()
-            tracker = MemTracker()
-            tracker.track_external(model, optimizer)
-            with count_collectives() as sent, tracker, FlopCounterMode(display=False) as flops, \
-                    sdpa_kernel(SDPBackend.MATH):  # the math kernel: its matmuls are counted
-                step.run(model, optimizer, batch)
-                after_step = _by_kind(tracker.get_tracker_snapshot("current"))
-            stats = tracker.memory_tracking[model]
-            after_forward = _by_kind(stats.snapshots[_ModState.POST_FW][0])
-            return dict(flops=flops.get_total_flops(), bytes=dict(sent),
-                        memory=dict(after_forward=after_forward, after_step=after_step,
-                                    peak=_by_kind(tracker.get_tracker_snapshot("peak"))))
-    finally:
-        lm.check_tokens = check_tokens
+    # (labkit.model's token check skips fake tensors: they have no values to read)
+    with fake_world(world_size, rank), FakeTensorMode():
+        model, optimizer, batch = step.build()
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with count_collectives() as sent, tracker, FlopCounterMode(display=False) as flops, \
+                sdpa_kernel(SDPBackend.MATH):  # the math kernel: its matmuls are counted
+            step.run(model, optimizer, batch)
+            after_step = _by_kind(tracker.get_tracker_snapshot("current"))
+        stats = tracker.memory_tracking[model]
+        after_forward = _by_kind(stats.snapshots[_ModState.POST_FW][0])
+        return dict(flops=flops.get_total_flops(), bytes=dict(sent),
+                    memory=dict(after_forward=after_forward, after_step=after_step,
+                                peak=_by_kind(tracker.get_tracker_snapshot("peak"))))
 
 
 def dp_step(config, batch: int, seq_len: int, lr: float = 1e-4) -> SimStep:
