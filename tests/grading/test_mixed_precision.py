@@ -57,9 +57,9 @@ def test_loss_scaler_bit_equal_to_torch_gradscaler_over_a_run_with_overflows():
     scaler, torch_scaler = mp.DynamicLossScaler(**settings), torch.amp.GradScaler("cpu", **settings)
     skipped = 0
     for step in range(STEPS):
+        where = f"step {step} (GradScaler's scale before it: {torch_scaler.get_scale():g})"
         got = train_step(mine, opt_mine, scaler, step)
         want = train_step(ref, opt_ref, torch_scaler, step)
-        where = f"step {step} (scale before it: see the trace)"
         assert got == want, f"{where}: your scaler {'stepped' if got else 'skipped'}, GradScaler did not"
         assert scaler.get_scale() == torch_scaler.get_scale(), (
             f"{where}: scale {scaler.get_scale()} after update(), GradScaler's {torch_scaler.get_scale()}")
