@@ -18,13 +18,24 @@ from datetime import timedelta
 
 from labkit.launching.failures import LaunchError
 
-SCHEDULER_VARS = {  # rank variable, world-size variable, local-rank variable, local-world-size variable
-    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    "mpich/pbs": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+# rank variable, world-size variable, local-rank variables, local-world-size variables.
+# The local ones are tried in order, then torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE, then 0 / None.
+# MPICH-family launchers disagree on the local rank: MPICH's Hydra and Intel MPI set
+# MPI_LOCALRANKID, Cray PALS (Polaris, Aurora) sets PALS_LOCAL_RANKID, Cray PMI sets
+# PMI_LOCAL_RANK. Reading only one of them would put every rank of a PALS node on cuda:0.
+SCHEDULER_VARS = {
+    "torchrun": ("RANK", "WORLD_SIZE", ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)),
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+    "mpich/pbs": ("PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID", "PMI_LOCAL_RANK"),
+                  ("MPI_LOCALNRANKS", "PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE")),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", ("SLURM_LOCALID",), ("SLURM_NTASKS_PER_NODE",)),
 }
+
+
+def first_set(names) -> str | None:
+    """The value of the first of ``names`` set in the environment, else None."""
+    return next((os.environ[n] for n in names if n in os.environ), None)
 
 
 def scheduler_name() -> str | None:
@@ -51,14 +62,14 @@ def scheduled_world() -> dict | None:
     name = scheduler_name()
     if name is None:
         return None
-    rank_var, size_var, local_var, local_size_var = SCHEDULER_VARS[name]
-    local_size = os.environ.get(local_size_var, os.environ.get("LOCAL_WORLD_SIZE"))
+    rank_var, size_var, local_vars, local_size_vars = SCHEDULER_VARS[name]
+    local_size = first_set(local_size_vars + ("LOCAL_WORLD_SIZE",))
     try:
         local_size = int(local_size.split("(")[0].split(",")[0]) if local_size else None  # Slurm: "2(x3)"
     except ValueError:
         local_size = None
     return {"scheduler": name, "rank": int(os.environ[rank_var]), "world_size": int(os.environ[size_var]),
-            "local_rank": int(os.environ.get(local_var, os.environ.get("LOCAL_RANK", "0"))),
+            "local_rank": int(first_set(local_vars + ("LOCAL_RANK",)) or 0),
             "local_world_size": local_size}
 
 

@@ -124,6 +124,26 @@ class Rotary(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal scaled-dot-product attention; on CPU in bf16/fp16, the math kernel if the fused one refuses.
+
+    torch's CPU flash-attention kernel picks its bf16 code path from the CPU it finds, but under
+    ATEN_CPU_CAPABILITY=default or =avx2 on an AVX-512 machine it raises "pack_vnni2 is only
+    supported when avx512 is supported". The math backend computes the same attention in plain
+    ops, on every CPU; it is used only where the fused kernel refused, so fp32 and GPUs never pay.
+    """
+    try:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    except RuntimeError:
+        low_precision = q.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled("cpu")
+        if q.device.type != "cpu" or not low_precision:
+            raise
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -138,7 +158,7 @@ class Attention(nn.Module):
         heads = lambda t: t.view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # [B, H, T, hd]
         q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
         q, k = rope(q), rope(k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = causal_attention(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(B, T, D))
 
 

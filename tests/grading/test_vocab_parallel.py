@@ -1,0 +1,133 @@
+"""Grading tests for notebook 08_tensor_parallel: vocabulary-parallel embedding and cross-entropy.
+
+Run: pytest tests/grading/test_vocab_parallel.py   (add --impl=solutions for the reference)
+On 2 and 4 ranks (one launch each, labkit.cases), in float64, on every rank: the sharded embedding's
+output equals the full one and its weight gradient the rows of the full gradient; the vocab-parallel
+loss equals F.cross_entropy of the full logits (ignored targets, logits of 1e4 that overflow exp()
+without the max shift) and each rank's logit gradient its block of the full gradient; the whole
+tiny model with every matrix sharded gives the unsharded loss and gradients. float64: the ranks sum
+the exponentials in another order than one process, so the difference is rounding of ~1e-16
+relative, far inside assert_close's float64 tolerance (1e-7), while any wrong term is O(1e-2).
+About 15 s on 2 cores.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit import diagnose
+from labkit.cases import expect_case, launch_cases, launch_timeout, run_cases
+from labkit.grading import impl
+from labkit.model import build_model
+
+TIMEOUT = launch_timeout(30)
+WORLD_SIZES = [2, 4]
+V = 24  # divides by 2 and 4
+
+
+def block(t, rank, world, dim):
+    return t.chunk(world, dim=dim)[rank]
+
+
+def edge_tokens(world, n=40, seed=0):
+    """Random ids plus every block's first and last id (where an off-by-one shows)."""
+    k = V // world
+    edges = torch.tensor([i for r in range(world) for i in (r * k, r * k + k - 1)])
+    return torch.cat([edges, torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed))])
+
+
+def check_embedding(rank, world):
+    vp = impl("vocab_parallel")
+    torch.manual_seed(0)
+    full = nn.Embedding(V, 6).double()
+    tokens = edge_tokens(world).view(4, -1)
+    dy = torch.randn(*tokens.shape, 6, dtype=torch.float64)
+    full(tokens).backward(dy)
+    layer = vp.VocabParallelEmbedding(full, group=None)
+    k = V // world
+    assert layer.weight.shape == (k, 6), (f"weight has shape {tuple(layer.weight.shape)}, expected {(k, 6)}: "
+                                          f"rows [rank*k, (rank+1)*k) of the full weight, k = V // TP size")
+    y = layer(tokens)
+    torch.testing.assert_close(y, full(tokens).detach(), msg=lambda m: f"embedding output on rank {rank}: {m}")
+    y.backward(dy)
+    torch.testing.assert_close(layer.weight.grad, block(full.weight.grad, rank, world, 0),
+                               msg=lambda m: f"weight gradient (rows of this rank's block) on rank {rank}: {m}")
+
+
+def check_cross_entropy(rank, world, scale=3.0, offset=0.0, ignore=False):
+    vp = impl("vocab_parallel")
+    torch.manual_seed(1)
+    targets = edge_tokens(world)
+    if ignore:
+        targets[::3] = -100
+    logits = (scale * torch.randn(len(targets), V, dtype=torch.float64) + offset).requires_grad_()
+    want = F.cross_entropy(logits, targets)
+    want.backward()
+    local = block(logits.detach(), rank, world, -1).clone().requires_grad_()
+    got = vp.vocab_parallel_cross_entropy(local, targets)
+    assert got.dim() == 0, f"the loss must be a scalar (the mean over tokens), got shape {tuple(got.shape)}"
+    torch.testing.assert_close(got, want.detach(), msg=lambda m: f"loss on rank {rank}: {m}")
+    got.backward()
+    torch.testing.assert_close(local.grad, block(logits.grad, rank, world, -1),
+                               msg=lambda m: f"gradient of this rank's logits on rank {rank}: {m}")
+
+
+def check_whole_model(rank, world):
+    vp = impl("vocab_parallel")
+    model = build_model("tiny", seed=0).double()
+    g = torch.Generator().manual_seed(1)
+    n_vocab = model.config.vocab_size
+    x, y = torch.randint(0, n_vocab, (2, 12), generator=g), torch.randint(0, n_vocab, (2, 12), generator=g)
+    loss_ref = model(x, y)
+    loss_ref.backward()
+    sharded = vp.parallelize_vocab(model)
+    loss = vp.vocab_parallel_loss(sharded, x, y)
+    torch.testing.assert_close(loss, loss_ref.detach())
+    loss.backward()
+    full = dict(model.named_parameters())
+    got, want = {}, {}
+    for name, p in sharded.named_parameters():
+        grad = full[name].grad
+        if p.shape != grad.shape:  # rows (embedding, head, wq wk wv w1 w3) or columns (wo w2)
+            grad = block(grad, rank, world, 0 if p.shape[1] == grad.shape[1] else 1)
+        got[name], want[name] = p.grad, grad
+    diagnose.assert_same_named(got, want, "parameter gradient", f"rank {rank} of {world}")
+
+
+CASES = {
+    ("VocabParallelEmbedding", "edges and random ids"): check_embedding,
+    ("VocabParallelCrossEntropy", "random logits"): check_cross_entropy,
+    ("VocabParallelCrossEntropy", "ignored targets (-100)"):
+        lambda r, w: check_cross_entropy(r, w, ignore=True),
+    ("VocabParallelCrossEntropy", "logits near 1e4: exp overflows without the max"):
+        lambda r, w: check_cross_entropy(r, w, scale=30.0, offset=1e4),
+    ("VocabParallelCrossEntropy", "whole tiny model, every matrix sharded"): check_whole_model,
+}
+
+
+def run_all(rank, world):
+    return run_cases({key: (lambda check=check: check(rank, world)) for key, check in CASES.items()})
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("key", [pytest.param(key, marks=pytest.mark.exercise(key[0]), id=key[1])
+                                 for key in CASES])
+def test_vocab_parallel_equals_unsharded_in_float64(key, world):
+    expect_case(launch_cases(run_all, world, timeout=TIMEOUT), key, f"{key[0]} on {world} ranks: {key[1]}")
+
+
+def _not_divisible(rank, world):
+    vp = impl("vocab_parallel")
+    vp.VocabParallelEmbedding(nn.Embedding(4 * world, 3))(torch.zeros(1, dtype=torch.long))  # divides: works
+    vp.VocabParallelEmbedding(nn.Embedding(4 * world + 1, 3))
+
+
+@pytest.mark.exercise("VocabParallelEmbedding")
+def test_vocab_not_divisible_by_tp_size_raises_value_error():
+    from labkit.launch import launch
+
+    with pytest.raises(Exception) as info:
+        launch(_not_divisible, 2, timeout=TIMEOUT)
+    if isinstance(info.value, NotImplementedError):
+        raise info.value
+    assert "ValueError" in str(info.value) and "vocab_size=9" in str(info.value), str(info.value)
