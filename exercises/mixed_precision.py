@@ -1,4 +1,4 @@
-# GENERATED from solutions/mixed_precision.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/mixed_precision.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/01_single_device.ipynb.
 # untouched-stub fingerprint: 9899966991c97fdb
 """fp16 mixed precision: dynamic loss scaling (notebook 01_single_device).

@@ -1,6 +1,6 @@
-# GENERATED from solutions/vocab_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
+# GENERATED from solutions/vocab_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/08_tensor_parallel.ipynb.
-# untouched-stub fingerprint: 55d7199d48042f2b
+# untouched-stub fingerprint: 665fdf37e2e3f231
 """Vocabulary parallelism, Megatron-style (notebook 08_tensor_parallel).
 
 The embedding [V, D] and the output head [V, D] are the two largest matrices of a small model, and
@@ -22,7 +22,8 @@ owns the token ids [r V/t, (r+1) V/t).
 
 Every function here is collective over `group` (None: the default group); without a process group
 the world is one rank and nothing is communicated. It reaches notebook 08's tensor_parallel code
-through impl(), so a learner's version runs on their own layers.
+through impl(), so a learner's version runs on their own layers (the TP helpers `tp_world` and
+`check_divisible` are labkit's: `labkit.parallel.tp`).
 """
 import torch
 import torch.distributed as dist
@@ -31,16 +32,16 @@ from torch import nn
 
 from labkit.grading import impl
 from labkit.model import check_tokens, run_block
+from labkit.parallel.tp import check_divisible, tp_world
 
 NOTEBOOK = "08_tensor_parallel"
 IGNORE_INDEX = -100  # targets equal to this are left out of the mean, as in F.cross_entropy
 
 
-def vocab_block(vocab_size: int, group=None) -> tuple[int, int]:
+def vocab_block(vocab_size: int, *, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """[start, end) of the token ids this rank owns; ValueError when V does not divide by the TP size."""
-    tp = impl("tensor_parallel")
-    rank, world = tp.tp_world(group)
-    k = tp.check_divisible(vocab_size, world, "vocab_size")
+    rank, world = tp_world(group)
+    k = check_divisible(vocab_size, world, "vocab_size")
     return rank * k, (rank + 1) * k
 
 
@@ -53,10 +54,10 @@ class VocabParallelEmbedding(nn.Module):
     Raises ValueError when V does not divide by the TP size.
     """
 
-    def __init__(self, embedding: nn.Embedding, group=None):
+    def __init__(self, embedding: nn.Embedding, *, group: dist.ProcessGroup | None = None):
         super().__init__()
         self.group = group
-        self.start, self.end = vocab_block(embedding.num_embeddings, group)
+        self.start, self.end = vocab_block(embedding.num_embeddings, group=group)
         raise NotImplementedError("exercise VocabParallelEmbedding is not implemented yet: edit exercises/vocab_parallel.py, see notebooks/08_tensor_parallel.ipynb")
 
     def forward(self, tokens):
@@ -86,7 +87,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         raise NotImplementedError("exercise VocabParallelCrossEntropy is not implemented yet: edit exercises/vocab_parallel.py, see notebooks/08_tensor_parallel.ipynb")
 
 
-def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, *,
+                                 group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """F.cross_entropy(full_logits, targets) from this rank's block local_logits [..., V/t]; targets [...].
 
     Collective over `group`; the same scalar on every rank; each rank's gradient is its block of the
@@ -100,7 +102,7 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
 # A fully tensor-parallel model: notebook 08's blocks, plus the vocabulary-parallel ends
 
 
-def parallelize_vocab(model: nn.Module, group=None) -> nn.Module:
+def parallelize_vocab(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> nn.Module:
     """A copy of `model` (a labkit.model.Transformer) with every matrix sharded over `group`.
 
     The blocks through impl("tensor_parallel").parallelize_model, the embedding as a
@@ -111,13 +113,14 @@ def parallelize_vocab(model: nn.Module, group=None) -> nn.Module:
         raise ValueError("parallelize_vocab covers dense models: a mixture of experts adds its aux loss "
                          "(notebook 12); use n_experts=0")
     tp = impl("tensor_parallel")
-    sharded = tp.parallelize_model(model, group)
-    sharded.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group)
-    sharded.output = tp.ColumnParallelLinear(model.output, group, gather_output=False)
+    sharded = tp.parallelize_model(model, group=group)
+    sharded.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group=group)
+    sharded.output = tp.ColumnParallelLinear(model.output, group=group, gather_output=False)
     return sharded
 
 
-def vocab_parallel_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
+def vocab_parallel_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, *,
+                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Transformer.forward(tokens, targets) for a `parallelize_vocab` model: the loss, logits kept sharded."""
     check_tokens(tokens, model.config)
     h = model.tok_embeddings(tokens)
@@ -125,4 +128,4 @@ def vocab_parallel_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.T
         h = run_block(layer, h, model.rope, model.config.recompute)
     local_logits = model.output(model.norm(h))  # [B, T, V/t]: this rank's block only
     local_logits = local_logits if local_logits.dtype == torch.float64 else local_logits.float()  # as lm_loss
-    return vocab_parallel_cross_entropy(local_logits, targets, group)
+    return vocab_parallel_cross_entropy(local_logits, targets, group=group)

@@ -19,7 +19,8 @@ owns the token ids [r V/t, (r+1) V/t).
 
 Every function here is collective over `group` (None: the default group); without a process group
 the world is one rank and nothing is communicated. It reaches notebook 08's tensor_parallel code
-through impl(), so a learner's version runs on their own layers.
+through impl(), so a learner's version runs on their own layers (the TP helpers `tp_world` and
+`check_divisible` are labkit's: `labkit.parallel.tp`).
 """
 import torch
 import torch.distributed as dist
@@ -28,16 +29,16 @@ from torch import nn
 
 from labkit.grading import impl
 from labkit.model import check_tokens, run_block
+from labkit.parallel.tp import check_divisible, tp_world
 
 NOTEBOOK = "08_tensor_parallel"
 IGNORE_INDEX = -100  # targets equal to this are left out of the mean, as in F.cross_entropy
 
 
-def vocab_block(vocab_size: int, group=None) -> tuple[int, int]:
+def vocab_block(vocab_size: int, *, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """[start, end) of the token ids this rank owns; ValueError when V does not divide by the TP size."""
-    tp = impl("tensor_parallel")
-    rank, world = tp.tp_world(group)
-    k = tp.check_divisible(vocab_size, world, "vocab_size")
+    rank, world = tp_world(group)
+    k = check_divisible(vocab_size, world, "vocab_size")
     return rank * k, (rank + 1) * k
 
 
@@ -50,10 +51,10 @@ class VocabParallelEmbedding(nn.Module):
     Raises ValueError when V does not divide by the TP size.
     """
 
-    def __init__(self, embedding: nn.Embedding, group=None):
+    def __init__(self, embedding: nn.Embedding, *, group: dist.ProcessGroup | None = None):
         super().__init__()
         self.group = group
-        self.start, self.end = vocab_block(embedding.num_embeddings, group)
+        self.start, self.end = vocab_block(embedding.num_embeddings, group=group)
         ### BEGIN SOLUTION
         self.weight = nn.Parameter(embedding.weight[self.start:self.end].detach().clone())
         ### END SOLUTION
@@ -63,7 +64,7 @@ class VocabParallelEmbedding(nn.Module):
         mine = (tokens >= self.start) & (tokens < self.end)
         rows = F.embedding(torch.where(mine, tokens - self.start, 0), self.weight)  # row 0 stands in for others'
         rows = rows * mine.unsqueeze(-1).to(rows.dtype)  # zero them: their gradient is zero too
-        return impl("tensor_parallel").reduce_from_parallel(rows, self.group)  # each token's owner's row
+        return impl("tensor_parallel").reduce_from_parallel(rows, group=self.group)  # each token's owner's row
         ### END SOLUTION
 
 
@@ -84,7 +85,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local_logits, targets, group):
         ### BEGIN SOLUTION
-        rank, world = impl("tensor_parallel").tp_world(group)
+        rank, world = tp_world(group)
         n, k = local_logits.shape
         start = rank * k
         # 1. the max over the whole vocabulary: keeps exp() finite; the loss does not depend on it
@@ -118,7 +119,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         ### END SOLUTION
 
 
-def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, *,
+                                 group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """F.cross_entropy(full_logits, targets) from this rank's block local_logits [..., V/t]; targets [...].
 
     Collective over `group`; the same scalar on every rank; each rank's gradient is its block of the
@@ -132,7 +134,7 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
 # A fully tensor-parallel model: notebook 08's blocks, plus the vocabulary-parallel ends
 
 
-def parallelize_vocab(model: nn.Module, group=None) -> nn.Module:
+def parallelize_vocab(model: nn.Module, *, group: dist.ProcessGroup | None = None) -> nn.Module:
     """A copy of `model` (a labkit.model.Transformer) with every matrix sharded over `group`.
 
     The blocks through impl("tensor_parallel").parallelize_model, the embedding as a
@@ -143,13 +145,14 @@ def parallelize_vocab(model: nn.Module, group=None) -> nn.Module:
         raise ValueError("parallelize_vocab covers dense models: a mixture of experts adds its aux loss "
                          "(notebook 12); use n_experts=0")
     tp = impl("tensor_parallel")
-    sharded = tp.parallelize_model(model, group)
-    sharded.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group)
-    sharded.output = tp.ColumnParallelLinear(model.output, group, gather_output=False)
+    sharded = tp.parallelize_model(model, group=group)
+    sharded.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group=group)
+    sharded.output = tp.ColumnParallelLinear(model.output, group=group, gather_output=False)
     return sharded
 
 
-def vocab_parallel_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
+def vocab_parallel_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, *,
+                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Transformer.forward(tokens, targets) for a `parallelize_vocab` model: the loss, logits kept sharded."""
     check_tokens(tokens, model.config)
     h = model.tok_embeddings(tokens)
@@ -157,4 +160,4 @@ def vocab_parallel_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.T
         h = run_block(layer, h, model.rope, model.config.recompute)
     local_logits = model.output(model.norm(h))  # [B, T, V/t]: this rank's block only
     local_logits = local_logits if local_logits.dtype == torch.float64 else local_logits.float()  # as lm_loss
-    return vocab_parallel_cross_entropy(local_logits, targets, group)
+    return vocab_parallel_cross_entropy(local_logits, targets, group=group)

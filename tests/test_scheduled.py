@@ -5,7 +5,7 @@ rank of a node on cuda:0. Each case sets only what that launcher sets.
 """
 import pytest
 
-from labkit.scheduled import SCHEDULER_VARS, scheduled_world
+from labkit.launching.cluster import SCHEDULER_VARS, scheduled_world
 
 ALL_VARS = {v for rank, size, local, local_size in SCHEDULER_VARS.values()
             for v in (rank, size, *local, *local_size)} | {"SLURM_STEP_ID", "LABKIT_LAUNCH"}

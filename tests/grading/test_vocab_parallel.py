@@ -1,7 +1,7 @@
 """Grading tests for notebook 08_tensor_parallel: vocabulary-parallel embedding and cross-entropy.
 
 Run: pytest tests/grading/test_vocab_parallel.py   (add --impl=solutions for the reference)
-On 2 and 4 ranks (one launch each, labkit.cases), in float64, on every rank: the sharded embedding's
+On 2 and 4 ranks (one launch each, labkit.grading.cases), in float64, on every rank: the sharded embedding's
 output equals the full one and its weight gradient the rows of the full gradient; the vocab-parallel
 loss equals F.cross_entropy of the full logits (ignored targets, logits of 1e4 that overflow exp()
 without the max shift) and each rank's logit gradient its block of the full gradient; the whole
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import diagnose
-from labkit.cases import expect_case, launch_cases, launch_timeout, run_cases
+from labkit.grading import diagnose
+from labkit.grading.cases import expect_case, launch_cases, launch_timeout, run_cases
 from labkit.grading import impl
 from labkit.model import build_model
 
@@ -124,7 +124,7 @@ def _not_divisible(rank, world):
 
 @pytest.mark.exercise("VocabParallelEmbedding")
 def test_vocab_not_divisible_by_tp_size_raises_value_error():
-    from labkit.launch import launch
+    from labkit.launching.launcher import launch
 
     with pytest.raises(Exception) as info:
         launch(_not_divisible, 2, timeout=TIMEOUT)
