@@ -54,12 +54,9 @@ def test_counter_follows_the_ring_factors():
     import torch
 
     with fake_world(8, rank=3), count_collectives() as sent:
-        # looked up at call time, as the lab's solutions do: the counter patches torch.distributed
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        t = torch.zeros(80)
-        gather(t, torch.zeros(10))
-        scatter(torch.zeros(10), t)
+        t = torch.zeros(80)  # ops called as dist.<op> at call time: labkit.comm's interception sees them
+        dist.all_gather_single(t, torch.zeros(10))
+        dist.reduce_scatter_single(torch.zeros(10), t)
         dist.all_reduce(t)
     assert sent == {("all_gather", 8): 7 / 8 * 320, ("reduce_scatter", 8): 7 / 8 * 320,
                     ("all_reduce", 8): 2 * 7 / 8 * 320}

@@ -33,22 +33,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-_SENT = {  # fraction of the tensor's bytes one rank sends, ring algorithms, n ranks
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather_into_tensor": lambda n: (n - 1) / n,  # of the OUTPUT (gathered) tensor
-    "all_gather_single": lambda n: (n - 1) / n,       # torch 2.13's name for it
-    "reduce_scatter_tensor": lambda n: (n - 1) / n,   # of the INPUT (full) tensor
-    "reduce_scatter_single": lambda n: (n - 1) / n,
-    "all_to_all_single": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0 if n > 1 else 0.0,
-    "send": lambda n: 1.0,
-}
-
-
-# torch 2.13 renamed the flat collectives *_single; both spellings count as one op
+# torch 2.13 names the flat collectives *_single (the *_tensor names are aliases): one op each here
 _CANONICAL = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
               "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-              "all_to_all_single": "all_to_all"}
+              "all_to_all_single": "all_to_all", "isend": "send"}
 
 
 @dataclass
@@ -76,29 +64,24 @@ def fake_world(world_size: int, rank: int = 0):
 
 @contextlib.contextmanager
 def count_collectives():
-    """{(op, group size): bytes sent by this rank} for the collectives called inside (dist.* patched).
+    """{(op, group size): bytes this rank sends} for the collectives called inside.
 
-    op: "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send"."""
+    The counting is labkit.comm's (`count_traffic`: the one interception, the one table of payloads
+    and bus factors), summed here by op and group size: all_reduce 2(n-1)/n of the tensor;
+    all_gather (n-1)/n of the gathered output; reduce_scatter and all_to_all (n-1)/n of the input.
+    """
+    from labkit.comm.traffic import count_traffic
+
     counts: dict = {}
-    originals = {name: getattr(dist, name) for name in _SENT if hasattr(dist, name)}
-
-    def wrap(name, fn):
-        def counted(tensor, *args, group=None, **kwargs):
-            # all_gather_into_tensor(output, input); reduce_scatter_tensor(output, input); others: first arg
-            t = args[0] if name.startswith("reduce_scatter") else tensor
-            n = dist.get_world_size(group)
-            key = (_CANONICAL.get(name, name), n)
-            counts[key] = counts.get(key, 0) + _SENT[name](n) * t.numel() * t.element_size()
-            return fn(tensor, *args, group=group, **kwargs)
-        return counted
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+    with count_traffic() as traffic:
+        yield counts  # filled when the block ends
+    world = dist.get_world_size()
+    for r in traffic.records:
+        n = world if r.group == "world" else len(r.group.split(" ", 1)[1].split(","))
+        key = (_CANONICAL.get(r.op, r.op), n)
+        counts[key] = counts.get(key, 0) + r.wire
+    for key, wire in counts.items():  # exact: an int where the bytes are whole
+        counts[key] = int(wire) if wire.denominator == 1 else float(wire)
 
 
 def _by_kind(snapshot: dict) -> dict:
