@@ -41,34 +41,50 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 P, MS, BATCH, SEQ, D_MODEL = 4, (4, 8, 16), 16, 64, 288
 SCHEDULES = {"GPipe": "gpipe_schedule", "1F1B": "one_f_one_b_schedule", "interl.2": "interleaved_schedule",
-             "ZB": "zero_bubble_schedule"}
-V = 2  # stages per rank of the interleaved schedule, each t_F / V long
+             "ZB": "zero_bubble_schedule", "ZB-H1": "zb_h1_schedule", "ZB-V": "zbv_schedule",
+             "DualPipeV": "dualpipev_schedule"}
+V = 2  # stages per rank of the interleaved and V schedules, each t_F / V long
+SPLIT = ("ZB", "ZB-H1", "ZB-V", "DualPipeV")  # B and W split: theory from the unit-time simulation
+
+
+def build(label, p, m):
+    """(schedule, stages per rank, this rank's stages) for one row of the table; None if it needs more m."""
+    from labkit import schedules
+    from labkit.grading import impl
+    from labkit.parallel import v_schedules
+
+    fn = SCHEDULES[label]
+    if label == "DualPipeV" and m < 2 * p:
+        return None
+    if label in ("ZB-V", "DualPipeV"):
+        return getattr(v_schedules, fn)(p, m), V, lambda r: v_schedules.v_stages(p, r)
+    if label == "interl.2":
+        return schedules.interleaved_schedule(p, V, m), V, lambda r: [c * p + r for c in range(V)]
+    module = schedules if label == "ZB" else impl("zero_bubble") if label == "ZB-H1" else impl("pipeline")
+    return getattr(module, fn)(p, m), 1, lambda r: [r]
 
 
 def run_rank(rank, world_size, t_f, steps):
     import torch
 
-    from labkit import schedules
     from labkit.grading import impl
     from labkit.timeline import Timeline
 
     pl = impl("pipeline")
     tl, out = Timeline(), {}
-    for label, fn in SCHEDULES.items():
+    for label in SCHEDULES:
         for m in MS:
+            built = build(label, world_size, m)
+            if built is None:
+                continue
+            schedule, v, own = built
             act = pl.activation_shape(type("Cfg", (), {"d_model": D_MODEL}), BATCH, SEQ, m)
-            v = V if fn == "interleaved_schedule" else 1
-            if fn == "zero_bubble_schedule":
-                schedule = schedules.zero_bubble_schedule(world_size, m)
-            else:
-                schedule = schedules.interleaved_schedule(world_size, v, m) if v > 1 else getattr(pl, fn)(world_size, m)
             tokens = torch.zeros(BATCH, SEQ, dtype=torch.long)
-            # floating-point inputs give stage 0's zero-bubble B an input gradient to compute
-            inputs = torch.zeros(BATCH, SEQ, D_MODEL) if fn == "zero_bubble_schedule" else tokens
+            # floating-point inputs give stage 0's split B an input gradient to compute
+            inputs = torch.zeros(BATCH, SEQ, D_MODEL) if label in SPLIT else tokens
             runs = []
             for _ in range(1 + steps):  # the first is a warm-up, dropped below
-                stage = {c * world_size + rank: pl.SyntheticStage(c * world_size + rank, world_size * v, act, t_f=t_f / v)
-                         for c in range(v)}
+                stage = {s: pl.SyntheticStage(s, world_size * v, act, t_f=t_f / v) for s in own(rank)}
                 stats = {}
                 tl.sync()
                 pl.run_schedule(stage, schedule, inputs, tokens, stage=rank, act_shape=act, timeline=tl, stats=stats)
@@ -89,7 +105,7 @@ def main():
     import warnings
 
     from labkit.launch import OversubscriptionWarning, launch
-    from labkit.schedules import simulate, theoretical_bubble, zero_bubble_schedule
+    from labkit.schedules import simulate, theoretical_bubble
     from labkit.timeline import bubble_fraction, window
 
     warnings.simplefilter("ignore", OversubscriptionWarning)  # the stages sleep: cores are not the limit
@@ -101,20 +117,23 @@ def main():
     rows = []
     for label in SCHEDULES:
         for m in MS:
+            if (label, m) not in results[0]:
+                continue
             measured = []
             for i, (spans, _) in enumerate(results[0][label, m]):
                 t0, t1 = window(spans)
                 measured.append((bubble_fraction(spans), t1 - t0, i))
             bubble, step_s, i = sorted(measured)[(len(measured) - 1) // 2]  # the (lower) median step
             stats0 = results[0][label, m][i][1]
-            v = V if label.startswith("interl") else 1
+            schedule, v, _ = build(label, P, m)
             theory = theoretical_bubble(P, m, v)
-            if label == "ZB":  # no closed form: the unit-time simulation's ideal (F = B = W)
-                theory = simulate(zero_bubble_schedule(P, m), 1.0, 2.0).bubble
+            ideal_ms = (v * m + P - 1) * 3 * t_f / v * 1e3
+            if label in SPLIT:  # the unit-time simulation's ideal (W = B = t_B / 2; per stage / v)
+                sim = simulate(schedule, t_f / v, 2 * t_f / v)
+                theory, ideal_ms = sim.bubble, sim.makespan * 1e3
             rows.append({"schedule": label, "m": m, "bubble": round(bubble, 4), "theory": round(theory, 4),
                          "abs_error_pp": round(100 * (bubble - theory), 2), "rel_error": round(bubble / theory - 1, 4), "step_ms": round(step_s * 1e3, 1),
-                         "ideal_step_ms": round((v * m + P - 1) * 3 * t_f / v * 1e3 if label != "ZB"
-                                         else simulate(zero_bubble_schedule(P, m), t_f, 2 * t_f).makespan * 1e3, 1),
+                         "ideal_step_ms": round(ideal_ms, 1),
                          "peak_inflight_rank0": stats0["peak_inflight"],
                          "peak_act_mib_rank0": round(stats0["peak_activation_bytes"] / 2**20, 3),
                          "peak_inflight_per_rank": [results[r][label, m][i][1]["peak_inflight"] for r in range(P)]})
