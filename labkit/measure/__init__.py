@@ -1,0 +1,1 @@
+"""Measuring what ran: timelines, traces, profiles, memory, and when communication hides."""
