@@ -23,6 +23,13 @@ step is the median by bubble (the lower median for an even count). Columns:
                 the same bytes whatever share of the layers it stands for, so the
                 interleaved figure counts each half-size stage as a full one: divide by v)
 
+    t_msg / +msgs / rel.err   one activation's message time on this run's link (labkit.bandwidth.
+                measure_link: latency + bytes / bandwidth), and the unit-time simulation with every
+                message taking t_msg (labkit.schedules.simulate(t_msg=...)), with the measured error
+                against it. In 1F1B's steady state every F waits for its neighbour's F and every B
+                for its neighbour's B, with no slack: each message on that chain adds t_msg, so the
+                excess grows with m; GPipe's forwards run back to back and pay the hops only once.
+
 The last line is one JSON object: per configuration figures, the largest absolute and
 relative bubble errors, and rank 0's peak activation memory of GPipe over 1F1B for each m.
 The excess over theory is the messages on the critical path (each F waits for a receive,
@@ -70,8 +77,13 @@ def run_rank(rank, world_size, t_f, steps):
     from labkit.grading import impl
     from labkit.timeline import Timeline
 
+    from labkit.bandwidth import measure_link
+
     pl = impl("pipeline")
     tl, out = Timeline(), {}
+    for m in MS:  # one activation's message time, this run's link: for the theory with messages
+        link = measure_link(BATCH // m * SEQ * D_MODEL * 4, iters=7)
+        out["t_msg", m] = link["single_latency"] + BATCH // m * SEQ * D_MODEL * 4 / link["single_bandwidth"]
     for label in SCHEDULES:
         for m in MS:
             built = build(label, world_size, m)
@@ -126,27 +138,33 @@ def main():
             bubble, step_s, i = sorted(measured)[(len(measured) - 1) // 2]  # the (lower) median step
             stats0 = results[0][label, m][i][1]
             schedule, v, _ = build(label, P, m)
+            t_msg = results[0]["t_msg", m]
+            with_msg = simulate(schedule, t_f / v, 2 * t_f / v, t_msg=t_msg).bubble
             theory = theoretical_bubble(P, m, v)
             ideal_ms = (v * m + P - 1) * 3 * t_f / v * 1e3
             if label in SPLIT:  # the unit-time simulation's ideal (W = B = t_B / 2; per stage / v)
                 sim = simulate(schedule, t_f / v, 2 * t_f / v)
                 theory, ideal_ms = sim.bubble, sim.makespan * 1e3
             rows.append({"schedule": label, "m": m, "bubble": round(bubble, 4), "theory": round(theory, 4),
-                         "abs_error_pp": round(100 * (bubble - theory), 2), "rel_error": round(bubble / theory - 1, 4), "step_ms": round(step_s * 1e3, 1),
+                         "abs_error_pp": round(100 * (bubble - theory), 2), "rel_error": round(bubble / theory - 1, 4),
+                         "t_msg_ms": round(t_msg * 1e3, 3), "theory_with_msg": round(with_msg, 4),
+                         "rel_error_with_msg": round(bubble / with_msg - 1, 4), "step_ms": round(step_s * 1e3, 1),
                          "ideal_step_ms": round(ideal_ms, 1),
                          "peak_inflight_rank0": stats0["peak_inflight"],
                          "peak_act_mib_rank0": round(stats0["peak_activation_bytes"] / 2**20, 3),
                          "peak_inflight_per_rank": [results[r][label, m][i][1]["peak_inflight"] for r in range(P)]})
 
     print(f"pipeline schedules, p={P}, synthetic stages t_F={t_f * 1e3:.0f} ms, t_B=2 t_F, "
-          f"batch {BATCH}x{SEQ}x{D_MODEL}, impl={args.impl}, {time.time() - start:.0f} s")
+          f"batch {BATCH}x{SEQ}x{D_MODEL}, impl={args.impl}, {time.time() - start:.0f} s, "
+          f"load average {os.getloadavg()[0]:.1f} (1 min) on {os.cpu_count()} cores")
     head = f"{'schedule':8s} {'m':>3s} {'bubble':>8s} {'theory':>8s} {'abs.err':>8s} {'rel.err':>8s} {'step ms':>9s} " \
-           f"{'ideal ms':>9s} {'in-flight':>10s} {'act MiB':>8s}  in-flight per rank"
+           f"{'ideal ms':>9s} {'t_msg ms':>8s} {'+msgs':>7s} {'rel.err':>8s} {'in-flight':>10s} {'act MiB':>8s}  in-flight per rank"
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['schedule']:8s} {r['m']:3d} {r['bubble']:8.1%} {r['theory']:8.1%} {r['abs_error_pp']:+7.1f}pp {r['rel_error']:+8.1%} "
-              f"{r['step_ms']:9.1f} {r['ideal_step_ms']:9.1f} {r['peak_inflight_rank0']:10d} "
+              f"{r['step_ms']:9.1f} {r['ideal_step_ms']:9.1f} {r['t_msg_ms']:8.3f} {r['theory_with_msg']:7.1%} "
+              f"{r['rel_error_with_msg']:+8.1%} {r['peak_inflight_rank0']:10d} "
               f"{r['peak_act_mib_rank0']:8.3f}  {r['peak_inflight_per_rank']}")
     mem = {str(m): round(next(r["peak_act_mib_rank0"] for r in rows if r["schedule"] == "GPipe" and r["m"] == m)
                          / next(r["peak_act_mib_rank0"] for r in rows if r["schedule"] == "1F1B" and r["m"] == m), 3)
@@ -154,6 +172,8 @@ def main():
     print(json.dumps({"bench": "pipeline", "p": P, "t_f_ms": t_f * 1e3, "impl": args.impl, "results": rows,
                       "max_abs_bubble_error_pp": max(abs(r["abs_error_pp"]) for r in rows),
                       "max_rel_bubble_error": max(abs(r["rel_error"]) for r in rows),
+                      "max_rel_bubble_error_with_msg": max(abs(r["rel_error_with_msg"]) for r in rows),
+                      "load_average_1min": round(os.getloadavg()[0], 2),
                       "act_mem_ratio_gpipe_over_1f1b_rank0": mem}))
 
 

@@ -311,8 +311,13 @@ def split_backwards(schedule) -> set[tuple[int, int]]:
 
 
 def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, *, t_w: float | None = None, blocking_send: bool = False,
-             n_stages: int | None = None, n_microbatches: int | None = None, strict: bool = True) -> SimResult:
+             n_stages: int | None = None, n_microbatches: int | None = None, strict: bool = True,
+             t_msg: float = 0.0) -> SimResult:
     """Run the lowered schedule on a unit-time model: F takes t_f, B takes t_b, messages are free.
+
+    ``t_msg``: with non-blocking sends, a message reaches its receiver t_msg after it is
+    sent (alpha + bytes / beta, see `labkit.measure.overlap`), so that the model shows
+    which messages the schedule hides and which lie on its critical path.
 
     ``schedule``: action lists or a `Lowered`. A backward split by a ``W`` action takes
     t_b - t_w for B and t_w for W (t_w defaults to t_b / 2); its activations are held until W.
@@ -356,7 +361,7 @@ def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, *, t_w: float | None 
                         inflight[r] -= 1  # the activations go with the last step that needs them
                     peak[r] = max(peak[r], inflight[r])
                 elif a.kind in SENDS and not blocking_send:
-                    sent[a.message] = clock[r]
+                    sent[a.message] = clock[r] + t_msg
                 elif a.kind in SENDS:
                     waiting_send[a.message] = r
                     if not _at_recv(ops, pc, a.peer, a.message):

@@ -157,29 +157,16 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
     steps = impl("pipeline_naive")  # notebook 05's forward_step / backward_step (yours, under exercises)
     box, saved, sends, loss = {}, {}, [], None  # box: tensors received / to send, by message
     split = lowered.split  # (stage, mb) whose B computes only the input gradient; a W follows
-    ops = lowered[stage]
-    posted = {}  # receives posted ahead of their place in the list: message -> (work, buffer)
-
-    def post(op):
-        buf = torch.empty(act_shape, dtype=dtype, device=run.device)
-        peer = next_rank if lowered.to_next_position(op) else prev_rank
-        return communicate(op, buf, peer, group=group, blocking=blocking_send), buf
-
-    for i, op in enumerate(ops):
+    for op in lowered[stage]:
         s, mb = op.stage, op.mb
-        if op.kind in schedules.COMPUTE and not blocking_send:
-            _post_next_receives(ops, i, posted, post)  # their transfer overlaps this compute
         if op.kind in schedules.SENDS or op.kind in schedules.RECVS:
             sending = op.kind in schedules.SENDS
-            peer = next_rank if lowered.to_next_position(op) else prev_rank
+            buf = box.pop(op.message) if sending else torch.empty(act_shape, dtype=dtype, device=run.device)
+            peer = next_rank if lowered.to_next_position(op) else prev_rank  # a V sends back up
             with tl.span("send" if sending else "recv", s, mb):
-                if sending:
-                    buf = box.pop(op.message)
-                    work = communicate(op, buf, peer, group=group, blocking=blocking_send)
-                else:
-                    work, buf = posted.pop(op.message) if op.message in posted else post(op)
-                    if work is not None:
-                        work.wait()  # the compute that follows reads the buffer
+                work = communicate(op, buf, peer, group=group, blocking=blocking_send)
+                if work is not None and not sending:
+                    work.wait()  # the compute that follows reads the buffer
             if sending and work is not None:
                 sends.append((work, buf))  # keep the tensor alive until its send completes
             elif not sending:
@@ -216,22 +203,6 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
     if stats is not None:
         stats.update(peak_inflight=run.memory.peak_count, peak_activation_bytes=run.memory.peak_bytes)
     return loss
-
-
-def _post_next_receives(ops, i, posted, post):
-    """Post now the receives that the compute after ops[i] needs, so they arrive while ops[i] runs.
-
-    Posting an ``irecv`` early never blocks and never reorders the waits (each is still
-    waited for at its place in the list), so a schedule that is deadlock-free stays so.
-    """
-    j = i + 1
-    while j < len(ops) and ops[j].kind not in schedules.COMPUTE:
-        j += 1
-    k = j - 1
-    while k > i and ops[k].kind in schedules.RECVS:
-        if ops[k].message not in posted:
-            posted[ops[k].message] = post(ops[k])
-        k -= 1
 
 
 def _setup(stage_module, lowered, inputs, targets, stage, act_shape, loss_scale):
@@ -292,35 +263,19 @@ class _Memory:
 
 
 # ----------------------------------------------------------------------- synthetic mode
-def _hold(seconds: float, spin: float = 0.002) -> None:
-    """Wait ``seconds``: sleep until ``spin`` before the deadline, then poll the clock.
-
-    A plain ``time.sleep`` wakes up late by a random ~0.1-1 ms on a shared CPU (more under
-    load); along a pipeline the late wake-ups of different ranks do not cancel, they add
-    up on the critical path (each step waits for the slowest neighbour) and showed as a
-    bubble 5-30% above theory. Polling only the last 2 ms keeps the stages exact to a
-    few microseconds while the ranks still leave the cores free most of the time.
-    """
-    deadline = time.perf_counter() + seconds
-    if seconds > spin:
-        time.sleep(seconds - spin)
-    while time.perf_counter() < deadline:
-        pass
-
-
 class _Delay(torch.autograd.Function):
-    """Identity that waits t_f in forward and t_b in backward (`_hold`)."""
+    """Identity that sleeps t_f in forward and t_b in backward."""
 
     @staticmethod
     def forward(ctx, x, t_f, t_b):
         ctx.save_for_backward(x)  # counted like a real stage's saved activation
         ctx.t_b = t_b
-        _hold(t_f)
+        time.sleep(t_f)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        _hold(ctx.t_b)
+        time.sleep(ctx.t_b)
         return grad, None, None
 
 
