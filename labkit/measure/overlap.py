@@ -6,12 +6,13 @@
 
 Two cases from the lab:
 
-**Pipeline send/recv (notebook 06).** A receive posted ahead overlaps its transfer with the
-receiver's current compute, so a message hides whenever its sender finishes at least
-t_msg before the receiver needs it. On the critical path the receiver is waiting for the
-sender: the p - 1 forward hops of the ramp-up and the p - 1 backward hops of the
-ramp-down can never hide, so each step is longer than the schedule's ideal by
-2 (p - 1) t_msg (1F1B and GPipe alike; the steady state's messages hide).
+**Pipeline send/recv (notebook 06).** A message hides whenever its sender finishes it at
+least t_msg before the receiver needs it. On the critical path the receiver is waiting:
+GPipe runs its forwards back to back, so only the p - 1 hops of the ramp-up and the p - 1
+of the ramp-down are exposed, 2 (p - 1) t_msg per step. 1F1B's steady state has no slack
+(each F waits for its neighbour's F, each B for its neighbour's B), so every cycle pays
+its messages and the excess grows with m: `labkit.schedules.simulate(..., t_msg=)`
+models any schedule.
 
 **ZeRO-3 prefetch (notebook 09).** While layer i computes, the all-gather of layer i+1's
 parameters runs. Ring all-gather of S bytes on N ranks: (N - 1) (alpha + S / (N beta)).
@@ -30,7 +31,7 @@ def message_seconds(nbytes: float, alpha: float, beta: float) -> float:
 
 
 def pipeline_exposed_seconds(n_stages: int, t_msg: float) -> float:
-    """Message time a pipeline step cannot hide: 2 (p - 1) t_msg, the hops of its ramp-up and ramp-down."""
+    """Message time GPipe cannot hide: 2 (p - 1) t_msg, its ramp-up's and ramp-down's hops (a lower bound for 1F1B)."""
     if n_stages < 1:
         raise ValueError(f"need n_stages >= 1, got {n_stages}")
     return 2 * (n_stages - 1) * t_msg
