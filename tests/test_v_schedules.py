@@ -1,9 +1,12 @@
 """V-shaped schedules (ZB-V, DualPipeV) as data: action for action against torch's own lists.
 
-No processes; about two seconds (torch's schedule classes are imported once).
+Pure Python, about two seconds (torch's schedule classes are imported once), and one launch of
+2 ranks that runs both on the tiny model against one model (a few seconds).
 """
 import pytest
+import torch
 
+from labkit.launch import launch
 from labkit.parallel.torch_schedules import torch_schedule
 from labkit.parallel.v_schedules import dualpipev_schedule, zbv_schedule
 from labkit.schedules import ScheduleError, check_schedule, first_difference, lower, simulate, validate
@@ -74,3 +77,41 @@ def test_plot_schedule_draws_every_action_of_a_v_schedule():
     assert boxes == sum(len(actions) for actions in schedule)  # one box per compute action
     assert ax.get_title().startswith("ideal: bubble 5.9%")  # 3 idle units of 51 (6m + p - 1)
     plt.close("all")
+
+
+def _v_rank(rank, world_size, x, y, m):
+    from labkit.grading import impl
+    from labkit.model import build_model, make_stage
+
+    pl = impl("pipeline", "solutions")
+    out = {}
+    for name, build in (("ZB-V", zbv_schedule), ("DualPipeV", dualpipev_schedule)):
+        model = build_model("tiny", seed=0).double()
+        stages = {s: make_stage(model, s, 2 * world_size) for s in (rank, 2 * world_size - 1 - rank)}
+        loss = pl.run_schedule(stages, build(world_size, m), x if rank == 0 else None, y if rank == 0 else None,
+                               stage=rank, act_shape=pl.activation_shape(model.config, x.shape[0], x.shape[1], m))
+        out[name] = ({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, loss)
+    return out
+
+
+def test_v_schedules_on_two_ranks_equal_one_model_in_float64():
+    """The V runs on real ranks: rank 0 holds the embedding stage and the loss stage. Float64, one
+    model summed over 4 micro-batches in another order: ~1e-16 relative, rtol 1e-10 has margin."""
+    from labkit.launch import OversubscriptionWarning
+    from labkit.model import build_model
+    import warnings
+
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randint(0, 4096, (4, 8), generator=g), torch.randint(0, 4096, (4, 8), generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OversubscriptionWarning)
+        results = launch(_v_rank, 2, x, y, 4, timeout=60)
+    ref = build_model("tiny", seed=0).double()
+    ref_loss = ref(x, y)
+    ref_loss.backward()
+    for name in ("ZB-V", "DualPipeV"):
+        grads = {**results[0][name][0], **results[1][name][0]}  # each rank's own stages
+        assert set(grads) == {n for n, _ in ref.named_parameters()}, name
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}, {n}: {m}")
+        torch.testing.assert_close(results[0][name][1], ref_loss.detach(), rtol=1e-12, atol=0)
