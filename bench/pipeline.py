@@ -23,6 +23,13 @@ step is the median by bubble (the lower median for an even count). Columns:
                 the same bytes whatever share of the layers it stands for, so the
                 interleaved figure counts each half-size stage as a full one: divide by v)
 
+    t_msg / +msgs / rel.err   one activation's message time on this run's link (labkit.links.bandwidth.
+                measure_link: latency + bytes / bandwidth), and the unit-time simulation with every
+                message taking t_msg (labkit.parallel.schedules.simulate(t_msg=...)), with the measured error
+                against it. In 1F1B's steady state every F waits for its neighbour's F and every B
+                for its neighbour's B, with no slack: each message on that chain adds t_msg, so the
+                excess grows with m; GPipe's forwards run back to back and pay the hops only once.
+
 The last line is one JSON object: per configuration figures, the largest absolute and
 relative bubble errors, and rank 0's peak activation memory of GPipe over 1F1B for each m.
 The excess over theory is the messages on the critical path (each F waits for a receive,
@@ -41,35 +48,56 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 P, MS, BATCH, SEQ, D_MODEL = 4, (4, 8, 16), 16, 64, 288
 SCHEDULES = {"GPipe": "gpipe_schedule", "1F1B": "one_f_one_b_schedule", "interl.2": "interleaved_schedule",
-             "ZB": "zero_bubble_schedule"}
-V = 2  # stages per rank of the interleaved schedule, each t_F / V long
+             "ZB": "zero_bubble_schedule", "ZB-H1": "zb_h1_schedule", "ZB-V": "zbv_schedule",
+             "DualPipeV": "dualpipev_schedule"}
+V = 2  # stages per rank of the interleaved and V schedules, each t_F / V long
+SPLIT = ("ZB", "ZB-H1", "ZB-V", "DualPipeV")  # B and W split: theory from the unit-time simulation
+
+
+def build(label, p, m):
+    """(schedule, stages per rank, this rank's stages) for one row of the table; None if it needs more m."""
+    from labkit.parallel import schedules
+    from labkit.grading import impl
+    from labkit.parallel import v_schedules
+
+    fn = SCHEDULES[label]
+    if label == "DualPipeV" and m < 2 * p:
+        return None
+    if label in ("ZB-V", "DualPipeV"):
+        return getattr(v_schedules, fn)(p, m), V, lambda r: v_schedules.v_stages(p, r)
+    if label == "interl.2":
+        return schedules.interleaved_schedule(p, V, m), V, lambda r: [c * p + r for c in range(V)]
+    module = schedules if label == "ZB" else impl("zero_bubble") if label == "ZB-H1" else impl("pipeline")
+    return getattr(module, fn)(p, m), 1, lambda r: [r]
 
 
 def run_rank(rank, world_size, t_f, steps):
     import torch
 
-    from labkit.parallel import schedules
     from labkit.grading import impl
     from labkit.mesh import Mesh
     from labkit.measure.timeline import Timeline
 
+    from labkit.links.bandwidth import measure_link
+
     pl = impl("pipeline")
     tl, out, mesh = Timeline(), {}, Mesh(world_size, pp=world_size)
-    for label, fn in SCHEDULES.items():
+    for m in MS:  # one activation's message time, this run's link: for the theory with messages
+        link = measure_link(BATCH // m * SEQ * D_MODEL * 4, iters=7)
+        out["t_msg", m] = link["single_latency"] + BATCH // m * SEQ * D_MODEL * 4 / link["single_bandwidth"]
+    for label in SCHEDULES:
         for m in MS:
+            built = build(label, world_size, m)
+            if built is None:
+                continue
+            schedule, v, own = built
             act = pl.activation_shape(type("Cfg", (), {"d_model": D_MODEL}), BATCH, SEQ, m)
-            v = V if fn == "interleaved_schedule" else 1
-            if fn == "zero_bubble_schedule":
-                schedule = schedules.zero_bubble_schedule(world_size, m)
-            else:
-                schedule = schedules.interleaved_schedule(world_size, v, m) if v > 1 else getattr(pl, fn)(world_size, m)
             tokens = torch.zeros(BATCH, SEQ, dtype=torch.long)
-            # floating-point inputs give stage 0's zero-bubble B an input gradient to compute
-            inputs = torch.zeros(BATCH, SEQ, D_MODEL) if fn == "zero_bubble_schedule" else tokens
+            # floating-point inputs give stage 0's split B an input gradient to compute
+            inputs = torch.zeros(BATCH, SEQ, D_MODEL) if label in SPLIT else tokens
             runs = []
             for _ in range(1 + steps):  # the first is a warm-up, dropped below
-                stage = {c * world_size + rank: pl.SyntheticStage(c * world_size + rank, world_size * v, act, t_f=t_f / v)
-                         for c in range(v)}
+                stage = {s: pl.SyntheticStage(s, world_size * v, act, t_f=t_f / v) for s in own(rank)}
                 stats = {}
                 tl.sync()
                 pl.run_schedule(stage, schedule, inputs, tokens, mesh=mesh, act_shape=act, timeline=tl, stats=stats)
@@ -90,7 +118,7 @@ def main():
     import warnings
 
     from labkit.launching.launcher import OversubscriptionWarning, launch
-    from labkit.parallel.schedules import simulate, theoretical_bubble, zero_bubble_schedule
+    from labkit.parallel.schedules import simulate, theoretical_bubble
     from labkit.measure.timeline import bubble_fraction, window
 
     warnings.simplefilter("ignore", OversubscriptionWarning)  # the stages sleep: cores are not the limit
@@ -102,33 +130,42 @@ def main():
     rows = []
     for label in SCHEDULES:
         for m in MS:
+            if (label, m) not in results[0]:
+                continue
             measured = []
             for i, (spans, _) in enumerate(results[0][label, m]):
                 t0, t1 = window(spans)
                 measured.append((bubble_fraction(spans), t1 - t0, i))
             bubble, step_s, i = sorted(measured)[(len(measured) - 1) // 2]  # the (lower) median step
             stats0 = results[0][label, m][i][1]
-            v = V if label.startswith("interl") else 1
+            schedule, v, _ = build(label, P, m)
+            t_msg = results[0]["t_msg", m]
+            with_msg = simulate(schedule, t_f / v, 2 * t_f / v, t_msg=t_msg).bubble
             theory = theoretical_bubble(P, m, v)
-            if label == "ZB":  # no closed form: the unit-time simulation's ideal (F = B = W)
-                theory = simulate(zero_bubble_schedule(P, m), 1.0, 2.0).bubble
+            ideal_ms = (v * m + P - 1) * 3 * t_f / v * 1e3
+            if label in SPLIT:  # the unit-time simulation's ideal (W = B = t_B / 2; per stage / v)
+                sim = simulate(schedule, t_f / v, 2 * t_f / v)
+                theory, ideal_ms = sim.bubble, sim.makespan * 1e3
             rows.append({"schedule": label, "m": m, "bubble": round(bubble, 4), "theory": round(theory, 4),
-                         "abs_error_pp": round(100 * (bubble - theory), 2), "rel_error": round(bubble / theory - 1, 4), "step_ms": round(step_s * 1e3, 1),
-                         "ideal_step_ms": round((v * m + P - 1) * 3 * t_f / v * 1e3 if label != "ZB"
-                                         else simulate(zero_bubble_schedule(P, m), t_f, 2 * t_f).makespan * 1e3, 1),
+                         "abs_error_pp": round(100 * (bubble - theory), 2), "rel_error": round(bubble / theory - 1, 4),
+                         "t_msg_ms": round(t_msg * 1e3, 3), "theory_with_msg": round(with_msg, 4),
+                         "rel_error_with_msg": round(bubble / with_msg - 1, 4), "step_ms": round(step_s * 1e3, 1),
+                         "ideal_step_ms": round(ideal_ms, 1),
                          "peak_inflight_rank0": stats0["peak_inflight"],
                          "peak_act_mib_rank0": round(stats0["peak_activation_bytes"] / 2**20, 3),
                          "peak_inflight_per_rank": [results[r][label, m][i][1]["peak_inflight"] for r in range(P)]})
 
     print(f"pipeline schedules, p={P}, synthetic stages t_F={t_f * 1e3:.0f} ms, t_B=2 t_F, "
-          f"batch {BATCH}x{SEQ}x{D_MODEL}, impl={args.impl}, {time.time() - start:.0f} s")
+          f"batch {BATCH}x{SEQ}x{D_MODEL}, impl={args.impl}, {time.time() - start:.0f} s, "
+          f"load average {os.getloadavg()[0]:.1f} (1 min) on {os.cpu_count()} cores")
     head = f"{'schedule':8s} {'m':>3s} {'bubble':>8s} {'theory':>8s} {'abs.err':>8s} {'rel.err':>8s} {'step ms':>9s} " \
-           f"{'ideal ms':>9s} {'in-flight':>10s} {'act MiB':>8s}  in-flight per rank"
+           f"{'ideal ms':>9s} {'t_msg ms':>8s} {'+msgs':>7s} {'rel.err':>8s} {'in-flight':>10s} {'act MiB':>8s}  in-flight per rank"
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['schedule']:8s} {r['m']:3d} {r['bubble']:8.1%} {r['theory']:8.1%} {r['abs_error_pp']:+7.1f}pp {r['rel_error']:+8.1%} "
-              f"{r['step_ms']:9.1f} {r['ideal_step_ms']:9.1f} {r['peak_inflight_rank0']:10d} "
+              f"{r['step_ms']:9.1f} {r['ideal_step_ms']:9.1f} {r['t_msg_ms']:8.3f} {r['theory_with_msg']:7.1%} "
+              f"{r['rel_error_with_msg']:+8.1%} {r['peak_inflight_rank0']:10d} "
               f"{r['peak_act_mib_rank0']:8.3f}  {r['peak_inflight_per_rank']}")
     mem = {str(m): round(next(r["peak_act_mib_rank0"] for r in rows if r["schedule"] == "GPipe" and r["m"] == m)
                          / next(r["peak_act_mib_rank0"] for r in rows if r["schedule"] == "1F1B" and r["m"] == m), 3)
@@ -136,6 +173,8 @@ def main():
     print(json.dumps({"bench": "pipeline", "p": P, "t_f_ms": t_f * 1e3, "impl": args.impl, "results": rows,
                       "max_abs_bubble_error_pp": max(abs(r["abs_error_pp"]) for r in rows),
                       "max_rel_bubble_error": max(abs(r["rel_error"]) for r in rows),
+                      "max_rel_bubble_error_with_msg": max(abs(r["rel_error_with_msg"]) for r in rows),
+                      "load_average_1min": round(os.getloadavg()[0], 2),
                       "act_mem_ratio_gpipe_over_1f1b_rank0": mem}))
 
 

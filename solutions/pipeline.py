@@ -154,7 +154,7 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, mesh: Mes
         if op.kind in schedules.SENDS or op.kind in schedules.RECVS:
             sending = op.kind in schedules.SENDS
             buf = box.pop(op.message) if sending else torch.empty(act_shape, dtype=dtype, device=run.device)
-            peer = next_rank if op.kind in ("SEND_F", "RECV_B") else prev_rank
+            peer = next_rank if lowered.to_next_position(op) else prev_rank  # a V sends back up
             with tl.span("send" if sending else "recv", s, mb):
                 work = communicate(op, buf, peer, group=group, blocking=blocking_send)
                 if work is not None and not sending:
@@ -173,9 +173,9 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, mesh: Mes
             grad_out = None if s == run.last else box.pop(("grad", s + 1, mb))
             inp, out = saved[s, mb]
             with tl.span("B", s, mb):
-                if (s, mb) in split:  # only the input gradient; W computes the weights' later
+                if (s, mb) in split:  # only the input gradient; W computes the weights' later (notebook 06)
                     saved[s, mb] = (inp, out, grad_out)
-                    grad_in = None if inp is None else torch.autograd.grad(out, inp, grad_out, retain_graph=True)[0]
+                    grad_in = impl("zero_bubble").backward_input(inp, out, grad_out)
                 else:
                     grad_in = steps.backward_step(*saved.pop((s, mb)), grad_out)
                     run.memory.free(s, mb)
@@ -186,7 +186,7 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, mesh: Mes
         else:  # W: the weight gradient of a split backward (no message)
             inp, out, grad_out = saved.pop((s, mb))
             with tl.span("W", s, mb):
-                torch.autograd.backward(out, grad_out, inputs=run.params[s])
+                impl("zero_bubble").backward_weight(out, grad_out, run.params[s])
             run.memory.free(s, mb)
     if sends:
         with tl.span("wait", stage):

@@ -300,3 +300,17 @@ def test_plot_timeline_marks_the_first_span_out_of_the_schedules_order(agg):
     assert _red_outlines(ax) == [(2.0, 1)]
     ax = viz.plot_timeline(ran, unit="s", schedule=GPIPE_2x2).axes[0]
     assert _red_outlines(ax) == [] and ax.get_title().startswith("measured: bubble")
+
+
+def test_simulate_message_time_on_the_critical_path():
+    # GPipe 2x2 with messages of 0.5: stage 1 starts 0.5 later, stage 0's backward 1 later (a hop each way)
+    sim = simulate(GPIPE_2x2, t_f=1, t_b=2, t_msg=0.5)
+    spans = [[(s, e, str(a)) for s, e, a in rank] for rank in sim.spans]
+    assert spans[1][0] == (1.5, 2.5, "1F0") and spans[0][2] == (5.5 + 0.5, 8.0, "0B0")
+    assert sim.makespan == 10  # 9 without messages + one hop down + one hop back
+    # 1F1B's steady state has no slack: every cycle pays its hops, so the excess grows with m
+    from labkit.grading import impl
+
+    ofob = impl("pipeline", "solutions").one_f_one_b_schedule
+    excess = [simulate(ofob(4, m), 1, 2, t_msg=0.1).makespan - simulate(ofob(4, m), 1, 2).makespan for m in (4, 8, 16)]
+    assert excess[0] < excess[1] < excess[2]

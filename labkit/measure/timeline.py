@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -57,13 +58,28 @@ def _cuda_synchronize():
     torch.cuda.synchronize()
 
 
+def _profiler_annotation(kind, mb):
+    """A torch.profiler record_function named like the span's box, if torch's profiler is recording, else None.
+
+    (Checked per span; torch is not imported for it: without torch loaded there is no profiler.)
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.autograd.profiler._is_profiler_enabled:
+        return None
+    annotation = torch.profiler.record_function(f"{kind}{mb}" if mb is not None else kind)
+    annotation.__enter__()
+    return annotation
+
+
 class _SpanContext:
-    __slots__ = ("tl", "kind", "stage", "mb", "t0")
+    __slots__ = ("tl", "kind", "stage", "mb", "t0", "annotation")
 
     def __init__(self, tl, kind, stage, mb):
         self.tl, self.kind, self.stage, self.mb = tl, kind, stage, mb
 
     def __enter__(self):
+        # entered before the first clock read and left after the last: the profiler's span contains ours
+        self.annotation = _profiler_annotation(self.kind, self.mb)
         if self.tl.cuda_sync:
             _cuda_synchronize()
         self.t0 = time.perf_counter()
@@ -73,6 +89,8 @@ class _SpanContext:
         if self.tl.cuda_sync:
             _cuda_synchronize()
         self.tl.record(self.kind, self.t0, time.perf_counter(), stage=self.stage, mb=self.mb)
+        if self.annotation is not None:
+            self.annotation.__exit__(*exc)
         return False
 
 

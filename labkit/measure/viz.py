@@ -130,8 +130,11 @@ def _mark(ax, rank, start, end, label, color="red"):
 
 
 def plot_schedule(schedule, t_f: float = 1.0, t_b: float = 2.0, ax=None, title: str | None = None,
-                  blocking_send: bool = False):
+                  blocking_send: bool = False, t_w: float | None = None):
     """The ideal picture of a schedule: its lowered list run on a unit-time model, F takes t_f and B t_b.
+
+    A backward split by a W action takes t_b - t_w for B and t_w for W (default t_b / 2).
+    A rank that holds two stages (interleaved, or a V: ZB-V, DualPipeV) draws its second hatched.
 
     A wrong schedule is drawn anyway, as far as it runs, with its FIRST error marked in
     red: the first action out of order (outlined), or where each rank of a deadlock waits
@@ -140,7 +143,7 @@ def plot_schedule(schedule, t_f: float = 1.0, t_b: float = 2.0, ax=None, title: 
     stage on two ranks) is shown as its error message alone.
     """
     try:
-        sim = schedules.simulate(schedule, t_f, t_b, blocking_send=blocking_send, strict=False)
+        sim = schedules.simulate(schedule, t_f, t_b, t_w=t_w, blocking_send=blocking_send, strict=False)
     except schedules.ScheduleError as err:  # cannot even be lowered: say why, in the figure
         fig, ax = _axes(ax, (9, 1.2))
         ax.axis("off")

@@ -172,6 +172,12 @@ def check_schedule(schedule, n_stages: int | None = None, n_microbatches: int | 
                 problem = f"backward before forward; {a.stage}F{a.mb} must come before {a}"
             elif a.kind == "W" and (a.stage, "B", a.mb) not in done:
                 problem = f"weight gradient before backward; {a.stage}B{a.mb} must come before {a}"
+            elif (a.kind == "F" and owner.get(a.stage - 1) == rank and a.stage > 0
+                  and (a.stage - 1, "F", a.mb) not in done):
+                problem = f"{a.stage - 1}F{a.mb} runs on this rank too and must come before {a} (no message between them)"
+            elif (a.kind == "B" and owner.get(a.stage + 1) == rank and a.stage < p - 1
+                  and (a.stage + 1, "B", a.mb) not in done):
+                problem = f"{a.stage + 1}B{a.mb} runs on this rank too and must come before {a} (no message between them)"
             if problem:
                 raise ScheduleError(f"{where}: {problem}", rank, i)
             done.add((a.stage, a.kind, a.mb))
@@ -186,6 +192,13 @@ def check_schedule(schedule, n_stages: int | None = None, n_microbatches: int | 
                                 f"{' ...' if len(missing) > 6 else ''}: every micro-batch needs F and B on every stage",
                                 rank)
     return p, m
+
+
+def is_v_placement(owner: dict[int, int], n_ranks: int) -> bool:
+    """True when the stages sit in a V (ZB-V, DualPipeV): 2 n_ranks stages, rank r holds r and 2 n_ranks - 1 - r."""
+    p = 2 * n_ranks
+    return n_ranks > 1 and sorted(owner) == list(range(p)) and all(
+        owner[s] == (s if s < n_ranks else p - 1 - s) for s in range(p))
 
 
 # --------------------------------------------------------------------------- lowering
@@ -212,6 +225,15 @@ class Lowered:
             return f"{a}{arrow}"
         return "\n".join(f"rank {r}: " + " ".join(show(a) for a in ops) for r, ops in enumerate(self.ops))
 
+    def to_next_position(self, op: Action) -> bool:
+        """Whether message ``op``'s other side is on the next pipeline position (else the previous one).
+
+        Activations flow to the next position and gradients to the previous one, except on
+        the way back up of a V placement (stages p..2p-1 of p ranks), where it is the reverse.
+        """
+        downstream = op.kind in ("SEND_F", "RECV_B")
+        return downstream != (op.stage >= len(self.ops) and is_v_placement(self.stage_rank, len(self.ops)))
+
     @property
     def split(self) -> set[tuple[int, int]]:
         """(stage, mb) whose backward is split into B (input gradient) and a later W (weights)."""
@@ -231,15 +253,19 @@ def lower(schedule) -> Lowered:
     parsed = parse_schedule(schedule)
     owner = stage_ranks(parsed)
     n_ranks, p = len(parsed), max(owner, default=-1) + 1
+    v_shape = is_v_placement(owner, n_ranks)
     for s in range(p - 1):  # messages only go to the previous / next position
-        if s in owner and s + 1 in owner and owner[s + 1] != (owner[s] + 1) % n_ranks:
+        if not v_shape and s in owner and s + 1 in owner and owner[s + 1] != (owner[s] + 1) % n_ranks:
             raise ScheduleError(f"stage {s + 1} must run on the position after stage {s}'s "
-                                f"({(owner[s] + 1) % n_ranks}), not on {owner[s + 1]}", owner[s + 1])
+                                f"({(owner[s] + 1) % n_ranks}), not on {owner[s + 1]} (or place the "
+                                f"stages in a V: rank r holds stages r and 2p-1-r)", owner[s + 1])
     ops = []
-    for actions in parsed:
+    for rank, actions in enumerate(parsed):
         out = []
         for a in actions:
-            s, mb, first, last = a.stage, a.mb, a.stage == 0, a.stage == p - 1
+            s, mb = a.stage, a.mb
+            # no message to the first / last stage's outside, nor between two stages of one rank (V)
+            first, last = s == 0 or owner.get(s - 1) == rank, s == p - 1 or owner.get(s + 1) == rank
             if a.kind == "F":
                 recv = [] if first else [Action(s, "RECV_F", mb, owner.get(s - 1))]
                 send = [] if last else [Action(s, "SEND_F", mb, owner.get(s + 1))]
@@ -280,8 +306,13 @@ class SimResult:
 
 
 def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, *, t_w: float | None = None, blocking_send: bool = False,
-             n_stages: int | None = None, n_microbatches: int | None = None, strict: bool = True) -> SimResult:
+             n_stages: int | None = None, n_microbatches: int | None = None, strict: bool = True,
+             t_msg: float = 0.0) -> SimResult:
     """Run the lowered schedule on a unit-time model: F takes t_f, B takes t_b, messages are free.
+
+    ``t_msg``: with non-blocking sends, a message reaches its receiver t_msg after it is
+    sent (alpha + bytes / beta, see `labkit.measure.overlap`), so that the model shows
+    which messages the schedule hides and which lie on its critical path.
 
     ``schedule``: action lists or a `Lowered`. A backward split by a ``W`` action takes
     t_b - t_w for B and t_w for W (t_w defaults to t_b / 2); its activations are held until W.
@@ -325,7 +356,7 @@ def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, *, t_w: float | None 
                         inflight[r] -= 1  # the activations go with the last step that needs them
                     peak[r] = max(peak[r], inflight[r])
                 elif a.kind in SENDS and not blocking_send:
-                    sent[a.message] = clock[r]
+                    sent[a.message] = clock[r] + t_msg
                 elif a.kind in SENDS:
                     waiting_send[a.message] = r
                     if not _at_recv(ops, pc, a.peer, a.message):
