@@ -1,6 +1,6 @@
 # GENERATED from solutions/expert_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/12_experts.ipynb.
-# untouched-stub fingerprint: 8fdabde8f995750b
+# untouched-stub fingerprint: 57559fa4796f46a5
 """Expert parallelism (EP), and EP x DP (notebook 12_experts).
 
 The E experts of each MoE layer are split over the `ep` ranks of an EP group: rank r
@@ -160,8 +160,9 @@ class EPMoE(nn.Module):
 
 
 def check_mesh(mesh: Mesh, n_experts: int) -> None:
-    """ValueError, with the fix, unless `mesh` is a labkit Mesh of this world with only dp and ep axes,
-    the ("dp", "ep") group, and n_experts divisible by ep."""
+    """ValueError, with the fix, unless `mesh` is a labkit Mesh of this world with only dp and ep axes
+    and n_experts divisible by ep. (Its ("dp", "ep") group is then the whole world: `Mesh.group` gives
+    the default group for it, so no `combined=` is needed.)"""
     if not isinstance(mesh, Mesh):
         raise ValueError(f"expected a labkit.mesh.Mesh, got {type(mesh).__name__}: "
                          "use Mesh(world_size, dp=.., ep=.., combined=[('dp', 'ep')])")
@@ -174,10 +175,6 @@ def check_mesh(mesh: Mesh, n_experts: int) -> None:
     if n_experts % mesh.sizes["ep"]:
         raise ValueError(f"n_experts={n_experts} does not divide by ep={mesh.sizes['ep']}: every EP rank must hold "
                          f"the same number of experts; choose ep among the divisors of {n_experts}")
-    try:
-        mesh.group(("dp", "ep"))
-    except ValueError as error:
-        raise ValueError(f"{error} (EP x DP all-reduces the replicated parameters over it)") from None
 
 
 def shard_experts(model: nn.Module, *, mesh: Mesh, timeline: Timeline | None = None) -> nn.Module:

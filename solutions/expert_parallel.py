@@ -178,8 +178,9 @@ class EPMoE(nn.Module):
 
 
 def check_mesh(mesh: Mesh, n_experts: int) -> None:
-    """ValueError, with the fix, unless `mesh` is a labkit Mesh of this world with only dp and ep axes,
-    the ("dp", "ep") group, and n_experts divisible by ep."""
+    """ValueError, with the fix, unless `mesh` is a labkit Mesh of this world with only dp and ep axes
+    and n_experts divisible by ep. (Its ("dp", "ep") group is then the whole world: `Mesh.group` gives
+    the default group for it, so no `combined=` is needed.)"""
     if not isinstance(mesh, Mesh):
         raise ValueError(f"expected a labkit.mesh.Mesh, got {type(mesh).__name__}: "
                          "use Mesh(world_size, dp=.., ep=.., combined=[('dp', 'ep')])")
@@ -192,10 +193,6 @@ def check_mesh(mesh: Mesh, n_experts: int) -> None:
     if n_experts % mesh.sizes["ep"]:
         raise ValueError(f"n_experts={n_experts} does not divide by ep={mesh.sizes['ep']}: every EP rank must hold "
                          f"the same number of experts; choose ep among the divisors of {n_experts}")
-    try:
-        mesh.group(("dp", "ep"))
-    except ValueError as error:
-        raise ValueError(f"{error} (EP x DP all-reduces the replicated parameters over it)") from None
 
 
 def shard_experts(model: nn.Module, *, mesh: Mesh, timeline: Timeline | None = None) -> nn.Module:

@@ -178,8 +178,6 @@ def cases(n):
             bad_input_case, make_mesh=lambda: Mesh(4, ep=4, combined=[("dp", "ep")]), E=6, words=("divide",))
         out["mesh_with_other_axes_raises"] = functools.partial(
             bad_input_case, make_mesh=lambda: Mesh(4, ep=2, tp=2, combined=[("dp", "ep")]), E=4, words=("tp",))
-        out["mesh_without_dp_ep_group_raises"] = functools.partial(
-            bad_input_case, make_mesh=lambda: Mesh(4, dp=2, ep=2), E=4, words=("combined",))
     return out
 
 
@@ -234,7 +232,6 @@ def test_ep_x_dp_k_adamw_steps_equal_one_process():
 
 
 @pytest.mark.exercise("dispatch", "compute_experts", "combine", "all_to_all_single")
-@pytest.mark.parametrize("case", ["E_not_divisible_by_ep_raises", "mesh_with_other_axes_raises",
-                                  "mesh_without_dp_ep_group_raises"])
+@pytest.mark.parametrize("case", ["E_not_divisible_by_ep_raises", "mesh_with_other_axes_raises"])
 def test_expert_parallel_bad_input_raises(case):
     expect_ok(case, 4)
