@@ -10,7 +10,7 @@ import torch
 matplotlib.use("Agg")
 
 from labkit.links import bandwidth  # noqa: E402
-from labkit.apps import collective_figures  # noqa: E402
+from labkit.apps import collective_figures, ring_moves  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def solutions_impl():
 
 def test_recorded_ring_moves_follow_the_textbook_schedule(solutions_impl):
     n, numel = 4, 10  # 10 elements: chunks of 3, 3, 2, 2
-    moves = collective_figures.record_moves(n, "ring_allreduce", numel, timeout=60)
+    moves = ring_moves.record_moves(n, "ring_allreduce", numel, timeout=60)
     assert len(moves) == n * 2 * (n - 1)
     sizes = [3, 3, 2, 2]
     for m in moves:
@@ -36,16 +36,16 @@ def test_recorded_ring_moves_follow_the_textbook_schedule(solutions_impl):
     # the contents carried: reduce-scatter step s carries s+1 ranks' values, all-gather all of them
     for m in moves:
         assert len(m["ranks"]) == (m["step"] + 1 if m["step"] < n - 1 else n)
-    final = collective_figures.ring_states(moves, n)[-1]
+    final = ring_moves.ring_states(moves, n)[-1]
     assert all(cell == tuple(range(n)) for row in final for cell in row)
     # the recorded states are the replayed ones: the model of notebook 03 is what the ranks did
-    replayed = collective_figures.ring_states([{k: v for k, v in m.items() if k != "held"} for m in moves], n)
-    assert replayed == collective_figures.ring_states(moves, n)
-    assert collective_figures.ring_errors(moves, n) == []
-    fig = collective_figures.draw_ring(moves, n)
+    replayed = ring_moves.ring_states([{k: v for k, v in m.items() if k != "held"} for m in moves], n)
+    assert replayed == ring_moves.ring_states(moves, n)
+    assert ring_moves.ring_errors(moves, n) == []
+    fig = ring_moves.draw_ring(moves, n)
     assert fig.first_wrong is None and fig.marked is None
     matplotlib.pyplot.close(fig)
-    sent, received = collective_figures.traffic(moves, n)
+    sent, received = ring_moves.traffic(moves, n)
     assert all(received[(r + 1) % n] == sent[r] for r in range(n))  # only to the right neighbour
     assert sum(sent) == 2 * (n - 1) * numel * 8  # about 2(N-1)/N x S each (chunks differ by one)
     assert max(sent) - min(sent) <= 2 * 8
@@ -53,8 +53,8 @@ def test_recorded_ring_moves_follow_the_textbook_schedule(solutions_impl):
 
 def test_recorded_naive_root_carries_n_minus_1_tensors_each_way(solutions_impl):
     n, numel = 4, 8
-    moves = collective_figures.record_moves(n, "naive_allreduce", numel, timeout=60)
-    sent, received = collective_figures.traffic(moves, n)
+    moves = ring_moves.record_moves(n, "naive_allreduce", numel, timeout=60)
+    sent, received = ring_moves.traffic(moves, n)
     S = numel * 8
     assert sent == [(n - 1) * S] + [S] * (n - 1)
     assert received == sent
@@ -62,7 +62,7 @@ def test_recorded_naive_root_carries_n_minus_1_tensors_each_way(solutions_impl):
 
 def test_ring_errors_name_a_message_that_does_not_match_the_ring():
     bogus = [dict(step=0, src=0, dst=1, chunk=0, ranks=[0, 1], bytes=8)]  # rank 0 holds only its own
-    errors = collective_figures.ring_errors(bogus, 2)
+    errors = ring_moves.ring_errors(bogus, 2)
     assert errors[0]["move"] is bogus[0]
     assert errors[0]["reason"] == "reduce-scatter step 1 of 1: rank 0 sent holding A+B instead of A"
     assert "rank 1 sent nothing" in errors[1]["reason"]  # and the other messages the ring sends
@@ -96,14 +96,14 @@ def _ring_one_allgather_step_short(tensor, group=None):
 
 def test_draw_ring_draws_a_wrong_ring_and_marks_its_first_wrong_message(solutions_impl):
     n, numel = 4, 8
-    moves = collective_figures.record_moves(n, numel=numel, fn=_ring_one_allgather_step_short, timeout=60)
+    moves = ring_moves.record_moves(n, numel=numel, fn=_ring_one_allgather_step_short, timeout=60)
     assert len(moves) == n * (2 * (n - 1) - 1)  # recorded as it ran, nothing refused
     # the end state, read off the real tensors: rank r's chunk r+2 misses rank r+1's value
     for r in range(n):
         for c in range(n):
             want = tuple(sorted(set(range(n)) - {(r + 1) % n})) if c == (r + 2) % n else tuple(range(n))
             assert moves.final[r][c] == want, (r, c)
-    fig = collective_figures.draw_ring(moves, n)
+    fig = ring_moves.draw_ring(moves, n)
     # the first wrong "message" is the one never sent: the last all-gather step, rank 0
     assert fig.marked == (2 * (n - 1) - 1, 0, 3)  # the chunk it should have sent
     assert fig.first_wrong["reason"] == ("all-gather step 3 of 3: rank 0 sent nothing; the ring sends "
@@ -139,8 +139,8 @@ def _ring_adds_into_the_chunk_it_sent(tensor, group=None):
 
 def test_draw_ring_marks_the_first_message_carrying_the_wrong_sum(solutions_impl):
     n = 4
-    moves = collective_figures.record_moves(n, numel=8, fn=_ring_adds_into_the_chunk_it_sent, timeout=60)
-    fig = collective_figures.draw_ring(moves, n)
+    moves = ring_moves.record_moves(n, numel=8, fn=_ring_adds_into_the_chunk_it_sent, timeout=60)
+    fig = ring_moves.draw_ring(moves, n)
     # step 0 is right (each rank sends its own chunk r); at step 1 rank 0 sends chunk 3, which
     # it never added into (it added into chunk 0): it holds only A, where the ring carries D+A
     assert fig.marked == (1, 0, 3)

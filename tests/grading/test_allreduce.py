@@ -51,9 +51,9 @@ def check_against_torch(fn, x, group=None):
 
 BITMASK_HINT = ("Where it goes wrong: see this function's test_allreduce_bitmask_* result (which chunk, "
                 "which rank, whose values are missing).")
-RING_HINT = ("To see the step where it goes wrong: collective_figures.draw_ring(collective_figures"
+RING_HINT = ("To see the step where it goes wrong: ring_moves.draw_ring(ring_moves"
              ".record_moves(4, FUNCTION), 4) draws every message and marks the first wrong one "
-             "(from labkit.apps import collective_figures).")
+             "(from labkit.apps import ring_moves).")
 
 
 def check_bitmask(fn, r, n, ring, ranks=None, group=None, fn_name="ring_allreduce"):
