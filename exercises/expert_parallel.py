@@ -1,6 +1,6 @@
 # GENERATED from solutions/expert_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/12_experts.ipynb.
-# untouched-stub fingerprint: df77182756a41a2a
+# untouched-stub fingerprint: 28de5fd26984fd61
 """Expert parallelism (EP), and EP x DP (notebook 12_experts).
 
 The E experts of each MoE layer are split over the `ep` ranks of an EP group: rank r
@@ -153,6 +153,15 @@ class EPMoE(nn.Module):
 
     def __init__(self, moe: moe_lib.MoE, group, ep_rank: int, ep_size: int, timeline=None, layer=None):
         super().__init__()
+        if moe.n_experts % ep_size:
+            raise ValueError(f"EPMoE: n_experts={moe.n_experts} does not divide by the EP group's size {ep_size}: "
+                             f"every EP rank holds the same number of experts; choose an ep among the divisors "
+                             f"of {moe.n_experts}, or another n_experts")
+        if not 0 <= ep_rank < ep_size:
+            raise ValueError(f"EPMoE: ep_rank={ep_rank} is not in range(ep_size={ep_size}): pass mesh.index('ep')")
+        if dist.is_initialized() and dist.get_world_size(group) != ep_size:
+            raise ValueError(f"EPMoE: ep_size={ep_size} but the group holds {dist.get_world_size(group)} ranks: "
+                             "pass mesh.group('ep') and mesh.sizes['ep']")
         local = moe.n_experts // ep_size
         self.n_experts, self.top_k, self.capacity_factor = moe.n_experts, moe.top_k, moe.capacity_factor
         self.group, self.layer = group, layer

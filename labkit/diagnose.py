@@ -207,3 +207,31 @@ class watch_groups:
         for name, original in self.saved.items():
             setattr(dist, name, original)
         return False
+
+
+# --- averages of rank tags: what a gradient average over a group holds ----------------------
+
+
+def average_mismatch(result: torch.Tensor, rank: int, members, world_size: int, divisor: int) -> str | None:
+    """None if every element of `result` is (the sum of one rank tag per rank of `members`) /
+    `divisor`; else what the first wrong element holds, in words, e.g. "the sum of ranks
+    {0, 1, 2, 3} (ranks {1, 3} are not in the group) / 4", or "the right sum divided by 2
+    instead of 4". Tags up to 16**(world-1) and divisors that are powers of two are exact in
+    float32 and float64, so the comparison is exact.
+    """
+    flat = result.detach().reshape(-1).double().cpu()
+    want = sum(rank_tag(r) for r in members)
+    wrong = (flat * divisor != want).nonzero().flatten().tolist()
+    if not wrong:
+        return None
+    value = flat[wrong[0]].item()
+    where = "every element" if len(wrong) == len(flat) > 1 else \
+        f"element {wrong[0]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
+    if value and want / value == round(want / value) and round(want / value) != divisor:
+        by = round(want / value)
+        text = "not divided at all" if by == 1 else f"divided by {by}"
+        return f"{where} on rank {rank} holds the right sum {text}, instead of divided by {divisor}"
+    total = value * divisor
+    if total != round(total):
+        return f"{where} on rank {rank} holds {value:g}, which is no sum of the ranks' values divided by {divisor}"
+    return f"{where} on rank {rank} holds {describe(int(round(total)), members, world_size)}, divided by {divisor}"
