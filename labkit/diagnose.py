@@ -153,7 +153,7 @@ def assert_same_named(got: dict, want: dict, what: str = "tensor", where: str = 
 # --- collectives on the wrong group ---------------------------------------------------------
 
 _WATCHED = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
-            "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
+            "reduce_scatter", "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single", "all_to_all", "all_to_all_single", "barrier",
             "send", "recv", "isend", "irecv", "broadcast_object_list", "all_gather_object")
 
 
