@@ -68,14 +68,19 @@ class Ring:
 
     q_local_len * c must be the full sequence length `seq_len` (when given): a ValueError
     otherwise, which is what a CP size that does not match the mesh's looks like.
+    `shapes` (q, k, v shapes, optional): the ranks first agree on them (one small all-gather),
+    so that different local lengths raise ValueError on every rank before any block is sent.
     """
 
-    def __init__(self, local_len: int, group=None, split: str = "zigzag", mask="causal", seq_len=None, device=None):
+    def __init__(self, local_len: int, group=None, split: str = "zigzag", mask="causal", seq_len=None, device=None,
+                 shapes=None):
         if split not in SPLITS:
             raise ValueError(f"split={split!r} is not one of {sorted(SPLITS)}")
         self.mask = check_mask(mask)
         initialised = dist.is_available() and dist.is_initialized()
         self.rank, self.c = (dist.get_rank(group), dist.get_world_size(group)) if initialised else (0, 1)
+        if shapes is not None:  # before any check that could fail on some ranks only
+            agree_on_shapes(shapes, group, device)
         s = local_len * self.c
         if seq_len is not None and seq_len != s:
             raise ValueError(f"this rank holds {local_len} positions and the CP group has {self.c} ranks, "
@@ -109,6 +114,29 @@ class Ring:
                 dist.irecv(recv, self.recv_from, group=self.group, tag=tag)]
 
 
+def agree_on_shapes(shapes, group=None, device=None) -> None:
+    """ValueError on EVERY rank of `group` unless all hold q, k, v of the same shapes (k, v with q's length).
+
+    Ring attention sends each rank's k/v block into buffers shaped like the receiver's own, so
+    different local lengths would corrupt or crash the exchange: one all-gather of the shapes
+    first (a few integers) turns that into a clear error before any block travels.
+    """
+    q, k, v = (tuple(s) for s in shapes)
+    if len({len(q), len(k), len(v)}) != 1 or k != v or k[:-2] != q[:-2] or k[-2] != q[-2]:
+        raise ValueError(f"ring attention needs q, k, v of the same [B, H, n, hd] shapes on a rank (self-attention: "
+                         f"every position has a query, a key and a value), got q {q}, k {k}, v {v}")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    mine = torch.tensor(q + k[-1:], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    if any(not torch.equal(other, mine) for other in every):
+        listed = ", ".join(f"group rank {r}: q {tuple(t[:-1].tolist())}" for r, t in enumerate(every))
+        raise ValueError(f"ring attention needs the same local shapes on every rank of the CP group, got {listed}: "
+                         "shard the sequence into equal pieces (context_parallel.SPLITS[split](s, c, rank) gives "
+                         "each rank s/c positions)")
+
+
 def ring_attention_forward(q, k, v, group=None, split: str = "zigzag", mask="causal", seq_len=None,
                            timeline=NullTimeline()):
     """This rank's rows of attention over the whole sequence, with k/v blocks passed around the ring.
@@ -121,7 +149,7 @@ def ring_attention_forward(q, k, v, group=None, split: str = "zigzag", mask="cau
     Records spans 'F' (compute, mb=step) and 'recv' (issue to arrival) on `timeline`, and the
     work per step in ring.work; returns the Ring as a third value.
     """
-    ring = Ring(q.shape[-2], group, split, mask, seq_len, device=q.device)
+    ring = Ring(q.shape[-2], group, split, mask, seq_len, device=q.device, shapes=(q.shape, k.shape, v.shape))
     ### BEGIN SOLUTION
     out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
     kv = torch.stack([k, v]).contiguous()  # one message per step

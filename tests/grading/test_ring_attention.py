@@ -120,6 +120,8 @@ def check_bad_input(rank, c):
     ra.ring_attention_forward(*mine)  # good input works first
     raises_value_error(lambda: ra.ring_attention_forward(*mine, mask="sliding"), r"mask='sliding'.*'causal'")
     raises_value_error(lambda: ra.ring_attention_forward(*mine, seq_len=4 * c * 2), rf"CP group has {c} ranks.*cp={c}")
+    shorter = [t[..., :-1, :] if rank == c - 1 else t for t in mine]  # the last rank holds one position fewer
+    raises_value_error(lambda: ra.ring_attention_forward(*shorter), r"same local shapes on every rank")
 
 
 def check_model(rank, c, split):
