@@ -1,6 +1,6 @@
 # GENERATED from solutions/expert_parallel.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/12_experts.ipynb.
-# untouched-stub fingerprint: 28de5fd26984fd61
+# untouched-stub fingerprint: 6ebf07786de9685f
 """Expert parallelism (EP), and EP x DP (notebook 12_experts).
 
 The E experts of each MoE layer are split over the `ep` ranks of an EP group: rank r
@@ -231,6 +231,10 @@ def allreduce_ep_gradients(model: nn.Module, mesh) -> None:
 
     Sum over the group, divide by mesh.world_size (each rank's loss is the mean over 1/world
     of the batch). Collective over the whole mesh; a parameter without gradient counts as 0.
+    What you need: ``gradient_groups(model)`` ({name: axes}), ``model.get_parameter(name)``,
+    ``mesh.group(axes)`` (this rank's process group along those axes; ("dp", "ep") exists
+    because the mesh was built with combined=[("dp", "ep")]), ``dist.all_reduce(t, group=...)``.
+    Every rank must issue the same all-reduces in the same order, frozen parameters included.
     """
     raise NotImplementedError("exercise allreduce_ep_gradients is not implemented yet: edit exercises/expert_parallel.py, see notebooks/12_experts.ipynb")
 

@@ -1,6 +1,6 @@
 # GENERATED from solutions/ring_attention.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
-# untouched-stub fingerprint: 2d4d893507fea7bb
+# untouched-stub fingerprint: c6c116e12d4845fc
 """Context parallelism: ring attention over a CP group (notebook 11_long_sequences).
 
 Each of the c ranks of a context-parallel (CP) group holds some pieces of the sequence (see
@@ -146,6 +146,16 @@ def ring_attention_forward(q, k, v, group=None, split: str = "zigzag", mask="cau
     on pairs that straddle the diagonal), merging into (out, lse), then wait for the next block.
     Records spans 'F' (compute, mb=step) and 'recv' (issue to arrival) on `timeline`, and the
     work per step in ring.work; returns the Ring as a third value.
+
+    What you need: ``ring.c`` (ranks in the ring); ``ring.exchange(send, recv)`` starts
+    ``dist.isend(send)`` to the next rank and ``dist.irecv(recv)`` from the previous one and
+    returns the two requests (``request.wait()`` each before reading ``recv``);
+    ``ring.pairs(step)`` lists ``(q slice, k slice, q_pos, k_pos)`` for the block held at
+    `step`; ``block_attention(q, k, v, q_pos, k_pos) -> (out, lse)``; your `merge_partials`;
+    ``ring.work[step] += rows x keys`` of each pair. Timeline: ``with timeline.span("F", mb=step):``
+    around the compute, and ``timeline.record("recv", t0, t1, mb=step)`` with two
+    ``time.perf_counter()`` readings (t0 when the exchange is issued, t1 after its wait).
+    Start from out = 0 and lse = -inf (``torch.full(q.shape[:-1], float("-inf"))``).
     """
     ring = Ring(q.shape[-2], group, split, mask, seq_len, device=q.device, shapes=(q.shape, k.shape, v.shape))
     raise NotImplementedError("exercise ring_attention_forward is not implemented yet: edit exercises/ring_attention.py, see notebooks/11_long_sequences.ipynb")

@@ -249,6 +249,10 @@ def allreduce_ep_gradients(model: nn.Module, mesh) -> None:
 
     Sum over the group, divide by mesh.world_size (each rank's loss is the mean over 1/world
     of the batch). Collective over the whole mesh; a parameter without gradient counts as 0.
+    What you need: ``gradient_groups(model)`` ({name: axes}), ``model.get_parameter(name)``,
+    ``mesh.group(axes)`` (this rank's process group along those axes; ("dp", "ep") exists
+    because the mesh was built with combined=[("dp", "ep")]), ``dist.all_reduce(t, group=...)``.
+    Every rank must issue the same all-reduces in the same order, frozen parameters included.
     """
     ### BEGIN SOLUTION
     for name, axes in gradient_groups(model).items():

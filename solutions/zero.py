@@ -135,6 +135,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("ShardedOptimizer needs the parameters of a group on one device with one dtype: "
                              "cast the model first (model.float())")
         hyper = {k: v for k, v in group.items() if k != "params"}
+        # Yours: shard_size(numel, self.world_size), flatten_padded(tensors, numel), this rank's slice as an
+        # nn.Parameter appended to self.shards (and its size to self.shard_sizes), and an inner
+        # self.optimizer_class([dict(params=[shard], **hyper)]) (or .add_param_group for later groups).
         ### BEGIN SOLUTION
         numel = sum(p.numel() for p in params)
         size = shard_size(numel, self.world_size)
@@ -156,6 +159,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Average and shard the gradients, step the shards, gather the parameters back.
+
+        Given in this module: ``reduce_scatter_mean(flat, group)`` -> this rank's shard of the
+        average; ``all_gather_flat(shard, group)`` -> every rank's shards, concatenated;
+        ``flatten_padded(tensors, numel)``; ``self._trainable(group)`` (the params that train).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
