@@ -227,6 +227,8 @@ def average_mismatch(result: torch.Tensor, rank: int, members, world_size: int, 
     value = flat[wrong[0]].item()
     where = "every element" if len(wrong) == len(flat) > 1 else \
         f"element {wrong[0]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
+    if value and want and value * divisor == -want:
+        return f"{where} on rank {rank} holds the expected average with the opposite sign"
     if value and want / value == round(want / value) and round(want / value) != divisor:
         by = round(want / value)
         text = "not divided at all" if by == 1 else f"divided by {by}"
