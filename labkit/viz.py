@@ -29,7 +29,7 @@ _CMAPS = {"F": "Blues", "B": "Oranges", "W": "Greens"}
 _HATCHES = (None, "///", "...", "xxx")
 _COMM = {"send": "#888888", "recv": "#bbbbbb", "wait": "#dddddd", "allreduce": "#9467bd",
          "allgather": "#8c564b", "dispatch": "#17becf", "combine": "#e377c2"}
-_NAMES = {"F": "forward", "B": "backward (input grad)", "W": "backward (weight grad)"}
+_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient (W)"}
 
 
 def _color(kind: str, mb, n_mb: int):
