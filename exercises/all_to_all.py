@@ -1,6 +1,6 @@
 # GENERATED from solutions/all_to_all.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/12_experts.ipynb.
-# untouched-stub fingerprint: 22b4760f212f16ee
+# untouched-stub fingerprint: 6395c69847587e9a
 """All-to-all from point-to-point messages (notebook 12_experts).
 
 In an all-to-all every rank holds one chunk FOR every rank: rank i's chunk j goes to
@@ -94,6 +94,14 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
     Built from isend/irecv only. Sizes None: equal chunks. Chunks of size 0 send nothing.
     A rank that is not in `group` returns at once. Returns None.
+
+    Given to you above the exercise: ``info = group_info(group)``, a
+    `labkit.comm.checks.GroupInfo` with ``info.rank`` (this rank in the group),
+    ``info.size`` and ``info.global_ranks`` (``global_ranks[i]``: the GLOBAL rank of group
+    rank i); ``ins, outs``: the checked sizes as lists. Peers: ``dist.isend(t, dst=
+    info.global_ranks[j], group=group)`` (or ``group_dst=j``), ``dist.irecv(t, src=..., group=group)``;
+    each returns a Work: ``.wait()`` on every one before returning. Slices of the contiguous
+    ``input`` and ``output`` along dim 0 are views: receive straight into them.
     """
     info = group_info(group)
     if info is None:

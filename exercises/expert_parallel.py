@@ -1,6 +1,6 @@
 # GENERATED from solutions/expert_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/12_experts.ipynb.
-# untouched-stub fingerprint: 57559fa4796f46a5
+# untouched-stub fingerprint: 0a9b55a4b10356d5
 """Expert parallelism (EP), and EP x DP (notebook 12_experts).
 
 The E experts of each MoE layer are split over the `ep` ranks of an EP group: rank r
@@ -138,6 +138,15 @@ class EPMoE(nn.Module):
     def __init__(self, moe: moe_lib.MoE, *, group: dist.ProcessGroup | None, ep_rank: int, ep_size: int,
                  timeline: Timeline | None = None, layer: int | None = None):
         super().__init__()
+        if moe.n_experts % ep_size:
+            raise ValueError(f"EPMoE: n_experts={moe.n_experts} does not divide by the EP group's size {ep_size}: "
+                             f"every EP rank holds the same number of experts; choose an ep among the divisors "
+                             f"of {moe.n_experts}, or another n_experts")
+        if not 0 <= ep_rank < ep_size:
+            raise ValueError(f"EPMoE: ep_rank={ep_rank} is not in range(ep_size={ep_size}): pass mesh.index('ep')")
+        if dist.is_initialized() and dist.get_world_size(group) != ep_size:
+            raise ValueError(f"EPMoE: ep_size={ep_size} but the group holds {dist.get_world_size(group)} ranks: "
+                             "pass mesh.group('ep') and mesh.sizes['ep']")
         local = moe.n_experts // ep_size
         self.n_experts, self.top_k, self.capacity_factor = moe.n_experts, moe.top_k, moe.capacity_factor
         self.group, self.layer = group, layer
@@ -202,6 +211,10 @@ def sync_gradients(model: nn.Module, *, mesh: Mesh) -> None:
 
     Sum over the group, divide by mesh.world_size (each rank's loss is the mean over 1/world
     of the batch). Collective over the whole mesh; a parameter without gradient counts as 0.
+    What you need: ``gradient_groups(model)`` ({name: axes}), ``model.get_parameter(name)``,
+    ``mesh.group(axes)`` (this rank's process group along those axes; ("dp", "ep") exists
+    because the mesh was built with combined=[("dp", "ep")]), ``dist.all_reduce(t, group=...)``.
+    Every rank must issue the same all-reduces in the same order, frozen parameters included.
     """
     raise NotImplementedError("exercise sync_gradients is not implemented yet: edit exercises/expert_parallel.py, see notebooks/12_experts.ipynb")
 

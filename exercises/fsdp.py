@@ -1,6 +1,6 @@
 # GENERATED from solutions/fsdp.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/09_zero_fsdp.ipynb.
-# untouched-stub fingerprint: 8a3e5cd72241c465
+# untouched-stub fingerprint: 91dedbe31e871151
 """ZeRO-3 / FSDP by hand: parameters sharded per block, gathered just in time (notebook 09_zero_fsdp).
 
 ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients; ZeRO-3 shards the parameters
@@ -76,12 +76,17 @@ class FlatShard:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.numel = sum(p.numel() for p in self.params)
         self.work = None  # an in-flight async all-gather
+        # Yours: shard_size(numel, world) (elements per rank), flatten_padded(tensors, numel) (one flat,
+        # zero-padded copy), make each p.data a view of self.flat, then self.reshard().
         raise NotImplementedError("exercise FlatShard is not implemented yet: edit exercises/fsdp.py, see notebooks/09_zero_fsdp.ipynb")
 
     def gathered_bytes(self) -> int:
         return self.flat.untyped_storage().nbytes()
 
     def unshard(self, async_op: bool = False):
+        """Give flat its storage back (``self.flat.untyped_storage().resize_(numel * element_size)``)
+        and all-gather: ``_all_gather(self.flat, self.shard.detach(), group=self.group, async_op=async_op)``;
+        keep the Work in ``self.work`` when async. Nothing to do when gathered or in flight."""
         raise NotImplementedError("exercise FlatShard is not implemented yet: edit exercises/fsdp.py, see notebooks/09_zero_fsdp.ipynb")
 
     def wait(self) -> None:
@@ -90,9 +95,12 @@ class FlatShard:
             self.work = None
 
     def reshard(self) -> None:
+        """Wait for an in-flight gather (``self.wait()``), then free flat's storage (``resize_(0)``)."""
         raise NotImplementedError("exercise FlatShard is not implemented yet: edit exercises/fsdp.py, see notebooks/09_zero_fsdp.ipynb")
 
     def reduce_grads(self) -> None:
+        """``reduce_scatter_mean(flatten_padded(grads, self.flat.numel()), self.group)`` -> this rank's
+        averaged shard, ADDED to ``self.shard.grad`` (None: set it); then every ``p.grad = None``."""
         raise NotImplementedError("exercise FlatShard is not implemented yet: edit exercises/fsdp.py, see notebooks/09_zero_fsdp.ipynb")
 
 
@@ -182,15 +190,24 @@ class ZeRO3:
             self._gather(self.root)
 
     def _pre_forward(self, i):
+        """Block i's forward pre-hook: ``self._gather(self.units[i])`` (waits if prefetched); with
+        ``self.prefetch``, start the next unit's gather (``self._gather(unit, async_op=True)``);
+        ``self._span("F", i)``."""
         raise NotImplementedError("exercise ZeRO3 is not implemented yet: edit exercises/fsdp.py, see notebooks/09_zero_fsdp.ipynb")
 
     def _post_forward(self, i, out):
+        """Block i's forward hook: ``self._end_span("F", i)``, reshard the unit, and register
+        ``out.register_hook(...)`` (when out requires grad) to call ``self._pre_backward(i)``; return out."""
         raise NotImplementedError("exercise ZeRO3 is not implemented yet: edit exercises/fsdp.py, see notebooks/09_zero_fsdp.ipynb")
 
     def _pre_backward(self, i):
+        """Gradient of block i's output arrives: gather unit i again, prefetch unit i-1, ``self._span("B", i)``."""
         raise NotImplementedError("exercise ZeRO3 is not implemented yet: edit exercises/fsdp.py, see notebooks/09_zero_fsdp.ipynb")
 
     def _post_backward(self, unit, param):
+        """A parameter's gradient is final (``register_post_accumulate_grad_hook``): drop it from
+        ``unit.pending``; when none is left, ``self._end_span("B", self._index(unit))``, count
+        ``self.reduced_elements``, ``unit.reduce_grads()``, ``unit.reshard()``, ``self._ready(unit)``."""
         raise NotImplementedError("exercise ZeRO3 is not implemented yet: edit exercises/fsdp.py, see notebooks/09_zero_fsdp.ipynb")
 
     def sync_gradients(self) -> None:

@@ -1,6 +1,6 @@
 # GENERATED from solutions/pipeline_naive.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/05_pipeline_parallel.ipynb.
-# untouched-stub fingerprint: 1e123d5cc0d70c9a
+# untouched-stub fingerprint: 6434f64e4e3c7ab0
 """Naive pipeline parallelism: one batch, one stage per rank (notebook 05_pipeline_parallel).
 
 The model is cut into consecutive stages (`labkit.model.make_stage`); rank s holds stage s.
@@ -47,6 +47,10 @@ def forward_step(stage_module, x, targets=None, loss_scale: float = 1.0):
         ids have no gradient).
     out: the activation to send to the next stage [b, T, D], or on the last stage the
         scaled scalar loss.
+
+    The stage module (`labkit.model.make_stage`) is called ``stage_module(x)`` -> the
+    activation, or on the last stage ``stage_module(x, targets)`` -> the mean loss over the
+    (micro-)batch's tokens.
     """
     raise NotImplementedError("exercise forward_step is not implemented yet: edit exercises/pipeline_naive.py, see notebooks/05_pipeline_parallel.ipynb")
 

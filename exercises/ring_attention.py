@@ -1,6 +1,6 @@
 # GENERATED from solutions/ring_attention.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
-# untouched-stub fingerprint: e33acf9e2cee1ec1
+# untouched-stub fingerprint: 601ba1b7c3c4d510
 """Context parallelism: ring attention over a CP group (notebook 11_long_sequences).
 
 Each of the c ranks of a context-parallel (CP) group holds some pieces of the sequence (see
@@ -73,15 +73,19 @@ class RingPlan:
     (GLOBAL ranks: a CP group inside a larger mesh is not ranks 0..c-1) on ``mesh.group("cp")``.
     local_len * c must be the full sequence length `seq_len` (when given): a ValueError
     otherwise, which is what a CP size that does not match the mesh's looks like.
+    `shapes` (q, k, v shapes, optional): the ranks first agree on them (one small all-gather),
+    so that different local lengths raise ValueError on every rank before any block is sent.
     """
 
     def __init__(self, local_len: int, *, mesh: Mesh, split: str = "zigzag", mask="causal", seq_len=None,
-                 device=None):
+                 device=None, shapes=None):
         cp = impl("context_parallel")  # the splits (yours, under exercises); no import cycle
         if split not in cp.SPLITS:
             raise ValueError(f"split={split!r} is not one of {sorted(cp.SPLITS)}")
         self.mask, self.mesh = cp.check_mask(mask), mesh
         self.index, self.c = mesh.coord("cp"), mesh.size("cp")
+        if shapes is not None:  # before any check that could fail on some ranks only
+            agree_on_shapes(shapes, mesh.group("cp") if self.c > 1 else None, device)
         s = local_len * self.c
         if seq_len is not None and seq_len != s:
             raise ValueError(f"this rank holds {local_len} positions and the CP group has {self.c} ranks, "
@@ -123,6 +127,29 @@ def ring_mesh(mesh: Mesh | None) -> Mesh:
     return Mesh(world, cp=world, rank=dist.get_rank() if initialised else 0, groups=False)
 
 
+def agree_on_shapes(shapes, group=None, device=None) -> None:
+    """ValueError on EVERY rank of `group` unless all hold q, k, v of the same shapes (k, v with q's length).
+
+    Ring attention sends each rank's k/v block into buffers shaped like the receiver's own, so
+    different local lengths would corrupt or crash the exchange: one all-gather of the shapes
+    first (a few integers) turns that into a clear error before any block travels.
+    """
+    q, k, v = (tuple(s) for s in shapes)
+    if len({len(q), len(k), len(v)}) != 1 or k != v or k[:-2] != q[:-2] or k[-2] != q[-2]:
+        raise ValueError(f"ring attention needs q, k, v of the same [B, H, n, hd] shapes on a rank (self-attention: "
+                         f"every position has a query, a key and a value), got q {q}, k {k}, v {v}")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    mine = torch.tensor(q + k[-1:], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    if any(not torch.equal(other, mine) for other in every):
+        listed = ", ".join(f"group rank {r}: q {tuple(t[:-1].tolist())}" for r, t in enumerate(every))
+        raise ValueError(f"ring attention needs the same local shapes on every rank of the CP group, got {listed}: "
+                         "shard the sequence into equal pieces (context_parallel.SPLITS[split](s, c, rank) gives "
+                         "each rank s/c positions)")
+
+
 def ring_attention_forward(q, k, v, *, mesh: Mesh | None = None, split: str = "zigzag", mask="causal",
                            seq_len=None, timeline=NullTimeline()):
     """This rank's rows of attention over the whole sequence, with k/v blocks passed around the ring.
@@ -135,8 +162,19 @@ def ring_attention_forward(q, k, v, *, mesh: Mesh | None = None, split: str = "z
     only on pairs that straddle the diagonal), merging into (out, lse), then wait for the next
     block. Records spans 'F' (compute, mb=step) and 'recv' (issue to arrival) on `timeline`, and
     the work per step in ring.work; returns the `RingPlan` as a third value.
+
+    What you need: ``ring.c`` (ranks in the ring); ``ring.exchange(send, recv)`` starts
+    ``dist.isend(send)`` to the next rank on the mesh's cp axis and ``dist.irecv(recv)`` from the previous one and
+    returns the two requests (``request.wait()`` each before reading ``recv``);
+    ``ring.pairs(step)`` lists ``(q slice, k slice, q_pos, k_pos)`` for the block held at
+    `step`; ``block_attention(q, k, v, q_pos, k_pos) -> (out, lse)``; your `merge_partials`;
+    ``ring.work[step] += rows x keys`` of each pair. Timeline: ``with timeline.span("F", mb=step):``
+    around the compute, and ``timeline.record("recv", t0, t1, mb=step)`` with two
+    ``time.perf_counter()`` readings (t0 when the exchange is issued, t1 after its wait).
+    Start from out = 0 and lse = -inf (``torch.full(q.shape[:-1], float("-inf"))``).
     """
-    ring = RingPlan(q.shape[-2], mesh=ring_mesh(mesh), split=split, mask=mask, seq_len=seq_len, device=q.device)
+    ring = RingPlan(q.shape[-2], mesh=ring_mesh(mesh), split=split, mask=mask, seq_len=seq_len, device=q.device,
+                    shapes=(q.shape, k.shape, v.shape))
     raise NotImplementedError("exercise ring_attention_forward is not implemented yet: edit exercises/ring_attention.py, see notebooks/11_long_sequences.ipynb")
 
 

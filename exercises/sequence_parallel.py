@@ -1,6 +1,6 @@
 # GENERATED from solutions/sequence_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
-# untouched-stub fingerprint: e1109039f3caf118
+# untouched-stub fingerprint: 95946269b6fb5188
 """Megatron sequence parallelism (SP) on top of notebook 08's tensor parallelism (notebook 11_long_sequences).
 
 Notebook 08's TP block splits attention (by heads) and the MLP (by hidden units) over the t
@@ -65,6 +65,8 @@ class GatherSequence(torch.autograd.Function):
     forward(x [B, s/t, d], group) -> [B, s, d]. Every rank's TP region uses every position, so
     dL/dx of this rank's positions is the SUM over the ranks of their gradients there: the
     backward reduce-scatters grad [B, s, d] to [B, s/t, d] (TP's f had all-reduce here).
+    Use this module's ``all_gather_sequence(x, group)`` and ``reduce_scatter_sequence(x, group)``
+    (always with the group: it need not be the whole world); keep the group on ``ctx`` for backward.
     """
 
     @staticmethod
@@ -82,6 +84,7 @@ class ScatterSequence(torch.autograd.Function):
     forward(x [B, s, d] partial sums, group) -> this rank's block [B, s/t, d] of their sum
     (TP's g all-reduced here). Each rank's block of the sum depends on every rank's partial
     result, so the backward all-gathers the blocks' gradients back to [B, s, d].
+    Use ``reduce_scatter_sequence(x, group)`` and ``all_gather_sequence(grad, group)``.
     """
 
     @staticmethod

@@ -1,6 +1,6 @@
 # GENERATED from solutions/slow_links.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/13_slow_links_and_failures.ipynb.
-# untouched-stub fingerprint: 6140ed71b75a410c
+# untouched-stub fingerprint: e8c90386b56c10b5
 """Training over slow links (notebook 13_slow_links_and_failures): DiLoCo and PowerSGD.
 
 Two ways to send fewer bytes than data parallelism's one all-reduce of every gradient per step:
@@ -82,10 +82,15 @@ class DiLoCo:
         self.steps = 0  # inner steps taken
 
     def step(self) -> bool:
+        """One inner step (``self.inner.step()``, ``self.inner.zero_grad()``); count it in ``self.steps``;
+        every ``self.inner_steps``-th step call ``self.sync()`` and return True, else False."""
         raise NotImplementedError("exercise DiLoCo is not implemented yet: edit exercises/slow_links.py, see notebooks/13_slow_links_and_failures.ipynb")
 
     def sync(self) -> None:
-        """The outer step (collective): average the pseudo-gradients, outer SGD, weights = shared."""
+        """The outer step (collective): average the pseudo-gradients, outer SGD, weights = shared.
+
+        Uses your ``average_pseudo_gradients(self.model, self.shared, self.group)``, the outer SGD
+        ``self.outer`` (it steps ``self.shared``), and ``_trainable(model)`` (the weights to overwrite)."""
         raise NotImplementedError("exercise DiLoCo is not implemented yet: edit exercises/slow_links.py, see notebooks/13_slow_links_and_failures.ipynb")
 
 
@@ -146,4 +151,8 @@ class PowerSGD:
         return sent, sum(p.numel() for p in self.params)
 
     def sync_gradients(self) -> None:
+        """See the class docstring. What you have: ``self.params`` (trainable, in order), ``self.qs``
+        ({parameter index: Q (m x r)} for the matrices; the others are vectors), ``self.residuals``
+        and ``self.transmitted`` (to fill), ``orthonormalize(p)``, ``allreduce_mean_(tensors, *, group)``
+        (labkit.parallel.flat: one flat all-reduce, averaged, written back), ``dist.all_reduce(t, group=self.group)``."""
         raise NotImplementedError("exercise PowerSGD is not implemented yet: edit exercises/slow_links.py, see notebooks/13_slow_links_and_failures.ipynb")

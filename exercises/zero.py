@@ -1,6 +1,6 @@
 # GENERATED from solutions/zero.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/09_zero_fsdp.ipynb.
-# untouched-stub fingerprint: fc14fb4ab16b78b7
+# untouched-stub fingerprint: efd05e9349414e66
 """ZeRO stage 1 by hand: an optimizer with its state sharded over the ranks (notebook 09_zero_fsdp).
 
 Plain data parallelism keeps a full copy of the optimizer state on every rank: for Adam,
@@ -86,6 +86,9 @@ class ShardedOptimizer(WrapperOptimizer):
             raise ValueError("ShardedOptimizer needs the parameters of a group on one device with one dtype: "
                              "cast the model first (model.float())")
         hyper = {k: v for k, v in group.items() if k != "params"}
+        # Yours: shard_size(numel, self.world_size), flatten_padded(tensors, numel), this rank's slice as an
+        # nn.Parameter appended to self.shards (and its size to self.shard_sizes), and an inner
+        # self.optimizer_class([dict(params=[shard], **hyper)]) (or .add_param_group for later groups).
         raise NotImplementedError("exercise ShardedOptimizer is not implemented yet: edit exercises/zero.py, see notebooks/09_zero_fsdp.ipynb")
 
     @property
@@ -99,13 +102,23 @@ class ShardedOptimizer(WrapperOptimizer):
 
         step() calls it when it has not been called since the last step; call it yourself
         to look at the averaged shard gradients first (clipping them, say).
+
+        Given (imported above): ``grads_or_zeros(params)`` (a missing gradient counts as zeros),
+        ``flatten(tensors, numel)`` (one 1-D tensor, zero-padded to numel),
+        ``reduce_scatter_mean(flat, *, group)`` -> this rank's shard of the average;
+        ``self._trainable(group)`` (a parameter group's params that train), ``self.shards``,
+        ``self.shard_sizes``, ``self.world_size``, ``self.group``.
         """
         raise NotImplementedError("exercise ShardedOptimizer is not implemented yet: edit exercises/zero.py, see notebooks/09_zero_fsdp.ipynb")
         self.mark_synced()
 
     @torch.no_grad()
     def update_parameters(self) -> None:
-        """The inner optimizer's step on the shards, then every updated shard back into the parameters."""
+        """The inner optimizer's step on the shards, then every updated shard back into the parameters.
+
+        Given: ``self.optimizer`` (the inner optimizer, over the shards), ``all_gather_flat(shard, *, group)``
+        -> every rank's shards concatenated, ``write_back(flat, params)`` (copies a flat tensor into params).
+        """
         raise NotImplementedError("exercise ShardedOptimizer is not implemented yet: edit exercises/zero.py, see notebooks/09_zero_fsdp.ipynb")
 
 

@@ -73,6 +73,8 @@ class FlatShard:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.numel = sum(p.numel() for p in self.params)
         self.work = None  # an in-flight async all-gather
+        # Yours: shard_size(numel, world) (elements per rank), flatten_padded(tensors, numel) (one flat,
+        # zero-padded copy), make each p.data a view of self.flat, then self.reshard().
         ### BEGIN SOLUTION
         self.shard_size = shard_size(self.numel, self.world_size)
         self.flat = flatten([p.detach() for p in self.params], self.shard_size * self.world_size)
@@ -88,6 +90,9 @@ class FlatShard:
         return self.flat.untyped_storage().nbytes()
 
     def unshard(self, async_op: bool = False):
+        """Give flat its storage back (``self.flat.untyped_storage().resize_(numel * element_size)``)
+        and all-gather: ``_all_gather(self.flat, self.shard.detach(), group=self.group, async_op=async_op)``;
+        keep the Work in ``self.work`` when async. Nothing to do when gathered or in flight."""
         ### BEGIN SOLUTION
         if self.work is not None or self.gathered_bytes() > 0:
             return None
@@ -104,12 +109,15 @@ class FlatShard:
             self.work = None
 
     def reshard(self) -> None:
+        """Wait for an in-flight gather (``self.wait()``), then free flat's storage (``resize_(0)``)."""
         ### BEGIN SOLUTION
         self.wait()
         self.flat.untyped_storage().resize_(0)
         ### END SOLUTION
 
     def reduce_grads(self) -> None:
+        """``reduce_scatter_mean(flatten_padded(grads, self.flat.numel()), self.group)`` -> this rank's
+        averaged shard, ADDED to ``self.shard.grad`` (None: set it); then every ``p.grad = None``."""
         ### BEGIN SOLUTION
         mine = reduce_scatter_mean(flatten(grads_or_zeros(self.params), self.flat.numel()), group=self.group)
         self.shard.grad = mine if self.shard.grad is None else self.shard.grad + mine
@@ -213,6 +221,9 @@ class ZeRO3:
             self._gather(self.root)
 
     def _pre_forward(self, i):
+        """Block i's forward pre-hook: ``self._gather(self.units[i])`` (waits if prefetched); with
+        ``self.prefetch``, start the next unit's gather (``self._gather(unit, async_op=True)``);
+        ``self._span("F", i)``."""
         ### BEGIN SOLUTION
         self._gather(self.units[i])  # waits if it was prefetched
         if self.prefetch and i + 1 < len(self.units):
@@ -221,6 +232,8 @@ class ZeRO3:
         ### END SOLUTION
 
     def _post_forward(self, i, out):
+        """Block i's forward hook: ``self._end_span("F", i)``, reshard the unit, and register
+        ``out.register_hook(...)`` (when out requires grad) to call ``self._pre_backward(i)``; return out."""
         ### BEGIN SOLUTION
         self._end_span("F", i)
         self.units[i].reshard()
@@ -230,6 +243,7 @@ class ZeRO3:
         ### END SOLUTION
 
     def _pre_backward(self, i):
+        """Gradient of block i's output arrives: gather unit i again, prefetch unit i-1, ``self._span("B", i)``."""
         ### BEGIN SOLUTION
         self._gather(self.units[i])
         if self.prefetch and i > 0:
@@ -238,6 +252,9 @@ class ZeRO3:
         ### END SOLUTION
 
     def _post_backward(self, unit, param):
+        """A parameter's gradient is final (``register_post_accumulate_grad_hook``): drop it from
+        ``unit.pending``; when none is left, ``self._end_span("B", self._index(unit))``, count
+        ``self.reduced_elements``, ``unit.reduce_grads()``, ``unit.reshard()``, ``self._ready(unit)``."""
         ### BEGIN SOLUTION
         unit.pending.discard(param)
         if unit.pending:

@@ -44,6 +44,10 @@ def forward_step(stage_module, x, targets=None, loss_scale: float = 1.0):
         ids have no gradient).
     out: the activation to send to the next stage [b, T, D], or on the last stage the
         scaled scalar loss.
+
+    The stage module (`labkit.model.make_stage`) is called ``stage_module(x)`` -> the
+    activation, or on the last stage ``stage_module(x, targets)`` -> the mean loss over the
+    (micro-)batch's tokens.
     """
     ### BEGIN SOLUTION
     if x.is_floating_point():

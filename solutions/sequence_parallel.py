@@ -62,6 +62,8 @@ class GatherSequence(torch.autograd.Function):
     forward(x [B, s/t, d], group) -> [B, s, d]. Every rank's TP region uses every position, so
     dL/dx of this rank's positions is the SUM over the ranks of their gradients there: the
     backward reduce-scatters grad [B, s, d] to [B, s/t, d] (TP's f had all-reduce here).
+    Use this module's ``all_gather_sequence(x, group)`` and ``reduce_scatter_sequence(x, group)``
+    (always with the group: it need not be the whole world); keep the group on ``ctx`` for backward.
     """
 
     @staticmethod
@@ -84,6 +86,7 @@ class ScatterSequence(torch.autograd.Function):
     forward(x [B, s, d] partial sums, group) -> this rank's block [B, s/t, d] of their sum
     (TP's g all-reduced here). Each rank's block of the sum depends on every rank's partial
     result, so the backward all-gathers the blocks' gradients back to [B, s, d].
+    Use ``reduce_scatter_sequence(x, group)`` and ``all_gather_sequence(grad, group)``.
     """
 
     @staticmethod

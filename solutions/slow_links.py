@@ -89,6 +89,8 @@ class DiLoCo:
         self.steps = 0  # inner steps taken
 
     def step(self) -> bool:
+        """One inner step (``self.inner.step()``, ``self.inner.zero_grad()``); count it in ``self.steps``;
+        every ``self.inner_steps``-th step call ``self.sync()`` and return True, else False."""
         ### BEGIN SOLUTION
         self.inner.step()
         self.inner.zero_grad(set_to_none=True)
@@ -100,7 +102,10 @@ class DiLoCo:
         ### END SOLUTION
 
     def sync(self) -> None:
-        """The outer step (collective): average the pseudo-gradients, outer SGD, weights = shared."""
+        """The outer step (collective): average the pseudo-gradients, outer SGD, weights = shared.
+
+        Uses your ``average_pseudo_gradients(self.model, self.shared, self.group)``, the outer SGD
+        ``self.outer`` (it steps ``self.shared``), and ``_trainable(model)`` (the weights to overwrite)."""
         ### BEGIN SOLUTION
         average_pseudo_gradients(self.model, self.shared, group=self.group)
         self.outer.step()
@@ -168,6 +173,10 @@ class PowerSGD:
         return sent, sum(p.numel() for p in self.params)
 
     def sync_gradients(self) -> None:
+        """See the class docstring. What you have: ``self.params`` (trainable, in order), ``self.qs``
+        ({parameter index: Q (m x r)} for the matrices; the others are vectors), ``self.residuals``
+        and ``self.transmitted`` (to fill), ``orthonormalize(p)``, ``allreduce_mean_(tensors, *, group)``
+        (labkit.parallel.flat: one flat all-reduce, averaged, written back), ``dist.all_reduce(t, group=self.group)``."""
         ### BEGIN SOLUTION
         world = dist.get_world_size(self.group)
         mats = sorted(self.qs)

@@ -83,6 +83,9 @@ class ShardedOptimizer(WrapperOptimizer):
             raise ValueError("ShardedOptimizer needs the parameters of a group on one device with one dtype: "
                              "cast the model first (model.float())")
         hyper = {k: v for k, v in group.items() if k != "params"}
+        # Yours: shard_size(numel, self.world_size), flatten_padded(tensors, numel), this rank's slice as an
+        # nn.Parameter appended to self.shards (and its size to self.shard_sizes), and an inner
+        # self.optimizer_class([dict(params=[shard], **hyper)]) (or .add_param_group for later groups).
         ### BEGIN SOLUTION
         numel = sum(p.numel() for p in params)
         size = shard_size(numel, self.world_size)
@@ -108,6 +111,12 @@ class ShardedOptimizer(WrapperOptimizer):
 
         step() calls it when it has not been called since the last step; call it yourself
         to look at the averaged shard gradients first (clipping them, say).
+
+        Given (imported above): ``grads_or_zeros(params)`` (a missing gradient counts as zeros),
+        ``flatten(tensors, numel)`` (one 1-D tensor, zero-padded to numel),
+        ``reduce_scatter_mean(flat, *, group)`` -> this rank's shard of the average;
+        ``self._trainable(group)`` (a parameter group's params that train), ``self.shards``,
+        ``self.shard_sizes``, ``self.world_size``, ``self.group``.
         """
         ### BEGIN SOLUTION
         for group, shard, size in zip(self.param_groups, self.shards, self.shard_sizes):
@@ -118,7 +127,11 @@ class ShardedOptimizer(WrapperOptimizer):
 
     @torch.no_grad()
     def update_parameters(self) -> None:
-        """The inner optimizer's step on the shards, then every updated shard back into the parameters."""
+        """The inner optimizer's step on the shards, then every updated shard back into the parameters.
+
+        Given: ``self.optimizer`` (the inner optimizer, over the shards), ``all_gather_flat(shard, *, group)``
+        -> every rank's shards concatenated, ``write_back(flat, params)`` (copies a flat tensor into params).
+        """
         ### BEGIN SOLUTION
         self.optimizer.step()  # the optimizer on 1/N of the parameters
         for group, shard in zip(self.param_groups, self.shards):

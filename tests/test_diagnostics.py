@@ -251,3 +251,17 @@ def test_hybrid_rows_check_catches_every_replica_training_on_the_whole_batch():
         grading.check_replica_rows(results, dp, pp, m)
     assert str(info.value).startswith("step 0: replica 0's first stage (rank 0) received inputs for micro-batch 0: "
                                       "global rows [0, 1], expected rows [0]"), str(info.value)
+
+
+def test_average_mismatch_names_missing_ranks_outsiders_divisor_and_sign():
+    import torch
+
+    from labkit.grading.diagnose import average_mismatch, rank_tag
+
+    tags = lambda ranks, by: torch.full((3,), sum(rank_tag(r) for r in ranks) / by, dtype=torch.float64)  # noqa: E731
+    assert average_mismatch(tags([0, 2], 4), 0, [0, 2], 4, 4) is None
+    assert "the sum of ranks {0, 1, 2, 3} (ranks {1, 3} are not in the group), divided by 4" in \
+        average_mismatch(tags([0, 1, 2, 3], 4), 0, [0, 2], 4, 4)
+    assert "the right sum divided by 2, instead of divided by 4" in average_mismatch(tags([0, 2], 2), 0, [0, 2], 4, 4)
+    assert "the sum of ranks {0} only (missing {1}), not divided" in average_mismatch(tags([0], 1), 0, [0, 1], 2, 2)
+    assert "opposite sign" in average_mismatch(-tags([0, 1], 2), 0, [0, 1], 2, 2)

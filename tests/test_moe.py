@@ -134,3 +134,12 @@ def test_tiny_moe_loss_falls_on_tinystories():
         losses.append(loss.item())
     assert math.isfinite(losses[-1])
     assert sum(losses[-3:]) / 3 < losses[0] - 0.8, losses  # ln(4096) = 8.3 at the start
+
+
+@pytest.mark.parametrize("E,ep,rank,words", [(3, 2, 0, "does not divide"), (4, 2, 2, "not in range")])
+def test_ep_moe_with_experts_not_dividing_over_ep_raises_before_any_communication(E, ep, rank, words):
+    from labkit.grading import impl
+
+    layer = moe.MoE(get_config("tiny-moe", n_experts=E))
+    with pytest.raises(ValueError, match=words):  # no process group: it must fail before any collective
+        impl("expert_parallel").EPMoE(layer, group=None, ep_rank=rank, ep_size=ep)

@@ -139,3 +139,19 @@ def test_plot_schedule_draws_the_simulation():
     assert _bars(fig.axes[0]) == sorted((s.start, s.duration, s.rank) for s in SPANS if s.kind in "FB")
     fig = viz.plot_schedule_vs_timeline(schedule, SPANS, name="GPipe")
     assert "theory (p-1)/(m+p-1) = 33.3%, measured 33.3%" in fig._suptitle.get_text()
+
+
+def test_plot_timeline_starts_at_the_first_span_drawn_and_has_a_legend_with_distinct_comm_colours():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labkit.measure import viz
+
+    spans = [Span("dispatch", 0.0, 0.5, rank=0, stage=0), Span("F", 0.5, 1.0, rank=0, stage=0, mb=0),
+             Span("combine", 1.0, 1.5, rank=0, stage=0), Span("send", 1.5, 1.6, rank=0)]
+    ax = viz.plot_timeline(spans, unit="s").axes[0]
+    starts = [path.vertices[:, 0].min() for c in ax.collections for path in c.get_paths()]
+    assert min(starts) == 0.0, "the dispatch before the first compute is drawn from 0, never at a negative time"
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["forward", "combine", "dispatch", "send"]
+    colours = {h.get_label(): tuple(h.get_facecolor()) for h in ax.get_legend().legend_handles}
+    assert len(set(colours.values())) == 4, f"every kind its own colour: {colours}"

@@ -193,8 +193,11 @@ def cp(rank):
     p2p = L * (3 * N - 2)
     grads = [p for p in model.parameters() if p.grad is not None]
     ar = numel(grads) * F32
-    expect(m, {"isend": p2p, "irecv": p2p, "all_reduce": len(grads)}, 2 * p2p * kv + ar,
-           2 * p2p * kv + ar * ALL_REDUCE, "CP")
+    # each layer's ring first all-gathers every rank's q shape and kv length (5 int64), so that unequal
+    # pieces raise a ValueError instead of corrupting the exchange; the all-gather's payload is its output
+    shapes = L * N * 5 * 8
+    expect(m, {"isend": p2p, "irecv": p2p, "all_reduce": len(grads), "all_gather": L}, 2 * p2p * kv + ar + shapes,
+           2 * p2p * kv + ar * ALL_REDUCE + shapes * RING, "CP")
 
 
 def ep(rank):

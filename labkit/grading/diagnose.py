@@ -197,3 +197,39 @@ class watch_groups:
         block, self._block = self._block, None
         block.__exit__(*exc)
         return False
+
+
+# --- averages of rank tags: what a gradient average over a group holds ----------------------
+
+
+def average_mismatch(result: torch.Tensor, rank: int, members, world_size: int, divisor: int) -> str | None:
+    """None if every element of `result` is (the sum of one rank tag per rank of `members`) /
+    `divisor`; else what the first wrong element holds, in words, e.g. "the sum of ranks
+    {0, 1, 2, 3} (ranks {1, 3} are not in the group), divided by 4", "the right sum divided by
+    2, instead of divided by 4", "the sum of ranks {0} only (missing {1}), not divided". Tags up
+    to 16**(world-1) and divisors up to the world size are exact enough in float64 to compare.
+    """
+    flat = result.detach().reshape(-1).double().cpu()
+    want = sum(rank_tag(r) for r in members)
+    wrong = (flat * divisor != want).nonzero().flatten().tolist()
+    if not wrong:
+        return None
+    value = flat[wrong[0]].item()
+    where = "every element" if len(wrong) == len(flat) > 1 else \
+        f"element {wrong[0]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
+    head = f"{where} on rank {rank} holds"
+    if value and want and value * divisor == -want:
+        return f"{head} the expected average with the opposite sign"
+    for by in dict.fromkeys([divisor] + list(range(1, world_size + 1))):  # the likeliest reading first
+        total = value * by
+        counts = decode(int(round(total)), world_size) if abs(total - round(total)) < 1e-6 else None
+        if not counts or set(counts.values()) != {1}:
+            continue  # not a plain sum of distinct ranks' values at this divisor
+        how = "not divided" if by == 1 else f"divided by {by}"
+        if set(counts) == set(members):
+            return f"{head} the right sum {how}, instead of divided by {divisor}"
+        return f"{head} {describe(int(round(total)), members, world_size)}, {how}"
+    total = value * divisor
+    if total != round(total):
+        return f"{head} {value:g}, which is no sum of the ranks' values divided by {divisor}"
+    return f"{head} {describe(int(round(total)), members, world_size)}, divided by {divisor}"

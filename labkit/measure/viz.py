@@ -27,7 +27,9 @@ from labkit.measure import timeline as tlmod
 
 _CMAPS = {"F": "Blues", "B": "Oranges", "W": "Greens"}
 _HATCHES = (None, "///", "...", "xxx")
-_COMM = {"send": "#888888", "recv": "#bbbbbb", "wait": "#dddddd", "allreduce": "#9467bd"}
+_COMM = {"send": "#888888", "recv": "#bbbbbb", "wait": "#dddddd", "allreduce": "#9467bd",
+         "allgather": "#8c564b", "dispatch": "#17becf", "combine": "#e377c2"}
+_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient (W)"}
 
 
 def _color(kind: str, mb, n_mb: int):
@@ -74,18 +76,21 @@ def _finish(ax, n_ranks, xlabel, title):
         ax.set_title(title, fontsize=10)
 
 
-def plot_timeline(spans, ax=None, title: str | None = None, unit: str = "ms", comm: bool = True, schedule=None):
+def plot_timeline(spans, ax=None, title: str | None = None, unit: str = "ms", comm: bool = True, schedule=None,
+                  legend: bool = True):
     """Per-rank Gantt chart of measured spans (`labkit.measure.timeline.Span`); the bubble in the title.
 
-    Times are shifted so the first compute span starts at 0 and shown in ``unit``
-    ("s" or "ms"). ``comm=False`` hides send/recv/wait spans. With ``schedule`` (what the
-    ranks were meant to run), the first compute span out of the schedule's order on each
-    rank is outlined in red and labelled with what was expected.
+    Times are shifted so the first span drawn starts at 0 (no negative times, communication
+    before the first compute included) and shown in ``unit`` ("s" or "ms"). ``comm=False``
+    hides send/recv/wait spans. With ``schedule`` (what the ranks were meant to run), the first
+    compute span out of the schedule's order on each rank is outlined in red and labelled with
+    what was expected. ``legend``: a legend of the kinds drawn (compute boxes, thin comm bars).
     """
     fig, ax = _axes(ax, (9, 0.6 + 0.55 * max(1, len(tlmod.ranks_of(spans)))))
     scale = {"s": 1.0, "ms": 1e3}[unit]
     t0, t1 = tlmod.window(spans)
     shown = [s for s in spans if comm or s.kind in tlmod.COMPUTE_KINDS]
+    t0 = min([t0] + [s.start for s in shown])  # the origin: the first span drawn, so no time is negative
     n_mb = 1 + max((s.mb for s in spans if s.mb is not None), default=0)
     rows = {}
     for s in shown:
@@ -100,7 +105,18 @@ def plot_timeline(spans, ax=None, title: str | None = None, unit: str = "ms", co
     if wrong:
         default = f"measured: rank {wrong[0][0]} ran {_name(wrong[0][1])} where the schedule has {wrong[0][2]}"
     _finish(ax, n_ranks, f"time ({unit})", title if title is not None else default)
+    if legend:
+        _legend(ax, [s.kind for s in shown])
     return fig
+
+
+def _legend(ax, kinds):
+    """One entry per kind drawn, in a fixed order: compute first (mid shade), then communication."""
+    seen = list(dict.fromkeys(k for k in ("F", "B", "W") if k in kinds)) + sorted({k for k in kinds if k not in _CMAPS})
+    handles = [matplotlib.patches.Patch(facecolor=_color(k, 0, 1), edgecolor="black" if k in _CMAPS else "none",
+                                        label=_NAMES.get(k, k)) for k in seen]
+    if handles:
+        ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
 
 def _name(span) -> str:

@@ -16,7 +16,10 @@ def test_zigzag_split_pieces_cover_the_sequence_and_balance_the_causal_work(c):
     s = 8 * c
     pieces = [cpm.zigzag_split(s, c, r) for r in range(c)]
     n = s // (2 * c)
-    assert pieces[0] == [(0, n), (s - n, s)]
+    for rank, got in enumerate(pieces):
+        want = [(rank * n, (rank + 1) * n), ((2 * c - 1 - rank) * n, (2 * c - rank) * n)]
+        assert got == want, (f"zigzag_split(s={s}, c={c}, rank={rank}) returned {got}, expected {want}: rank r takes "
+                             f"chunk r and chunk 2c-1-r of the 2c={2 * c} chunks of {n} positions, the earlier first")
     assert sorted(p for rank in pieces for p in rank) == [(i * n, (i + 1) * n) for i in range(2 * c)]
     x = torch.arange(s)
     assert sorted(torch.cat([cpm.take(x, p, dim=0) for p in pieces]).tolist()) == list(range(s))

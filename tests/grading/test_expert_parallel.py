@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.model import moe
+from labkit.grading.diagnose import average_mismatch, rank_tag
 from labkit.grading.cases import expect_case, launch_cases, run_cases
 from labkit.grading import impl
 from labkit.mesh import Mesh, shard_rows
@@ -84,8 +85,21 @@ def combine_case(r, n, E):
         y = ep.combine(2 * received + r, plan, routing)
         owner = routing.expert.reshape(-1)[picks] // L
         rows = 2 * x.reshape(-1, x.shape[-1])[toks] + owner[:, None].double()
-        want = moe.unpermute(rows, toks, routing.gate.reshape(-1)[picks], x.shape[0] * x.shape[1])
-        torch.testing.assert_close(y.reshape(want.shape), want, **TOL)
+        n_tokens = x.shape[0] * x.shape[1]
+        want = moe.unpermute(rows, toks, routing.gate.reshape(-1)[picks], n_tokens)
+        if y.numel() != want.numel():
+            raise AssertionError(f"combine returned shape {tuple(y.shape)}, expected [{n_tokens}, D]: one row per token")
+        y = y.reshape(want.shape)
+        if torch.allclose(y, want, **TOL):
+            continue
+        unweighted = moe.unpermute(rows, toks, torch.ones(len(picks), dtype=x.dtype), n_tokens)
+        hint = ("the outputs are not weighted by their gates (routing.gate.reshape(-1)[plan.picks])"
+                if torch.allclose(y, unweighted, **TOL) else
+                "send the rows back with dispatch's sizes swapped (in_splits=plan.recv_splits, "
+                "out_splits=plan.send_splits), then unpermute(rows, plan.tokens, gates, N)")
+        token = int((y - want).abs().amax(1).argmax())
+        raise AssertionError(f"combine on rank {r} (each expert's output is 2x + its rank): token {token} differs "
+                             f"first, max abs diff {(y - want).abs().max().item():.3g}; {hint}")
 
 
 def model_case(r, n, E, cf):
@@ -153,6 +167,39 @@ def ep_dp_training_case(r, n, steps=3):
         torch.testing.assert_close(p.detach(), want[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
 
 
+def allreduce_ep_gradients_case(r, n, no_grad=None):
+    """Right after the call: each gradient is the sum of its group's rank tags (16**r) / world.
+
+    dp=2 x ep=2 on 4 ranks: grid [[0, 1], [2, 3]], so a dp group is {0, 2} or {1, 3}
+    (not [0..k)). `no_grad`: {parameter name: ranks where it has no gradient} (frozen or unused
+    there), which counts as 0 but must still take part in the all-reduce.
+    """
+    ep = impl("expert_parallel")
+    mesh = Mesh(n, dp=2, ep=2, combined=[("dp", "ep")])
+    model = ep.build_ep_model(get_config("tiny-moe", n_layers=1), mesh=mesh, seed=0, dtype=torch.float64)
+    skipped = lambda name, rank: rank in (no_grad or {}).get(name, ())  # noqa: E731
+    for name, p in model.named_parameters():
+        p.grad = None if skipped(name, r) else torch.full_like(p, rank_tag(r))
+    ep.sync_gradients(model, mesh=mesh)
+    for name, p in model.named_parameters():
+        expert = ep.is_expert_parameter(name)
+        axes = ("dp",) if expert else ("dp", "ep")
+        members = [m for m in mesh.ranks(axes) if not skipped(name, m)]
+        kind = "expert parameter" if expert else "replicated parameter"
+        if p.grad is None:
+            raise AssertionError(f"sync_gradients: {kind} `{name}` has no gradient after the call on rank "
+                                 f"{r}; a parameter without gradient counts as 0 (set p.grad to zeros), and every "
+                                 "rank must still take part in its all-reduce")
+        wrong = average_mismatch(p.grad, r, members, n, n)
+        if wrong:
+            rule = (f"experts average over dp only (the ranks holding the same experts: {mesh.ranks('dp')})"
+                    if expert else f"replicated parameters average over every rank {mesh.ranks(('dp', 'ep'))}")
+            raise AssertionError(
+                f"sync_gradients: {kind} `{name}` on rank {r}, right after the call (each rank r set "
+                f"its gradient to 16**r): {wrong}. Expected the sum of ranks {members} / {n}: {rule}, "
+                "and every average divides by mesh.world_size (each rank's loss is a mean over 1/world of the batch)")
+
+
 def bad_input_case(r, n, make_mesh, E, words):
     ep = impl("expert_parallel")
     good = Mesh(n, ep=n, combined=[("dp", "ep")])
@@ -173,6 +220,10 @@ def cases(n):
     for E in (4, 8):
         out[f"model_E{E}"] = functools.partial(model_case, E=E, cf=0.75 if E == 4 else 1.0)
     if n == 4:
+        out["allreduce_ep_gradients"] = allreduce_ep_gradients_case
+        out["allreduce_ep_gradients_no_grad_on_some_ranks"] = functools.partial(
+            allreduce_ep_gradients_case, no_grad={"layers.0.attention.wq.weight": (1, 3),
+                                                  "layers.0.feed_forward.experts.1.w1.weight": (3,)})
         out["ep_dp_training"] = ep_dp_training_case
         out["E_not_divisible_by_ep_raises"] = functools.partial(
             bad_input_case, make_mesh=lambda: Mesh(4, ep=4, combined=[("dp", "ep")]), E=6, words=("divide",))
@@ -186,8 +237,15 @@ def run_all(rank, world_size):
     return run_cases({name: functools.partial(body, rank, world_size) for name, body in cases(world_size).items()})
 
 
+WHAT = {"allreduce_ep_gradients_no_grad_on_some_ranks":
+        " (`layers.0.attention.wq.weight` has no gradient on ranks 1 and 3, `...experts.1.w1.weight` none on "
+        "rank 3: a missing gradient counts as 0, and those ranks must still join its all-reduce, or the ranks' "
+        "collectives no longer pair up)"}
+
+
 def expect_ok(case, world_size):
-    expect_case(launch_cases(run_all, world_size, timeout=120), case, f"expert parallelism on {world_size} ranks, case {case}")
+    expect_case(launch_cases(run_all, world_size, timeout=120), case,
+                f"expert parallelism on {world_size} ranks, case {case}{WHAT.get(case, '')}")
 
 
 @pytest.mark.exercise("dispatch", "all_to_all_single")
@@ -214,9 +272,33 @@ def test_compute_experts_runs_each_expert_on_its_rows_including_empty_blocks(ep,
     received = torch.randn(int(recv_counts.sum()), 6, generator=g, dtype=torch.float64)
     out = impl("expert_parallel").compute_experts(experts, received, recv_counts)
     owner = torch.arange(L).repeat(ep).repeat_interleave(recv_counts.flatten())  # expert of each row
+    source = torch.arange(ep).repeat_interleave(recv_counts.sum(1))  # rank each row came from
     want = torch.stack([experts[e](received[i:i + 1])[0] for i, e in enumerate(owner.tolist())]) \
         if len(owner) else received
-    torch.testing.assert_close(out, want, **TOL)
+    wrong = compute_experts_mismatch(out, want, received, experts, owner, source)
+    assert wrong is None, f"compute_experts (ep={ep}, L={L}, recv_counts={recv_counts.tolist()}): {wrong}"
+
+
+def compute_experts_mismatch(out, want, received, experts, owner, source):
+    """None if out equals want; else the first wrong row, in words: which expert's output it holds."""
+    if out.shape != want.shape:
+        return f"the output has shape {tuple(out.shape)}, expected {tuple(want.shape)} (one row per received row)"
+    close = lambda a, b: torch.allclose(a, b, **TOL)  # noqa: E731
+    bad = [i for i in range(len(want)) if not close(out[i], want[i])]
+    if not bad:
+        return None
+    i = bad[0]
+    s, e = int(source[i]), int(owner[i])
+    head = (f"row {i} (from source rank {s}, for local expert {e}) is wrong, and {len(bad) - 1} more rows; "
+            "rows arrive grouped by source rank, then by local expert (recv_counts[s, e] rows each), and the "
+            "outputs must come back in that same order")
+    other = [k for k in range(len(experts)) if k != e and close(out[i], experts[k](received[i:i + 1])[0])]
+    if other:
+        return f"{head}: it holds expert {other[0]}'s output on this row instead of expert {e}'s"
+    moved = [j for j in range(len(want)) if j != i and close(out[i], want[j])]
+    if moved:
+        return f"{head}: it holds the right output of row {moved[0]} (outputs put back out of order)"
+    return f"{head}: {(out[i] - want[i]).abs().max().item():.3g} max abs difference, no expert's output of this row"
 
 
 @pytest.mark.exercise("dispatch", "compute_experts", "combine", "all_to_all_single")
@@ -224,6 +306,12 @@ def test_compute_experts_runs_each_expert_on_its_rows_including_empty_blocks(ep,
 @pytest.mark.parametrize("ep", [2, 4])
 def test_expert_parallel_equals_single_device_same_drops_logits_every_gradient(ep, E):
     expect_ok(f"model_E{E}", ep)
+
+
+@pytest.mark.exercise("expert_parallel.sync_gradients")
+@pytest.mark.parametrize("case", ["allreduce_ep_gradients", "allreduce_ep_gradients_no_grad_on_some_ranks"])
+def test_allreduce_ep_gradients_averages_experts_over_dp_and_the_rest_over_every_rank(case):
+    expect_ok(case, 4)
 
 
 @pytest.mark.exercise("expert_parallel.sync_gradients", "dispatch", "compute_experts", "combine", "all_to_all_single")

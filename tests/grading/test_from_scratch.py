@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import traceback
 
 import pytest
@@ -55,8 +56,9 @@ def in_forked_ranks(body, world_size, timeout=TIMEOUT):
         p.start()
     results = {}
     try:
+        deadline = time.monotonic() + timeout  # one deadline for all: a hang costs `timeout`, not n times it
         for p in procs:
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
         while not queue.empty():
             rank, status, value = queue.get()
             results[rank] = (status, value)
@@ -159,3 +161,79 @@ def test_spawn_job_runs_the_script_world_size_2(world_size=2):
     report = json.loads(out.strip().splitlines()[-1])
     total = world_size * (world_size + 1) / 2
     assert report == {"world_size": world_size, "backend": "gloo", "sums": [total] * world_size}, report
+
+
+@pytest.mark.exercise("rank_worker")
+def test_rank_worker_on_a_second_node_joins_as_RANK_not_as_its_local_rank():
+    """4 ranks as 2 nodes of 2: RANK=0..3, local ranks 0, 1, 0, 1 (as torchrun sets them)."""
+    def body(rank, n):
+        os.environ["RANK"] = str(rank)
+        got = []
+
+        class Queue:
+            @staticmethod
+            def put(item):
+                got.append(item)
+        total = impl("from_scratch").rank_worker(rank % 2, n, "gloo", Queue())
+        return total, got, os.environ["RANK"]
+    said = None
+    try:
+        results = in_forked_ranks(body, 4, timeout=30)
+    except pytest.fail.Exception as error:
+        said = str(error).strip().splitlines()
+    if said is not None:  # outside the except: the ranks' long tracebacks are not chained above it
+        pytest.fail("4 ranks on 2 simulated nodes (RANK 0..3, LOCAL_RANK 0, 1, 0, 1) failed or hung: did two "
+                    "processes join with the same rank? rank_worker must pass rank (read from $RANK) to setup_rank "
+                    "as the rank, and local_rank only to pick the device.\nThe ranks said (last lines):\n"
+                    + "\n".join(said[-6:]), pytrace=False)
+    for rank, (total, queued, _) in enumerate(results):
+        assert queued == [(rank, 10.0)] and total == 10.0, (
+            f"rank {rank} (local rank {rank % 2}) put {queued} and returned {total}: expected [({rank}, 10.0)] "
+            "(ranks 0..3 add 1+2+3+4; the queue gets the GLOBAL rank, from $RANK)")
+
+
+def _spawn_with_failing_ranks(queue):
+    try:
+        impl("from_scratch").spawn_job(1, backend="no-such-backend")  # the rank's setup_rank raises ValueError
+        queue.put(("returned", ""))
+    except NotImplementedError as error:
+        queue.put(("not implemented", str(error)))
+    except BaseException as error:  # mp.spawn's ProcessRaisedException, or a ValueError raised up front
+        queue.put(("raised", f"{type(error).__name__}: {error}"))
+
+
+@pytest.mark.exercise("spawn_job")
+def test_spawn_job_raises_when_its_ranks_fail_instead_of_hanging_or_returning():
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.SimpleQueue()
+    proc = ctx.Process(target=_spawn_with_failing_ranks, args=(queue,), daemon=False)
+    proc.start()
+    proc.join(30)  # a failing rank ends in seconds; a spawn_job that does not wait for it never returns
+    if proc.is_alive():
+        for child in _children(proc.pid):
+            os.kill(child, signal.SIGKILL)
+        proc.kill()
+        proc.join()
+        pytest.fail(f"spawn_job(1, backend=...) whose rank fails did not return within 30 s: wait for "
+                    "the ranks (mp.spawn(..., join=True)), which raises when one of them fails; reading the results "
+                    "of ranks that died waits forever", pytrace=False)
+    status, detail = queue.get() if not queue.empty() else ("died", f"exit code {proc.exitcode}")
+    if status == "not implemented":
+        raise NotImplementedError(detail)
+    assert status == "raised", (f"spawn_job whose ranks all fail must raise (mp.spawn with join=True does), "
+                                f"but it {status} {detail}")
+
+
+def _children(pid):
+    """Every descendant of pid (the processes spawn_job started), from /proc."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            with open(f"/proc/{parent}/task/{parent}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            kids = []
+        found += kids
+        todo += kids
+    return found

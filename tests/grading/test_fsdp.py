@@ -68,8 +68,12 @@ def _batches(world, steps, chain):
     return [tuple(torch.randint(0, 4096, (2 * world, 16), generator=g) for _ in range(2)) for _ in range(steps)]
 
 
-def _train(rank, world, make, steps=3, prefetch=True, fsdp2=False):
-    """ZeRO3 against one process (float64), step by step: loss, then parameters at the end."""
+def _train(rank, world, make, steps=3, prefetch=True, fsdp2=False, accumulate=False):
+    """ZeRO3 against one process (float64), step by step: loss, then parameters at the end.
+
+    accumulate (Chain only): two forward/backward passes per step, on this rank's first row and
+    on its other two (losses weighted 1/3 and 2/3: their sum is the mean over its 3 rows), then
+    one finish() and one step: the second pass's gradient shards must ADD to the first's."""
     fsdp = impl("fsdp")
     ours, one = make(), make()
     chain = isinstance(ours, Chain)
@@ -80,12 +84,20 @@ def _train(rank, world, make, steps=3, prefetch=True, fsdp2=False):
     rows = 3 if chain else 2
     for step, batch in enumerate(_batches(world, steps, chain)):
         mine = tuple(t[rows * rank:rows * (rank + 1)] for t in batch)
-        loss, ref_loss = loss64(ours, *mine), loss64(one, *batch)
+        ref_loss = loss64(one, *batch)
+        if accumulate:  # two micro-batches, two backward passes, then one step
+            first = loss64(ours, mine[0][:1]) / 3
+            first.backward()
+            second = loss64(ours, mine[0][1:]) * (2 / 3)
+            second.backward()
+            loss = first.detach() + second.detach()
+        else:
+            loss = loss64(ours, *mine)
+            loss.backward()
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)
         torch.testing.assert_close(total / world, ref_loss.detach(), **F64,
                                    msg=lambda m: f"step {step}: the forward's loss differs from one process: {m}")
-        loss.backward()
         ref_loss.backward()
         zero3.sync_gradients()
         if step == 0:  # the gradient shards: this rank's slice of one process's flat gradient, per unit
@@ -94,7 +106,13 @@ def _train(rank, world, make, steps=3, prefetch=True, fsdp2=False):
                                   for p in unit.params])
                 full = torch.cat([full, full.new_zeros(unit.flat.numel() - full.numel())])
                 s = unit.shard.numel()
-                torch.testing.assert_close(unit.shard.grad, full[rank * s:(rank + 1) * s], **F64,
+                got = unit.shard.grad
+                want = full[rank * s:(rank + 1) * s]
+                if got is not None and not torch.allclose(got, want, **F64) and accumulate:
+                    raise AssertionError(f"{unit.name}: after two backward passes the gradient shard is not the sum "
+                                         "of both passes' shards: reduce_grads must ADD this rank's reduced shard to "
+                                         "shard.grad (set it only when None), and every backward must reduce again")
+                torch.testing.assert_close(got, want, **F64,
                                            msg=lambda m: f"{unit.name}: gradient shard differs: {m}")
         for o in (opt, ref):
             o.step()
@@ -181,6 +199,7 @@ def cases(world):
         "flat_shard_gather_reshard_reduce": _flat_shard_roundtrip,
         "sizes_not_divisible_by_world_size": lambda r, n: _train(r, n, Chain, steps=3),
         "no_prefetch_equal_too": lambda r, n: _train(r, n, Chain, steps=2, prefetch=False),
+        "two_backward_passes_before_one_step": lambda r, n: _train(r, n, Chain, steps=2, accumulate=True),
         "prefetch_issues_next_gather_during_forward": lambda r, n: _prefetch_order(r, n, True),
         "without_prefetch_gathers_one_at_a_time": lambda r, n: _prefetch_order(r, n, False),
     }

@@ -248,3 +248,42 @@ def test_pipeline_gradients_equal_single_device_m_1_2_4_8(p):
         pytest.fail(f"not run: {HUNG[0]} hung earlier in this module (fix that first)", pytrace=False)
     results = launch(_pipeline_rank, p, timeout=launch_timeout(30))
     _assert_equals_single_model(results, p, lambda key: f"{key}")
+
+
+def _tag_rank(rank, world_size):
+    """Rank 0 sends micro-batches 0 then 1 (non-blocking); rank 1 posts their receives in the
+    opposite order. Only the tags (op.tag, the same number on both sides) tell the two messages
+    apart: without them the first message lands in the first posted buffer."""
+    from labkit.parallel.schedules import Action
+
+    pipeline = impl("pipeline")
+    if rank == 0:
+        works = [pipeline.communicate(Action(0, "SEND_F", mb, 1), torch.full((3,), 10.0 + mb), 1) for mb in (0, 1)]
+        buffers = None
+    else:
+        buffers = {mb: torch.zeros(3) for mb in (1, 0)}
+        works = [pipeline.communicate(Action(1, "RECV_F", mb, 0), buffers[mb], 0) for mb in (1, 0)]
+    for work in works:
+        assert work is not None, "communicate(..., blocking=False) must return the Work of dist.isend / dist.irecv"
+        work.wait()
+    return buffers
+
+
+@pytest.mark.exercise("communicate")
+def test_communicate_tags_messages_so_two_in_flight_between_the_same_ranks_are_never_swapped():
+    try:
+        buffers = launch(_tag_rank, 2, timeout=launch_timeout(10))[1]  # the exchange takes milliseconds
+    except LaunchError as err:
+        if "timed out" not in str(err):
+            raise
+        pytest.fail("2 ranks hung exchanging two non-blocking messages. Your lines where they wait:\n"
+                    f"{your_lines(str(err))}\nA message matches a receive only with the same tag: pass tag=op.tag "
+                    f"to every send AND every receive (both sides compute the same number).\n"
+                    f"The launcher's report:\n{err}", pytrace=False)
+    got = {mb: buffers[mb][0].item() - 10 for mb in (0, 1)}
+    if got != {0: 0.0, 1: 1.0}:
+        pytest.fail(f"communicate: micro-batch 1's receive buffer got micro-batch {got[1]:.0f}'s activation, and "
+                    f"micro-batch 0's got micro-batch {got[0]:.0f}'s: rank 1 posted the two receives in the other "
+                    "order than rank 0 sent them. Tag every message with tag=op.tag (dist.isend/irecv/send/recv("
+                    "..., tag=op.tag)): sender and receiver compute the same tag, so the messages cannot be swapped",
+                    pytrace=False)

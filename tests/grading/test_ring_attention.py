@@ -47,8 +47,13 @@ def test_merge_partials_of_two_key_blocks_equals_attention_over_both(cut):
     o1, l1 = ra.block_attention(q, k[..., :cut, :], v[..., :cut, :])
     o2, l2 = ra.block_attention(q, k[..., cut:, :], v[..., cut:, :])
     for out, lse in (ra.merge_partials(o1, l1, o2, l2), ra.merge_partials(o2, l2, o1, l1)):
-        torch.testing.assert_close(out, full_out)
-        torch.testing.assert_close(lse, full_lse)
+        torch.testing.assert_close(lse, full_lse, msg=lambda m: "merge_partials: lse over both blocks must be "
+                                   f"log(e^lse1 + e^lse2) (torch.logaddexp)\n{m}")
+        if torch.allclose(out, o1 + o2):
+            raise AssertionError("merge_partials: the partial outputs were added as they are; each must be weighted "
+                                 "by its share of the softmax denominator, e^(lse_i - lse)")
+        torch.testing.assert_close(out, full_out, msg=lambda m: "merge_partials: each partial output must be "
+                                   f"weighted by its share of the denominator, e^(lse_i - lse)\n{m}")
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
 
 
@@ -64,8 +69,10 @@ def test_merge_partials_fully_masked_rows_in_one_block_and_in_both():
     assert torch.isneginf(l2[..., hidden]).all() and hidden.sum() == 6
     out, lse = ra.merge_partials(o1, l1, o2, l2)
     assert not out.isnan().any() and not lse.isnan().any(), "a fully masked row must not give NaN"
-    torch.testing.assert_close(out, full_out)
-    torch.testing.assert_close(lse, full_lse)
+    torch.testing.assert_close(lse, full_lse, msg=lambda m: f"merge_partials: lse over both blocks must be "
+                               f"log(e^lse1 + e^lse2) (torch.logaddexp), -inf where neither block has a key\n{m}")
+    torch.testing.assert_close(out, full_out, msg=lambda m: "merge_partials: each partial output must be weighted "
+                               f"by its share of the denominator, e^(lse_i - lse) (0 where lse_i = -inf)\n{m}")
     nobody = q_pos < 3
     assert torch.isneginf(lse[..., nobody]).all() and (out[..., nobody, :] == 0).all()
     empty_out, empty_lse = torch.zeros_like(o1), torch.full_like(l1, float("-inf"))  # the ring's start
@@ -89,6 +96,8 @@ def check_ring(rank, c, split, mask, s, mesh=None):
     pieces = cpm.SPLITS[split](s, c, rank)
     mine = [cpm.take(t, pieces) for t in (q, k, v)]
     out, lse, ring = ra.ring_attention_forward(*mine, mesh=mesh, split=split, mask=mask, seq_len=s)
+    wrong = ring_mismatch(out, q, k, v, [cpm.SPLITS[split](s, c, r) for r in range(c)], rank, mask)
+    assert wrong is None, f"ring_attention_forward on rank {rank} of {c} ({split} split, mask={mask}): {wrong}"
     torch.testing.assert_close(out, cpm.take(ref.detach(), pieces))
     scores = (q @ k.transpose(-1, -2)) / 2.0  # hd = 4
     if mask == "causal":
@@ -99,6 +108,45 @@ def check_ring(rank, c, split, mask, s, mesh=None):
     ra.ring_attention(*leaves, mesh=mesh, split=split, mask=mask).backward(cpm.take(dout, pieces))
     for leaf, full in zip(leaves, (qf, kf, vf)):
         torch.testing.assert_close(leaf.grad, cpm.take(full.grad, pieces))
+
+
+def attention_over(q, k, v, q_pos, k_pos, mask):
+    """Rows q_pos of softmax attention over the keys at k_pos only (0 where none is visible)."""
+    scores = q[..., q_pos, :] @ k[..., k_pos, :].transpose(-1, -2) / q.shape[-1] ** 0.5
+    if mask == "causal":
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    weights = torch.softmax(scores, -1).nan_to_num(0.0)  # a row with no visible key: 0
+    return weights @ v[..., k_pos, :]
+
+
+def ring_mismatch(out, q, k, v, pieces, rank, mask):
+    """None if out is right; else the first wrong row, and which ranks' key blocks it holds, in words."""
+    import itertools
+
+    from labkit.grading import impl
+    positions = impl("context_parallel").positions
+    c, q_pos = len(pieces), positions(pieces[rank])
+    want = attention_over(q, k, v, q_pos, torch.arange(k.shape[-2]), mask)
+    if out.shape != want.shape:
+        return f"the output has shape {tuple(out.shape)}, expected {tuple(want.shape)}"
+    bad = (out - want).abs().amax(dim=(0, 1, 3)) > 1e-9
+    if not bad.any():
+        return None
+    row = int(bad.nonzero()[0])
+    head = f"output row {row} (global position {int(q_pos[row])}) is wrong, and {int(bad.sum()) - 1} more rows"
+    step = lambda holder: (rank - holder) % c  # noqa: E731  the step at which this rank holds that block
+    for size in range(c - 1, 0, -1):
+        for held in itertools.combinations(range(c), size):
+            keys = torch.sort(torch.cat([positions(pieces[h]) for h in held])).values
+            part = attention_over(q, k, v, q_pos[row:row + 1], keys, mask)
+            if torch.allclose(out[..., row:row + 1, :], part, rtol=1e-9, atol=1e-12):
+                missing = sorted(set(range(c)) - set(held))
+                return (f"{head}: it is attention over the key blocks of ranks {list(held)} only, missing the blocks "
+                        f"of ranks {missing} (held at steps {[step(h) for h in missing]}); every step's block must "
+                        "be merged in (merge_partials), and a received block used only after its request.wait()")
+    return (f"{head}: it is not attention over any subset of the ranks' key blocks (max abs diff "
+            f"{(out - want).abs().max().item():.3g}): a received block used before its request.wait() (the buffer "
+            "is not filled yet), or partials merged with the wrong weights (merge_partials)?")
 
 
 def check_overlap_timeline(rank, c):
@@ -123,6 +171,8 @@ def check_bad_input(rank, c):
     ra.ring_attention_forward(*mine)  # good input works first
     raises_value_error(lambda: ra.ring_attention_forward(*mine, mask="sliding"), r"mask='sliding'.*'causal'")
     raises_value_error(lambda: ra.ring_attention_forward(*mine, seq_len=4 * c * 2), rf"CP group has {c} ranks.*cp={c}")
+    shorter = [t[..., :-1, :] if rank == c - 1 else t for t in mine]  # the last rank holds one position fewer
+    raises_value_error(lambda: ra.ring_attention_forward(*shorter), r"same local shapes on every rank")
 
 
 def check_model(rank, c, split):

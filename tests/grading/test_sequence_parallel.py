@@ -10,8 +10,11 @@ assert_close's tolerances is tight). One launch per TP size (2, 4); about 20 s o
 import pytest
 import torch
 
+import torch.distributed as dist
+
 from labkit.grading.cases import expect_case, launch_cases, run_cases
 from labkit.comm.traffic import count_traffic
+from labkit.grading.diagnose import allreduce_mismatch, decode, describe, rank_tag, watch_groups
 from labkit.grading import impl
 
 F64 = torch.float64
@@ -34,6 +37,54 @@ def check_pair(rank, t):
     scattered.backward(torch.full_like(scattered, rank + 1.0))
     ones = torch.cat([torch.full((2, 4, 3), r + 1.0, dtype=F64) for r in range(t)], dim=1)
     torch.testing.assert_close(partial.grad, ones)
+
+
+def blocks_mismatch(got, members, n, what):
+    """None if got [B, t*n, d] holds group rank j's tag in positions j*n ... (j+1)*n - 1; else where not."""
+    if got.shape[1] != len(members) * n:
+        return f"{what} has {got.shape[1]} positions, expected {len(members) * n} (t={len(members)} blocks of {n})"
+    for j, member in enumerate(members):
+        block = got[:, j * n:(j + 1) * n]
+        if not torch.equal(block, torch.full_like(block, rank_tag(member))):
+            value = int(block.reshape(-1)[(block.reshape(-1) != rank_tag(member)).nonzero()[0]])
+            counts = decode(value, dist.get_world_size())
+            held = (f"global rank {next(iter(counts))}'s block" if counts and list(counts.values()) == [1] else
+                    describe(value, members, dist.get_world_size()))
+            return (f"{what}: positions {j * n}-{(j + 1) * n - 1} should be group rank {j}'s block (global rank "
+                    f"{member}), but hold {held}; the group's blocks go in group-rank order along the sequence "
+                    f"(dim 1), and the group is {members}")
+    return None
+
+
+def check_tagged(rank, members, group, which):
+    """Each rank's values are its tag 16**rank: the result says, in words, whose blocks it holds."""
+    sp = impl("sequence_parallel")
+    if rank not in members:
+        return
+    n = 2  # positions per rank: s = 2t divides by every world size here, so a wrong group is not hidden by a shape error
+    with watch_groups(group or dist.group.WORLD, f"{which} (given the group of ranks {members})"):
+        if which == "GatherSequence":
+            mine = torch.full((2, n, 4), float(rank_tag(rank)), dtype=F64, requires_grad=True)
+            gathered = sp.gather_sequence(mine, group=group)
+            wrong = blocks_mismatch(gathered, members, n, "GatherSequence.forward (an all-gather) output")
+            assert wrong is None, wrong
+            gathered.backward(torch.full_like(gathered, rank_tag(rank)))
+            wrong = allreduce_mismatch(mine.grad, rank, members, dist.get_world_size(),
+                                       phase="GatherSequence.backward, the input's gradient")
+            assert wrong is None, (f"{wrong}. Each rank's positions are used by every rank of the group, so "
+                                   "GatherSequence.backward must sum the gradient over the tp ranks (a reduce-scatter)")
+        else:
+            partial = torch.full((2, n * len(members), 4), float(rank_tag(rank)), dtype=F64, requires_grad=True)
+            scattered = sp.scatter_sequence(partial, group=group)
+            assert scattered.shape == (2, n, 4), \
+                f"ScatterSequence.forward returned shape {tuple(scattered.shape)}, expected this rank's block (2, {n}, 4)"
+            wrong = allreduce_mismatch(scattered, rank, members, dist.get_world_size(),
+                                       phase="ScatterSequence.forward's output")
+            assert wrong is None, f"{wrong}. ScatterSequence.forward must sum the partial results over the tp ranks " \
+                                  "and keep this rank's block (a reduce-scatter)"
+            scattered.backward(torch.full_like(scattered, rank_tag(rank)))
+            wrong = blocks_mismatch(partial.grad, members, n, "ScatterSequence.backward (an all-gather): the input's gradient")
+            assert wrong is None, wrong
 
 
 def check_block(rank, t, s):
@@ -93,12 +144,38 @@ def check_not_divisible(rank, t):
 
 
 def run_all(rank, t):
-    return run_cases({"pair": lambda: check_pair(rank, t), "block": lambda: check_block(rank, t, 4 * t),
-                      "block_longer": lambda: check_block(rank, t, 12 * t),
-                      "not_divisible": lambda: check_not_divisible(rank, t)})
+    cases = {}
+    every = list(range(t))
+    for which in ("GatherSequence", "ScatterSequence"):
+        cases[(which, "tagged")] = lambda which=which: check_tagged(rank, every, None, which)
+    if t == 4:  # two groups {0, 2} and {1, 3}: not the whole world, not [0..k)
+        groups = [dist.new_group(ranks) for ranks in SUBGROUPS]  # collective: every rank creates both
+        members, group = next((ranks, g) for ranks, g in zip(SUBGROUPS, groups) if rank in ranks)
+        for which in ("GatherSequence", "ScatterSequence"):
+            cases[(which, "subgroup")] = lambda which=which: check_tagged(rank, members, group, which)
+    cases.update({"pair": lambda: check_pair(rank, t), "block": lambda: check_block(rank, t, 4 * t),
+                  "block_longer": lambda: check_block(rank, t, 12 * t),
+                  "not_divisible": lambda: check_not_divisible(rank, t)})
+    return run_cases(cases)
+
+
+SUBGROUPS = [[0, 2], [1, 3]]
 
 
 TP_SIZES = [2, 4]
+
+
+@pytest.mark.parametrize("which", [pytest.param(w, marks=pytest.mark.exercise(w))
+                                   for w in ("GatherSequence", "ScatterSequence")])
+@pytest.mark.parametrize("t", TP_SIZES)
+def test_sequence_collective_pair_on_rank_tags_names_whose_blocks_are_wrong(which, t):
+    expect_case(launch_cases(run_all, t, 120), (which, "tagged"), f"{which}, t={t}, rank r's values 16**r")
+
+
+@pytest.mark.parametrize("which", [pytest.param(w, marks=pytest.mark.exercise(w))
+                                   for w in ("GatherSequence", "ScatterSequence")])
+def test_sequence_collective_pair_on_subgroups_0_2_and_1_3_of_4_ranks(which):
+    expect_case(launch_cases(run_all, 4, 120), (which, "subgroup"), f"{which} on the groups {SUBGROUPS} of 4 ranks")
 
 
 @pytest.mark.exercise("GatherSequence", "ScatterSequence")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.grading.cases import expect_case, launch_cases, run_cases
+from labkit.grading.diagnose import average_mismatch, rank_tag, watch_groups
 from labkit.grading import impl
 from labkit.mesh import shard_rows
 from labkit.links.shaper import SlowLink
@@ -95,6 +96,30 @@ def same_on_all_ranks(tensors):
 
 
 # --- the cases, run inside the ranks -----------------------------------------------------
+
+
+def pseudo_gradients_rank_tags(rank, n, members=None):
+    """shared - p = 16**rank on every rank: each shared[i].grad must be the group's tags / group size.
+
+    members: a subgroup ([0, 2] of 3 ranks: not the whole world, not [0..k)); rank 1 is outside."""
+    members = members or list(range(n))
+    group = dist.new_group(members) if len(members) < n else None  # collective: every rank creates it
+    if rank not in members:
+        return
+    model = Net()
+    with torch.no_grad():
+        for p in trainable(model):
+            p.fill_(-rank_tag(rank))
+    shared = [torch.zeros_like(p) for p in trainable(model)]
+    with watch_groups(group or dist.group.WORLD, f"average_pseudo_gradients (group {members})"):
+        sl().average_pseudo_gradients(model, shared, group=group)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    for i, (name, s) in enumerate(zip(names, shared)):
+        assert s.grad is not None, f"average_pseudo_gradients: shared[{i}].grad (for `{name}`) is not set"
+        wrong = average_mismatch(s.grad, rank, members, n, len(members))
+        assert wrong is None, (f"average_pseudo_gradients: shared[{i}].grad (for `{name}`), with shared - p = "
+                               f"16**rank on every rank: {wrong}. Expected the mean over the group {members} of "
+                               "shared[i] - p_i: one all-reduce over the group, divided by the group's size")
 
 
 def pseudo_gradients_mean_of_differences(rank, n):
@@ -216,6 +241,8 @@ def powersgd_rank_zero_raises(rank, n):
 
 
 CASES = {
+    "pseudo_gradients_rank_tags": pseudo_gradients_rank_tags,
+    "pseudo_gradients_subgroup_0_2_of_3": lambda rank, n: pseudo_gradients_rank_tags(rank, n, [0, 2] if n == 3 else None),
     "pseudo_gradients_mean_of_differences": pseudo_gradients_mean_of_differences,
     "diloco_H1_inner_sgd_equals_dp": diloco_H1_equals_dp(lambda m: torch.optim.SGD(trainable(m), lr=0.1)),
     "diloco_H1_inner_sgd_momentum_weight_decay_equals_dp": diloco_H1_equals_dp(
@@ -241,6 +268,12 @@ def outcomes(request):
 
 def check(outcomes, key):
     expect_case(outcomes, key, key)
+
+
+@pytest.mark.exercise("average_pseudo_gradients")
+@pytest.mark.parametrize("key", ["pseudo_gradients_rank_tags", "pseudo_gradients_subgroup_0_2_of_3"])
+def test_pseudo_gradients_on_rank_tags_name_what_the_average_holds(outcomes, key):
+    check(outcomes, key)
 
 
 @pytest.mark.exercise("average_pseudo_gradients")

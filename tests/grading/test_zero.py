@@ -148,9 +148,28 @@ def test_zero_adamw_tiny_model_equals_dp_bit_for_bit_and_one_process_and_halves_
         assert zero_bytes == pytest.approx(full_bytes / 2, rel=1e-3)
 
 
+def _rank_tag_average(zero, rank, world):
+    """SGD(lr=1) from zeros, rank r's gradients 16**r (none for `q` on rank 1): the step must leave
+    minus the average over the ranks, which says in words which ranks' gradients each holds."""
+    from labkit.grading.diagnose import average_mismatch, rank_tag
+    p, q = nn.Parameter(torch.zeros(7, dtype=torch.float64)), nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt = zero.ShardedOptimizer([p, q], torch.optim.SGD, lr=1.0)
+    p.grad = torch.full((7,), float(rank_tag(rank)), dtype=torch.float64)
+    q.grad = None if rank == 1 else torch.full((3,), float(rank_tag(rank)), dtype=torch.float64)
+    opt.step()
+    for name, param, members in (("parameter 0 (7 elements)", p, range(world)),
+                                 ("parameter 1 (no gradient on rank 1)", q, [r for r in range(world) if r != 1])):
+        wrong = average_mismatch(-param.detach(), rank, list(members), world, world)
+        assert wrong is None, (f"ShardedOptimizer.step with SGD(lr=1) from zeros, rank r's gradient 16**r: {name}, "
+                               f"minus its update: {wrong}. Expected the mean over the ranks of the gradients (a "
+                               "reduce-scatter of the flat, padded gradient, divided by the world size; a .grad of "
+                               "None counts as zeros), then every rank's updated shard all-gathered back")
+
+
 def _grad_none(rank, world):
     """A parameter unused by the loss: ZeroAdamW treats its None grad as zeros."""
     zero = impl("zero")
+    _rank_tag_average(zero, rank, world)
     torch.manual_seed(0)
     used, unused = nn.Parameter(torch.randn(5, dtype=torch.float64)), nn.Parameter(torch.randn(3, dtype=torch.float64))
     ref_used, ref_unused = (nn.Parameter(t.detach().clone()) for t in (used, unused))
