@@ -23,6 +23,54 @@ def quick_model_config():
     return get_config("tiny", d_model=32, n_heads=2, n_layers=2, context=64, hidden_dim=96)
 
 
+def torch_powersgd(model, r: int):
+    """The model under DDP with torch's own PowerSGD hook (rank r, from the third step on)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    wrapped = DDP(model)
+    state = hook.PowerSGDState(process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=2,
+                               min_compression_rate=1.0, random_seed=0)
+    wrapped.register_comm_hook(state, hook.powerSGD_hook)
+    return wrapped
+
+
+def load_trainable(model, values) -> None:
+    """Copy `values` (one tensor per trainable parameter, in order) into the model's trainable parameters."""
+    import torch
+
+    with torch.no_grad():
+        for p, v in zip([p for p in model.parameters() if p.requires_grad], values):
+            p.copy_(v)
+
+
+def validation_loss(model, val, seq_len: int, shared=None) -> float:
+    """The validation loss of the model one would keep: with `shared` (DiLoCo's outer weights), of those."""
+    from labkit.training.loop import evaluate
+
+    if shared is None:
+        return evaluate(model, val, batch_size=8, seq_len=seq_len, n_batches=4)
+    local = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    load_trainable(model, shared)
+    loss = evaluate(model, val, batch_size=8, seq_len=seq_len, n_batches=4)
+    load_trainable(model, local)
+    return loss
+
+
+def update(method: str, model, opt, sl, algo=None, comp=None) -> None:
+    """After backward: DiLoCo's step, or synchronise the gradients (plain DP, PowerSGD; torch's hook did
+    it in backward) and step the optimizer."""
+    if method == "diloco":
+        algo.step()
+        return
+    if method == "dp":
+        sl.sync_gradients(model)
+    elif method == "powersgd":
+        comp.sync_gradients()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def train_over_link(rank, world_size, method="dp", steps=48, bandwidth=5e6, latency=5e-3, H=8, r=4,
                     lr=3e-3, batch_size=16, seq_len=32, config=None, outer_lr=0.7, eval_every=4):
     """One rank of a run; returns its history (losses are this rank's, on its own rows).
@@ -45,36 +93,14 @@ def train_over_link(rank, world_size, method="dp", steps=48, bandwidth=5e6, late
     config = config or quick_model_config()
     train, val = split_tokens(load_tokens())
     model = build_model(config, seed=0)
-    forward, extra = model, {}
-    if method == "torch_powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        forward = DDP(model)
-        state = hook.PowerSGDState(process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=2,
-                                   min_compression_rate=1.0, random_seed=0)
-        forward.register_comm_hook(state, hook.powerSGD_hook)
+    forward, extra = (torch_powersgd(model, r) if method == "torch_powersgd" else model), {}
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    if method == "diloco":
-        algo = sl.DiLoCo(model, opt, H, outer_lr=outer_lr)
-    if method == "powersgd":
-        comp = sl.PowerSGD(model, r)
+    algo = sl.DiLoCo(model, opt, H, outer_lr=outer_lr) if method == "diloco" else None
+    comp = sl.PowerSGD(model, r) if method == "powersgd" else None
+    if comp is not None:
         extra["numbers_sent"] = comp.numbers_sent()
     history = {"loss": [], "seconds": [], "tokens": [], "wire_bytes": [], "eval": []}
-
-    def val_loss():
-        if method != "diloco":
-            return evaluate(model, val, batch_size=8, seq_len=seq_len, n_batches=4)
-        params = [p for p in model.parameters() if p.requires_grad]
-        local = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, s in zip(params, algo.shared):
-                p.copy_(s)
-            loss = evaluate(model, val, batch_size=8, seq_len=seq_len, n_batches=4)
-            for p, saved in zip(params, local):
-                p.copy_(saved)
-        return loss
-
+    val_loss = lambda: validation_loss(model, val, seq_len, algo.shared if algo else None)  # noqa: E731
     with SlowLink(bandwidth, latency) as link:
         paused = 0.0  # seconds spent evaluating, not counted as training time
         start = time.perf_counter()
@@ -82,15 +108,7 @@ def train_over_link(rank, world_size, method="dp", steps=48, bandwidth=5e6, late
             x, y = get_batch(train, batch_size, seq_len, step, rank=rank, world_size=world_size)
             loss = forward(x, y)
             loss.backward()
-            if method == "diloco":
-                algo.step()
-            else:
-                if method == "dp":
-                    sl.sync_gradients(model)
-                elif method == "powersgd":
-                    comp.sync_gradients()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            update(method, model, opt, sl, algo, comp)
             history["loss"].append(loss.item())
             history["seconds"].append(time.perf_counter() - start - paused)
             history["tokens"].append((step + 1) * batch_size * seq_len)
@@ -102,9 +120,7 @@ def train_over_link(rank, world_size, method="dp", steps=48, bandwidth=5e6, late
     if method == "diloco":  # end on the shared weights (the last sync may be a partial round)
         if steps % H:
             algo.sync()
-        with torch.no_grad():
-            for p, s in zip([p for p in model.parameters() if p.requires_grad], algo.shared):
-                p.copy_(s)
+        load_trainable(model, algo.shared)
     history.update(extra, method=method, H=H, r=r, bandwidth=bandwidth, latency=latency,
                    emulated_seconds=link.seconds, calls=link.calls,
                    val_loss=evaluate(model, val, batch_size=8, seq_len=seq_len, n_batches=4))
