@@ -118,6 +118,41 @@ def train_config(args):
                              lr=args.lr, min_lr=args.lr / 10, warmup=max(1, args.steps // 10), seed=args.seed)
 
 
+def strategy_step(strategy: str, module, mesh, model_config, cfg, m: int):
+    """(x, y) -> loss (None on ranks that do not hold it): one forward and backward of `strategy` on
+    this rank's `module`, gradients synchronised over the mesh's dp axis; the optimizer step is the caller's."""
+    import torch.distributed as dist
+
+    from labkit.grading import impl
+    from labkit.mesh import shard_rows
+
+    if strategy == "single":
+        return lambda x, y: _plain(module, x, y)
+    if strategy == "dp":
+        def dp_step(x, y):
+            xs, ys = shard_rows((x, y), mesh.coord("dp"), mesh.size("dp"))
+            loss = _plain(module, xs, ys)
+            impl("data_parallel").sync_gradients(module, group=mesh.group("dp"))
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=mesh.group("dp"))
+            return loss / mesh.size("dp")
+        return dp_step
+    if strategy == "pp":
+        pipeline = impl("pipeline")
+        schedule = pipeline.one_f_one_b_schedule(mesh.size("pp"), m)
+        act_shape = pipeline.activation_shape(model_config, cfg.batch_size, cfg.seq_len, m)
+        return lambda x, y: pipeline.run_schedule(module, schedule, x if mesh.is_first("pp") else None,
+                                                  y if mesh.is_last("pp") else None, mesh=mesh, act_shape=act_shape)
+    hybrid = impl("hybrid")
+    return lambda x, y: hybrid.hybrid_step(module, x, y, m, mesh=mesh)
+
+
+def _plain(module, x, y):
+    loss = module(x, y)
+    loss.backward()
+    return loss
+
+
 def train_rank(rank: int, world_size: int, args) -> dict:
     """One rank's training run; returns its losses (where known), timing and stage weights."""
     import torch.distributed as dist
@@ -125,7 +160,7 @@ def train_rank(rank: int, world_size: int, args) -> dict:
     from labkit.data import get_batch, load_tokens
     from labkit.grading import impl
     from labkit.launching.launcher import rank_device
-    from labkit.mesh import Mesh, shard_rows
+    from labkit.mesh import Mesh
     from labkit.model import build_model, make_stage
     from labkit.training.loop import lr_at, make_optimizer
 
@@ -136,8 +171,6 @@ def train_rank(rank: int, world_size: int, args) -> dict:
 
     model = build_model(args.model, seed=args.seed, device=device).to(getattr(torch, args.dtype))
     mesh = Mesh(world_size, dp=args.dp, pp=args.pp)  # the one topology: every group, every neighbour
-    if args.strategy == "hybrid":
-        hybrid = impl("hybrid")
     m = args.microbatches
     if args.strategy in ("single", "dp"):
         module = model
@@ -146,10 +179,7 @@ def train_rank(rank: int, world_size: int, args) -> dict:
     opt = make_optimizer(module, cfg)
     if args.strategy == "dp":
         impl("data_parallel").broadcast_parameters(model, src=0, group=mesh.group("dp"))
-    if args.strategy == "pp":
-        pipeline = impl("pipeline")
-        schedule = pipeline.one_f_one_b_schedule(mesh.size("pp"), m)
-        act_shape = pipeline.activation_shape(model.config, cfg.batch_size, cfg.seq_len, m)
+    forward_backward = strategy_step(args.strategy, module, mesh, model.config, cfg, m)
 
     losses, t_start = [], None
     for step in range(cfg.steps):
@@ -159,22 +189,7 @@ def train_rank(rank: int, world_size: int, args) -> dict:
         x, y = get_batch(tokens, cfg.batch_size, cfg.seq_len, step, seed=cfg.seed, device=device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        if args.strategy == "single":
-            loss = module(x, y)
-            loss.backward()
-        elif args.strategy == "dp":
-            xs, ys = shard_rows((x, y), mesh.coord("dp"), mesh.size("dp"))
-            loss = module(xs, ys)
-            loss.backward()
-            impl("data_parallel").sync_gradients(module, group=mesh.group("dp"))
-            loss = loss.detach().clone()
-            dist.all_reduce(loss, group=mesh.group("dp"))
-            loss /= mesh.size("dp")
-        elif args.strategy == "pp":
-            loss = pipeline.run_schedule(module, schedule, x if mesh.is_first("pp") else None,
-                                         y if mesh.is_last("pp") else None, mesh=mesh, act_shape=act_shape)
-        else:
-            loss = hybrid.hybrid_step(module, x, y, m, mesh=mesh)  # gradients averaged, no step yet
+        loss = forward_backward(x, y)  # gradients synchronised, no optimizer step yet
         if cfg.grad_clip is not None:
             _global_grad_clip(list(module.parameters()), cfg.grad_clip, mesh.group("pp"), reduce=mesh.size("pp") > 1)
         opt.step()
