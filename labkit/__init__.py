@@ -9,10 +9,11 @@
 """
 from .launch import LaunchError, StubNotImplemented, launch, rank_device
 from .magic import load_ipython_extension
-from .notebook import install_ipython_display, needs_exercise, not_yet
+from .notebook import install_cell_refresh, install_ipython_display, needs_exercise, not_yet
 from .settings import quick
 
 __all__ = ["launch", "LaunchError", "StubNotImplemented", "rank_device", "quick",
            "load_ipython_extension", "needs_exercise", "not_yet"]
 
 install_ipython_display()  # in a notebook: launch errors read as their report, not labkit's frames
+install_cell_refresh()  # in a notebook: every cell runs the exercise files as they are on disk

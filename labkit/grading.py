@@ -20,6 +20,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from types import FunctionType
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = ("exercises", "solutions")
@@ -68,7 +69,15 @@ def impl(topic: str, which: str | None = None):
 
 
 def refresh_changed() -> list[str]:
-    """Reload every module `impl` returned whose file changed since; return their names."""
+    """Reload every exercise or solution module whose file changed since it was loaded.
+
+    Covers the modules `impl` returned and any other ``exercises.*`` / ``solutions.*`` module
+    imported meanwhile; then reloads, in place, the lab modules that hold names imported from a
+    reloaded one (``from .zero import shard_size`` in fsdp.py), so that nothing keeps old code.
+    Returns the names of the modules reloaded. Called before every launch's fork and, in a
+    notebook, before every cell (`labkit.notebook.install_cell_refresh`).
+    """
+    _stamp_new_modules()
     changed = []
     for name, (path, digest) in list(_stamps.items()):
         module = sys.modules.get(name)
@@ -76,7 +85,50 @@ def refresh_changed() -> list[str]:
             _reload(module, path)
             _stamps[name] = (path, _source_hash(path))
             changed.append(name)
+    while changed and (stale := _importers_of(changed)):  # a dependent of a dependent, too
+        for name in stale:
+            path = _stamps[name][0]
+            _reload(sys.modules[name], path)
+            _stamps[name] = (path, _source_hash(path))
+            changed.append(name)
     return changed
+
+
+def _stamp_new_modules() -> None:
+    """Remember the source hash of lab modules imported since the last look (not through impl)."""
+    for name, module in list(sys.modules.items()):
+        which, _, topic = name.partition(".")
+        if which in IMPLEMENTATIONS and topic and "." not in topic and name not in _stamps:
+            path = REPO_ROOT / which / f"{topic}.py"
+            if path.exists() and Path(getattr(module, "__file__", "") or "").resolve() == path:
+                _stamps[name] = (path, _source_hash(path))
+
+
+def _importers_of(reloaded: list[str]) -> list[str]:
+    """Loaded lab modules, not yet reloaded, holding a function or class defined in a reloaded one."""
+    stale = []
+    for name in _stamps:
+        module = sys.modules.get(name)
+        if module is None or name in reloaded:
+            continue
+        if any(getattr(value, "__module__", None) in reloaded and callable(value)
+               for value in vars(module).values()):
+            stale.append(name)
+    return stale
+
+
+def current_version(value):
+    """The same function or class from its module's current code (after a reload), else ``value``."""
+    module = sys.modules.get(getattr(value, "__module__", None) or "")
+    qualname = getattr(value, "__qualname__", None)
+    if module is None or not qualname or "<" in qualname or not isinstance(value, (type, FunctionType)):
+        return value
+    found = module
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            return value
+    return found
 
 
 def _source_hash(path: Path) -> str:

@@ -254,3 +254,37 @@ def test_an_edited_exercise_is_picked_up_without_a_restart_in_the_kernel_and_in_
     finally:
         path.unlink(missing_ok=True)
         sys.modules.pop(f"exercises.{name}", None)
+
+
+def test_every_notebook_cell_runs_the_exercise_files_as_they_are_on_disk(tmp_path):
+    """A real kernel. After an edit on disk, the next cell runs the new code through a module bound
+    in an earlier cell (impl() or a plain import), a function imported by name, a lab module that
+    imported a name from the edited one, and inside needs_exercise(), without impl() or launch."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    tag = f"_cell_probe_{os.getpid()}"
+    base, dep = REPO_ROOT / "exercises" / f"{tag}.py", REPO_ROOT / "exercises" / f"{tag}_dep.py"
+    write = ("def edit(n):\n"
+             f"    open({str(base)!r}, 'w').write(f'def value():\\n    return {{n}}\\n')\n")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in (
+        f"import labkit\nfrom labkit.grading import impl\n{write}"
+        f"m = impl('{tag}', 'exercises')\nimport exercises.{tag}_dep as d\nfrom exercises.{tag} import value\n"
+        "print('before', m.value(), value(), d.twice())\nedit(2)",
+        "print('after', m.value(), value(), d.twice())\nedit(3)\n"
+        "with labkit.needs_exercise():\n    print('inside', m.value())",
+    )]
+    try:
+        base.write_text("def value():\n    return 1\n")
+        dep.write_text(f"from .{tag} import value\n\ndef twice():\n    return 2 * value()\n")
+        client = NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
+                                resources={"metadata": {"path": str(tmp_path)}})
+        client.execute()
+    finally:
+        for path in (base, dep):
+            path.unlink(missing_ok=True)
+    text = ["".join(o.get("text", "") + "".join(o.get("traceback", [])) for o in cell.outputs) for cell in nb.cells]
+    assert "before 1 1 2" in text[0], text[0]
+    assert "after 2 2 4" in text[1] and "reloaded exercises/" in text[1], text[1]
+    assert "inside 3" in text[1], text[1]
