@@ -1,6 +1,6 @@
 # GENERATED from solutions/pipeline.py by `python -m labkit.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/06_microbatches.ipynb.
-# untouched-stub fingerprint: 7f7f07511cfeda6a
+# untouched-stub fingerprint: 28f33e9fc47344f9
 """Micro-batch pipeline schedules and the executor that runs them (notebook 06_microbatches).
 
 A schedule is data: one list of actions per rank, ``"{stage}F{mb}"`` / ``"{stage}B{mb}"``.
@@ -75,6 +75,21 @@ def communicate(op: schedules.Action, tensor, peer: int, *, group=None, blocking
     raise NotImplementedError("exercise communicate is not implemented yet: edit exercises/pipeline.py, see notebooks/06_microbatches.ipynb")
 
 
+class NonBlockingMissing(NotImplementedError):
+    """`communicate(..., blocking=False)` returned no ``Work``: refused at once instead of a hang.
+
+    A NotImplementedError, so that a notebook cell that needs the non-blocking version says so
+    in one line (`labkit.needs_exercise`) and the deadlock section, which needs only the
+    blocking version, can be reached without minutes of hangs on the way.
+    """
+
+    def __init__(self, op):
+        super().__init__(
+            f"exercise communicate: the non-blocking version is not written yet: communicate({op}, "
+            "blocking=False) returned None instead of the Work of dist.isend / dist.irecv (a missing "
+            "`return`?). Cells that need it skip; the deadlock section runs your blocking version.")
+
+
 # ----------------------------------------------------------------------------- executor
 def activation_shape(config, batch_size: int, seq_len: int, n_microbatches: int) -> tuple[int, int, int]:
     """(micro-batch, seq_len, d_model): what flows between stages, known to every rank.
@@ -145,6 +160,8 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, stage: in
             peer = next_rank if op.kind in ("SEND_F", "RECV_B") else prev_rank
             with tl.span("send" if sending else "recv", s, mb):
                 work = communicate(op, buf, peer, group=group, blocking=blocking_send)
+                if work is None and not blocking_send:  # else: an unwaited irecv, or a blocking 1F1B hang
+                    raise NonBlockingMissing(op)
                 if work is not None and not sending:
                     work.wait()  # the compute that follows reads the buffer
             if sending and work is not None:

@@ -79,6 +79,33 @@ def test_actions_of_another_stage_rejected():
 
 
 # ------------------------------------------------------------------------ real ranks
+def _blocking_only_communicate(op, tensor, peer, *, group=None, blocking=False):
+    """What a learner writes first: the blocking version, whatever ``blocking`` says."""
+    (dist.send if op.kind.startswith("SEND") else dist.recv)(tensor, peer, group=group, tag=op.tag)
+
+
+def _non_blocking_missing_rank(rank, world_size, forget):
+    if forget == "blocking only":
+        pl.communicate = _blocking_only_communicate  # (in this forked rank only)
+    else:  # the non-blocking branch posts its isend/irecv but forgets to return the Work
+        pl.communicate = lambda op, t, peer, *, group=None, blocking=False: (
+            (dist.isend if op.kind.startswith("SEND") else dist.irecv)(t, peer, group=group, tag=op.tag), None)[1]
+    st = pl.SyntheticStage(rank, world_size, ACT, t_f=0.001)
+    x = torch.zeros(ACT[0] * 4, 4, dtype=torch.long)
+    pl.run_schedule(st, pl.one_f_one_b_schedule(world_size, 4), x, x, stage=rank, act_shape=ACT)
+
+
+@pytest.mark.parametrize("forget", ["blocking only", "no return"])
+def test_non_blocking_communicate_without_work_refused_at_once_by_name(forget):
+    """1F1B with a communicate(blocking=False) that returns no Work: a one-line NotImplementedError
+    naming the missing Work, in seconds (it used to be a 180 s deadlock, or a wrong buffer)."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(NotImplementedError, match=r"exercise communicate: the non-blocking version .* "
+                                                  r"returned None instead of the Work"):
+        launch(_non_blocking_missing_rank, 2, forget, timeout=60)
+    assert time.monotonic() - start < 15
 def _blocking_rank(rank, world_size):
     st = pl.SyntheticStage(rank, world_size, ACT, t_f=0.001)
     x = torch.zeros(ACT[0] * 4, 4, dtype=torch.long)
