@@ -231,33 +231,3 @@ def test_sharded_optimizer_subgroup_of_4_ranks_global_ranks_differ_from_group_ra
     params = launch(_against_torch_zero, 4, torch.optim.AdamW, HYPER, 2, timeout=TIMEOUT)
     assert torch.equal(params[0], params[2]) and torch.equal(params[1], params[3]), "a group's ranks differ"
     assert not torch.equal(params[0], params[1]), "the two groups trained on different data: they must differ"
-
-
-# Not graded: the two collectives are given code (the same in exercises/ and solutions/),
-# tested here so that a learner who relies on them relies on something proven.
-def _collectives(rank, world):
-    zero = impl("zero")
-    torch.manual_seed(rank)
-    flat = torch.randn(4 * world)
-    total = flat.clone()
-    torch.distributed.all_reduce(total)
-    mine = total.chunk(world)[rank] / world
-    # float32, 3 ranks: the sums may be ordered differently; a sum of 3 values of size ~1 differs
-    # by at most a few ulps (~1e-7), far inside assert_close's float32 atol of 1e-5
-    torch.testing.assert_close(zero.reduce_scatter_mean(flat), mine)
-    torch.testing.assert_close(zero.reduce_scatter_mean(flat, via_allreduce=True), mine)
-    torch.testing.assert_close(zero.all_gather_flat(total.chunk(world)[rank]), total)
-    return True
-
-
-def test_reduce_scatter_mean_and_all_gather_equal_torch_all_reduce():
-    assert launch(_collectives, 3, timeout=TIMEOUT) == [True] * 3
-
-
-def _bad_length(rank, world):
-    impl("zero").reduce_scatter_mean(torch.ones(3))
-
-
-def test_reduce_scatter_mean_length_not_divisible_raises():
-    with pytest.raises(Exception, match="ValueError.*pad it first"):
-        launch(_bad_length, 2, timeout=TIMEOUT)
