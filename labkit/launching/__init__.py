@@ -1,0 +1,1 @@
+"""Starting ranks and watching them: launch, forked, cluster, failures, restart, magic, notebook."""
