@@ -192,14 +192,14 @@ def expect_ok(case, world_size):
     expect_case(launch_cases(run_all, world_size, timeout=120), case, f"expert parallelism on {world_size} ranks, case {case}")
 
 
-@pytest.mark.exercise("dispatch", "all_to_all_single")
+@pytest.mark.exercise("dispatch", needs=("all_to_all_single",))
 @pytest.mark.parametrize("case", ["dispatch", "dispatch_one_expert_per_rank"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dispatch_sends_each_token_to_its_experts_rank(case, world_size):
     expect_ok(case, world_size)
 
 
-@pytest.mark.exercise("combine", "all_to_all_single")
+@pytest.mark.exercise("combine", needs=("all_to_all_single",))
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_combine_brings_outputs_back_weighted_by_gates(world_size):
     expect_ok("combine", world_size)
@@ -221,19 +221,19 @@ def test_compute_experts_runs_each_expert_on_its_rows_including_empty_blocks(ep,
     torch.testing.assert_close(out, want, **TOL)
 
 
-@pytest.mark.exercise("dispatch", "compute_experts", "combine", "all_to_all_single")
+@pytest.mark.exercise("dispatch", "compute_experts", "combine", needs=("all_to_all_single",))
 @pytest.mark.parametrize("E", [4, 8])
 @pytest.mark.parametrize("ep", [2, 4])
 def test_expert_parallel_equals_single_device_same_drops_logits_every_gradient(ep, E):
     expect_ok(f"model_E{E}", ep)
 
 
-@pytest.mark.exercise("allreduce_ep_gradients", "dispatch", "compute_experts", "combine", "all_to_all_single")
+@pytest.mark.exercise("allreduce_ep_gradients", needs=("dispatch", "compute_experts", "combine", "all_to_all_single"))
 def test_ep_x_dp_k_adamw_steps_equal_one_process():
     expect_ok("ep_dp_training", 4)
 
 
-@pytest.mark.exercise("dispatch", "compute_experts", "combine", "all_to_all_single")
+@pytest.mark.exercise("dispatch", "compute_experts", "combine", needs=("all_to_all_single",))
 @pytest.mark.parametrize("case", ["E_not_divisible_by_ep_raises", "mesh_with_other_axes_raises",
                                   "mesh_without_dp_ep_group_raises"])
 def test_expert_parallel_bad_input_raises(case):

@@ -139,7 +139,7 @@ def test_rank_worker_destroys_the_process_group_when_the_work_raises(monkeypatch
     assert in_forked_ranks(body, 2) == [False, False], "destroy_process_group must run even when the work raises (try/finally)"
 
 
-@pytest.mark.exercise("spawn_job")
+@pytest.mark.exercise("spawn_job", needs=("setup_rank", "rank_worker"))
 def test_spawn_job_runs_the_script_world_size_2(world_size=2):
     """The file as a script: `python <file> --world-size N --backend gloo`, its last line JSON."""
     path = impl("from_scratch").__file__

@@ -156,7 +156,7 @@ def _launch_or_show_your_lines(fn, world_size):
                 f"The launcher's report:\n{report}", pytrace=False)
 
 
-@pytest.mark.exercise("naive_step")
+@pytest.mark.exercise("naive_step", needs=("forward_step", "backward_step"))
 @pytest.mark.filterwarnings("ignore::labkit.launch.OversubscriptionWarning")
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_naive_step_real_ranks_equals_single_model_p_2_3_4(p):
