@@ -91,6 +91,8 @@ def run_cases(cases: dict) -> dict:
     """
     import torch.distributed as dist
 
+    from .comm.unwaited import watch_irecv
+
     plan = _plan
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -114,12 +116,13 @@ def run_cases(cases: dict) -> dict:
         if watch:
             watch.enter(index, key)
         try:
-            body()
+            with watch_irecv() as recvs:
+                body()
             results[key] = (OK, "")
         except NotImplementedError as error:
             results[key] = (NOT_IMPLEMENTED, str(error))
         except Exception:
-            results[key] = (FAILED, traceback.format_exc())
+            results[key] = (FAILED, "\n".join(filter(None, [traceback.format_exc(), recvs.hint()])))
         finally:
             if watch:
                 watch.leave()
@@ -462,8 +465,9 @@ def failure_text(label: str, failed: list) -> str:
         first_rank, first = raised[0]
         lines.append(f"rank {first_rank}: {_short_traceback(first)}")
         for rank, detail in raised[1:]:
-            last = (detail.strip().splitlines() or ["?"])[-1]
-            same = last == (first.strip().splitlines() or ["?"])[-1]
+            last, first_last = (next((x for x in reversed(d.strip().splitlines()) if not x.startswith("hint:")), "?")
+                                for d in (detail, first))
+            same = last == first_last
             lines.append(f"rank {rank}: {'the same: ' if same else ''}{last[:300]}")
     for rank, detail in stopped:
         lines.append(f"rank {rank}: {detail}")

@@ -150,6 +150,28 @@ def test_a_dead_rank_is_crashed_with_its_signal_never_timed_out_and_a_later_case
     assert "hint: rank 0 in recv, rank 1 in recv: a recv whose send is missing" in str(hang.value)
 
 
+def _run_irecv_cases(rank, world_size):
+    def recv(wait):
+        buf = torch.zeros(2)
+        if rank == 0:
+            dist.isend(torch.ones(2), 1).wait()
+        else:
+            request = dist.irecv(buf, 0)
+            if wait:
+                request.wait()
+            raise AssertionError("this case fails on rank 1 whatever the buffer holds")
+
+    return run_cases({("recv", "waited"): lambda: recv(True), ("recv", "not_waited"): lambda: recv(False)})
+
+
+def test_a_received_tensor_used_before_its_wait_is_named_in_the_failure():
+    outcomes = launch_cases(_run_irecv_cases, 2, case_timeout=60)
+    not_waited = outcomes.outcome(repr(("recv", "not_waited")))[1][1]
+    assert "hint: 1 of the 1 irecv requests of this rank were never waited for: a received tensor used " \
+           "before its wait()?" in not_waited
+    assert "never waited" not in outcomes.outcome(repr(("recv", "waited")))[1][1]
+
+
 @pytest.fixture(autouse=True)
 def _fresh_cache():
     launch_cases.cache_clear()

@@ -1,0 +1,1 @@
+"""The one communication layer: the op table, interception of torch.distributed calls, traffic counts."""
