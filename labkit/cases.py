@@ -44,11 +44,7 @@ import functools
 import io
 import json
 import os
-import re
-import sys
 import tempfile
-import threading
-import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -56,7 +52,6 @@ from datetime import timedelta
 CASE_TIMEOUT = 10.0  # seconds one case may take on an idle machine: the lab's cases take milliseconds to a second
 IDLE_HANG = 3.0  # seconds every rank may sleep without CPU before a launch of cases is called hung
 # (x busy_factor, at most 2: a rank starved of CPU is runnable, never asleep, so load matters little)
-PEER_GRACE = 1.0  # seconds a rank still in a case waits, after a peer failed it, before it stops
 AGREE_TIMEOUT = 60.0  # seconds a rank waits for the others' verdict on a case (peers' watchdogs fire first)
 OK, NOT_IMPLEMENTED, FAILED = "ok", "not implemented", "failed"
 
@@ -92,6 +87,7 @@ def run_cases(cases: dict) -> dict:
     import torch.distributed as dist
 
     from .comm.unwaited import watch_irecv
+    from .launching.peer_watch import PeerWatch
 
     plan = _plan
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -105,7 +101,7 @@ def run_cases(cases: dict) -> dict:
     order = list(cases.items())
     if plan and plan.first is not None:  # the case a test waits for runs first
         order.sort(key=lambda item: repr(item[0]) != plan.first)
-    watch = _PeerWatch(store, rank, world_size, log, stack) if store is not None else None
+    watch = PeerWatch(store, rank, world_size, log, stack) if store is not None else None
     for index, (key, body) in enumerate(order):
         if plan and repr(key) in plan.skip:
             continue
@@ -133,55 +129,6 @@ def run_cases(cases: dict) -> dict:
         if store is not None and not _in_step(store, f"labkit/cases/{index}", rank, world_size, results[key][0]):
             break  # every rank saw the same verdicts: they all stop here, together
     return results
-
-
-class _PeerWatch:
-    """Stop this rank soon after a peer failed the case it is still in (it waits for that peer)."""
-
-    def __init__(self, store, rank, world_size, log, stack):
-        self.store, self.rank, self.world_size, self.log, self.stack = store, rank, world_size, log, stack
-        self.current = None  # (index, key) of the case running now
-        self.main = threading.main_thread().ident
-        threading.Thread(target=self._watch, daemon=True, name="labkit-peer-watch").start()
-
-    def enter(self, index, key):
-        self.current = (index, key)
-
-    def leave(self):
-        self.current = None
-
-    def _failed_peers(self, index) -> list[int]:
-        failed = []
-        for r in range(self.world_size):
-            name = f"labkit/cases/{index}/{r}"
-            if r != self.rank and self.store.check([name]) and self.store.get(name).decode() != OK:
-                failed.append(r)
-        return failed
-
-    def _watch(self):
-        try:
-            while True:
-                time.sleep(0.1)
-                current = self.current
-                failed = self._failed_peers(current[0]) if current else []
-                if not failed:
-                    continue
-                time.sleep(PEER_GRACE)  # a rank about to finish the case may still do so
-                if self.current is current:
-                    self._stop(current[1], failed)
-        except Exception:  # the store went away: the launch is ending anyway
-            return
-
-    def _stop(self, key, failed):
-        frame, lines = sys._current_frames().get(self.main), []
-        while frame is not None:  # the main thread's stack, innermost first, as faulthandler writes it
-            lines.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno} in {frame.f_code.co_name}')
-            frame = frame.f_back
-        self.stack.write("\n".join(lines) + "\n")
-        self.stack.flush()
-        self.log.write(json.dumps({"stopped": repr(key), "after": failed}) + "\n")
-        self.log.flush()
-        os._exit(0)
 
 
 def busy_factor() -> float:
@@ -288,7 +235,7 @@ def _rank_failures(launch_error) -> dict:
 
 def _settle(outcomes, logs, stacks, launch_error) -> bool:
     """Record the cases this launch finished on every rank, and the one that hung or crashed, if any."""
-    from .launching.stacks import hint, where_waiting
+    from .launching.stacks import consequence, crash_text, head, hint, stuck_after, trim, where_waiting
 
     world_size, settled = outcomes.world_size, False
     done = [log["done"] for log in logs]
@@ -301,7 +248,7 @@ def _settle(outcomes, logs, stacks, launch_error) -> bool:
     for r in range(world_size):  # the launcher killed a hung launch (all asleep): its stacks are in the error
         if not stacks[r].strip() and r in died and died[r].kind == "timeout":
             stacks[r] = died[r].details
-        stacks[r] = _trim(stacks[r], 1000)  # the main thread's frames, down to the case's body
+        stacks[r] = trim(stacks[r], 1000)  # the main thread's frames, down to the case's body
     # A case started but not finished on some rank: it hung, crashed, or waited for a failed peer.
     unfinished = {started[r][-1] for r in range(world_size) if started[r] and started[r][-1] not in done[r]}
     for key in unfinished - set(outcomes.by_case):
@@ -310,12 +257,12 @@ def _settle(outcomes, logs, stacks, launch_error) -> bool:
         crashed = [r for r in ranks if r in died and died[r].kind == "crash" and not logs[r]["stopped"]
                    and not stacks[r].strip()]
         failed_first = [r for r in range(world_size) if done[r].get(key, (OK,))[0] != OK]
-        if crashed and all(_consequence(done[r][key][1]) for r in failed_first):
-            outcomes.by_case[key] = CaseCrashed(_crash_text(key, crashed, died, stacks))
+        if crashed and all(consequence(done[r][key][1]) for r in failed_first):
+            outcomes.by_case[key] = CaseCrashed(crash_text(key, crashed, died, stacks))
             continue
         if failed_first:  # some ranks failed, the others then waited for them: the failure is the news
             stuck = {r: stacks[r] for r in range(world_size) if r not in failed_first}
-            outcomes.by_case[key] = [done[r].get(key) or (FAILED, _stuck_after(failed_first, stacks[r]))
+            outcomes.by_case[key] = [done[r].get(key) or (FAILED, stuck_after(failed_first, stacks[r]))
                                      for r in range(world_size)]
             continue
         allowed = max((logs[r]["allowed"] or outcomes.case_timeout) for r in ranks)
@@ -326,51 +273,18 @@ def _settle(outcomes, logs, stacks, launch_error) -> bool:
         for r in ranks:
             lines.append(f"rank {r} waits {where_waiting(stacks[r]) or '(no stack)'}")
         lines.append(hint({r: stacks[r] for r in ranks}))
-        lines.append("\n".join(f"=== rank {r}: its stack ===\n{_head(stacks[r], 12)}" for r in ranks if stacks[r].strip()))
+        lines.append("\n".join(f"=== rank {r}: its stack ===\n{head(stacks[r], 12)}" for r in ranks if stacks[r].strip()))
         if launch_error is not None and not any(stacks[r].strip() for r in ranks):
-            lines.append(f"The launch said:\n{_head(str(launch_error), 15)}")
+            lines.append(f"The launch said:\n{head(str(launch_error), 15)}")
         outcomes.by_case[key] = CaseTimeout("\n".join(lines))
         exercise = _exercise_of(key)
         for later in outcomes.plan:  # the rest of that exercise would only hang again
-            if later not in outcomes.by_case and _exercise_of(later) == exercise and isinstance(ast_key(later), tuple):
+            if later not in outcomes.by_case and _exercise_of(later) == exercise and isinstance(_key(later), tuple):
                 outcomes.by_case[later] = CaseTimeout(f"not run: an earlier case of {exercise} ({key}) hung")
     return settled
 
 
-def _consequence(detail: str) -> bool:
-    from .failures import CONSEQUENCE_MARKERS
-
-    return any(marker in detail for marker in CONSEQUENCE_MARKERS)
-
-
-def _stuck_after(failed_first, stack) -> str:
-    from .launching.stacks import where_waiting
-
-    where = where_waiting(stack) if stack.strip() else None
-    return (f"stopped: it waited for rank(s) {', '.join(map(str, failed_first))}, which had failed"
-            + (f", {where}" if where else ""))
-
-
-def _crash_text(key, crashed, died, stacks) -> str:
-    from .launching.stacks import where_waiting
-
-    lines = [f"case {key} crashed: rank(s) {', '.join(map(str, crashed))} died."]
-    for r in crashed:
-        failure = died[r]
-        lines.append(f"rank {r}: {failure.summary}")
-        last = where_waiting(failure.details)
-        if last:
-            lines.append(f"  its last line: {last}")
-        lines.append(_head(failure.details, 12))
-    return "\n".join(lines)
-
-
-def _head(text: str, n: int) -> str:
-    lines = text.strip().splitlines()
-    return "\n".join(lines[:n] + ([f"... ({len(lines) - n} more lines)"] if len(lines) > n else []))
-
-
-def ast_key(key_repr: str):
+def _key(key_repr: str):
     import ast
 
     try:
@@ -380,12 +294,7 @@ def ast_key(key_repr: str):
 
 
 def _exercise_of(key_repr: str) -> str:
-    try:
-        import ast
-
-        key = ast.literal_eval(key_repr)
-    except (ValueError, SyntaxError):
-        return key_repr
+    key = _key(key_repr)
     return str(key[0]) if isinstance(key, tuple) and key else str(key)
 
 
@@ -416,19 +325,6 @@ def _read_text(path: str) -> str:
         return ""
 
 
-def _trim(stack: str, keep: int = 40) -> str:
-    """The hung rank's frames from where it waits up to the case's body: the rest is the runner's."""
-    sections = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack)  # faulthandler: one per thread
-    stack = next((sec for sec in sections if " in run_cases" in sec), sections[-1])  # the main thread's
-    lines = []
-    for line in stack.splitlines():
-        if "labkit/cases.py" in line:
-            break  # run_cases, then the frames the fork inherited from the test process
-        if line.strip() and not line.startswith(("Timeout (", "Thread 0x", "Current thread 0x")) and "c10d_logger.py" not in line:
-            lines.append(line)
-    return _head("\n".join(lines), keep)
-
-
 def expect_case(outcomes, key, label: str):
     """Pass, raise NotImplementedError (a stub), or fail with the failing ranks' traces or the hang's stacks."""
     import pytest
@@ -451,42 +347,6 @@ def expect_case(outcomes, key, label: str):
             raise NotImplementedError(detail)
     failed = [(rank, detail) for rank, (status, detail) in enumerate(per_rank) if status != OK]
     if failed:
+        from .launching.stacks import failure_text
+
         pytest.fail(failure_text(label, failed), pytrace=False)
-
-
-def failure_text(label: str, failed: list) -> str:
-    """The first failing rank's traceback in full (short), the other ranks in one line each, a hint."""
-    from .launching.stacks import hint
-
-    stopped = [(r, d) for r, d in failed if d.startswith("stopped: it waited")]
-    raised = [(r, d) for r, d in failed if (r, d) not in stopped]
-    lines = [f"{label}: failed on rank(s) {', '.join(str(r) for r, _ in raised)}"]
-    if raised:
-        first_rank, first = raised[0]
-        lines.append(f"rank {first_rank}: {_short_traceback(first)}")
-        for rank, detail in raised[1:]:
-            last, first_last = (next((x for x in reversed(d.strip().splitlines()) if not x.startswith("hint:")), "?")
-                                for d in (detail, first))
-            same = last == first_last
-            lines.append(f"rank {rank}: {'the same: ' if same else ''}{last[:300]}")
-    for rank, detail in stopped:
-        lines.append(f"rank {rank}: {detail}")
-    if stopped and raised:
-        wrong_values = any(m in first for m in ("AssertionError", "not close", "Mismatched"))
-        lines.append(hint({}, failed_first=True, values_wrong=wrong_values))
-    return "\n".join(lines)
-
-
-def _short_traceback(text: str, keep: int = 30) -> str:
-    """A rank's traceback without the case runner's frames, at most ``keep`` lines (its end)."""
-    lines, skip = [], False
-    for line in text.rstrip().splitlines():
-        if line.startswith('  File "'):
-            skip = "labkit/cases.py" in line
-        elif not line.startswith("    "):
-            skip = False
-        if not skip:
-            lines.append(line)
-    if len(lines) > keep:
-        lines = lines[:1] + [f"  ... ({len(lines) - keep + 1} lines of frames left out)"] + lines[-(keep - 2):]
-    return "\n".join(lines)

@@ -72,8 +72,8 @@ def where_waiting(stack: str, innermost_first: bool = True) -> str | None:
         if found is None:
             continue
         if found[1]:
-            mine = f"your {_show(path, line, fn)}"
-            return f"in the given {given}, called from {mine}" if given else mine
+            mine = f"at your {_show(path, line, fn)}"
+            return f"in the given {given}, called from {mine[3:]}" if given else mine
         given = given or _show(path, line, fn)
     if given:
         return f"in the given {given} (no line of an exercise is on its stack)"
@@ -88,9 +88,12 @@ _P2P = ("recv", "irecv", "send", "isend", "wait", "batch_isend_irecv", "_wait")
 
 def _waiting_call(stack: str) -> str | None:
     """The torch.distributed function a stack waits in (innermost), e.g. 'all_reduce' or 'recv'."""
-    for path, _line, fn in frames(stack):
+    found = frames(stack)
+    for path, _line, fn in found:
         if "torch/distributed" in path.replace("\\", "/") and fn not in ("wrapper", "_func"):
             return fn
+    if found and ".wait(" in linecache.getline(found[0][0], found[0][1]):
+        return "wait"  # Work.wait() is C++: no frame of its own
     return None
 
 
@@ -110,3 +113,83 @@ def hint(stuck: dict, failed_first: bool = False, values_wrong: bool = False) ->
         return (f"hint: {waits}: a recv whose send is missing, goes to another peer, group or tag, or "
                 "two ranks that both wait to receive first?")
     return f"hint: {waits}: does every rank of the group make the same calls in the same order?"
+
+
+# --------------------------------------------------------------------------- grading case reports
+
+def consequence(detail: str) -> bool:
+    from ..failures import CONSEQUENCE_MARKERS
+
+    return any(marker in detail for marker in CONSEQUENCE_MARKERS)
+
+
+def stuck_after(failed_first, stack) -> str:
+    where = where_waiting(stack) if stack.strip() else None
+    return (f"stopped: it waited for rank(s) {', '.join(map(str, failed_first))}, which had failed"
+            + (f", {where}" if where else ""))
+
+
+def crash_text(key, crashed, died, stacks) -> str:
+    lines = [f"case {key} crashed: rank(s) {', '.join(map(str, crashed))} died."]
+    for r in crashed:
+        failure = died[r]
+        lines.append(f"rank {r}: {failure.summary}")
+        last = where_waiting(failure.details)
+        if last:
+            lines.append(f"  its last line: {last}")
+        lines.append(head(failure.details, 12))
+    return "\n".join(lines)
+
+
+def head(text: str, n: int) -> str:
+    lines = text.strip().splitlines()
+    return "\n".join(lines[:n] + ([f"... ({len(lines) - n} more lines)"] if len(lines) > n else []))
+
+
+def trim(stack: str, keep: int = 40) -> str:
+    """The hung rank's frames from where it waits up to the case's body: the rest is the runner's."""
+    sections = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack)  # faulthandler: one per thread
+    stack = next((sec for sec in sections if " in run_cases" in sec), sections[-1])  # the main thread's
+    lines = []
+    for line in stack.splitlines():
+        if "labkit/cases.py" in line:
+            break  # run_cases, then the frames the fork inherited from the test process
+        if line.strip() and not line.startswith(("Timeout (", "Thread 0x", "Current thread 0x")) and "c10d_logger.py" not in line:
+            lines.append(line)
+    return head("\n".join(lines), keep)
+
+
+def failure_text(label: str, failed: list) -> str:
+    """The first failing rank's traceback in full (short), the other ranks in one line each, a hint."""
+    stopped = [(r, d) for r, d in failed if d.startswith("stopped: it waited")]
+    raised = [(r, d) for r, d in failed if (r, d) not in stopped]
+    lines = [f"{label}: failed on rank(s) {', '.join(str(r) for r, _ in raised)}"]
+    if raised:
+        first_rank, first = raised[0]
+        lines.append(f"rank {first_rank}: {short_traceback(first)}")
+        for rank, detail in raised[1:]:
+            last, first_last = (next((x for x in reversed(d.strip().splitlines()) if not x.startswith("hint:")), "?")
+                                for d in (detail, first))
+            same = last == first_last
+            lines.append(f"rank {rank}: {'the same: ' if same else ''}{last[:300]}")
+    for rank, detail in stopped:
+        lines.append(f"rank {rank}: {detail}")
+    if stopped and raised:
+        wrong_values = any(m in first for m in ("AssertionError", "not close", "Mismatched"))
+        lines.append(hint({}, failed_first=True, values_wrong=wrong_values))
+    return "\n".join(lines)
+
+
+def short_traceback(text: str, keep: int = 30) -> str:
+    """A rank's traceback without the case runner's frames, at most ``keep`` lines (its end)."""
+    lines, skip = [], False
+    for line in text.rstrip().splitlines():
+        if line.startswith('  File "'):
+            skip = "labkit/cases.py" in line
+        elif not line.startswith("    "):
+            skip = False
+        if not skip:
+            lines.append(line)
+    if len(lines) > keep:
+        lines = lines[:1] + [f"  ... ({len(lines) - keep + 1} lines of frames left out)"] + lines[-(keep - 2):]
+    return "\n".join(lines)
