@@ -20,7 +20,6 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from types import FunctionType
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = ("exercises", "solutions")
@@ -117,20 +116,6 @@ def _importers_of(reloaded: list[str]) -> list[str]:
     return stale
 
 
-def current_version(value):
-    """The same function or class from its module's current code (after a reload), else ``value``."""
-    module = sys.modules.get(getattr(value, "__module__", None) or "")
-    qualname = getattr(value, "__qualname__", None)
-    if module is None or not qualname or "<" in qualname or not isinstance(value, (type, FunctionType)):
-        return value
-    found = module
-    for part in qualname.split("."):
-        found = getattr(found, part, None)
-        if found is None:
-            return value
-    return found
-
-
 def _source_hash(path: Path) -> str:
     return hashlib.sha1(path.read_bytes()).hexdigest()
 
@@ -148,3 +133,10 @@ def _register_refresh():
     hooks = importlib.import_module("labkit.launch").BEFORE_FORK  # (labkit.launch is also the function)
     if refresh_changed not in hooks:  # the core offers the hook; it never calls impl() itself
         hooks.append(refresh_changed)
+    cells = importlib.import_module("labkit.notebook")  # every notebook cell and needs_exercise() block
+    if refresh_changed not in cells.BEFORE_CELL:
+        cells.BEFORE_CELL.append(refresh_changed)
+        cells.AFTER_CELL.append(_stamp_new_modules)
+
+
+_register_refresh()  # importing the switch is enough: a notebook's setup cell does
