@@ -40,6 +40,7 @@ import traceback
 from datetime import timedelta
 
 from .launching.progress import IdleWatch
+from .launching.stacks import hint, where_waiting
 from .failures import (LaunchError, LaunchInterrupted, RankFailure, crash_failure, launch_error,
                        one_line, ranks_text)
 
@@ -297,9 +298,13 @@ class ForkLauncher:
                     "were still running")
         if finished:
             head += f" (rank(s) {ranks_text(finished)} had already returned)"
-        parts = [head + "."]
+        parts = [head + "."] + [f"rank {r} waits {where_waiting(stacks[r])}" for r in stuck if where_waiting(stacks[r])]
+        if stacks and not not_started:
+            parts.append(hint(stacks))
         for rank in stuck:
-            parts.append(f"\n=== rank {rank}: still running; its Python stack ===\n{stacks[rank]}")
+            shown = stacks[rank].splitlines()
+            shown = shown[:10] + ([f"  ... ({len(shown) - 10} outer frames left out)"] if len(shown) > 10 else [])
+            parts.append(f"\n=== rank {rank}: still running; its Python stack ===\n" + "\n".join(shown))
             if self.tail[rank]:
                 parts.append(f"--- last output of rank {rank} ---\n" + "".join(self.tail[rank][-5:]))
         parts.append("\nA rank that skips a collective, a send without a matching recv, or two ranks that "
@@ -385,11 +390,12 @@ class ForkLauncher:
 NOISE_FRAMES = ("labkit/forked.py", "labkit/launch.py", "labkit/scheduled.py", "multiprocessing/",
                 "/IPython/", "/ipykernel/", "/tornado/", "/asyncio/", "/traitlets/", "/zmq/", "runpy.py",
                 "/_pytest/", "/pluggy/", "/pytest/", "/jupyter_client/", "/jupyter_core/", "/nbclient/",
-                "/labkit/magic.py")
+                "/labkit/magic.py", "<frozen runpy>", "c10d_logger.py")
 
 
 def trim_stack(text: str) -> str:
     # faulthandler lists every frame down to the process's start; the launcher's, the kernel's
     # and pytest's frames are noise to a learner looking for where their rank waits.
-    lines = [line for line in text.splitlines() if not any(noise in line for noise in NOISE_FRAMES)]
-    return "\n".join(lines).strip()
+    lines = [line for line in text.splitlines() if not any(noise in line for noise in NOISE_FRAMES)
+             and not line.startswith(("Current thread 0x", "Thread 0x"))]
+    return "\n".join(lines).strip("\n")

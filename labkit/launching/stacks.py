@@ -2,7 +2,7 @@
 
 A hung rank's stack runs through torch, the lab's given helpers and the learner's exercise.
 `where_waiting` names the innermost frame inside an exercise's own function (a top-level
-def or class of ``exercises/<topic>.py`` that holds a solution block, `labkit.registry`),
+def or class of ``exercises/<topic>.py`` whose ``solutions/`` twin holds a solution block),
 and says when the rank waits in given code instead ("in the given _ring_backward, called
 from your ring_attention_forward line 98"). `hint` turns what the ranks wait in into the
 likely cause, in words.
@@ -26,10 +26,16 @@ def frames(stack: str, innermost_first: bool = True) -> list[tuple[str, int, str
 
 
 @functools.lru_cache(maxsize=None)
-def _exercise_names(topic: str) -> frozenset:
-    from ..registry import exercises
-
-    return frozenset(e.name for e in exercises() if e.topic == topic)
+def _exercise_names(solutions_file: str) -> frozenset:
+    """The top-level defs/classes of a solutions file that hold a solution block: the exercises."""
+    try:
+        source = open(solutions_file, encoding="utf-8").read()
+        tree = ast.parse(source)
+    except (OSError, SyntaxError):
+        return frozenset()
+    lines = source.splitlines()
+    return frozenset(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                     and any("### BEGIN SOLUTION" in line for line in lines[n.lineno - 1:n.end_lineno]))
 
 
 @functools.lru_cache(maxsize=256)
@@ -51,10 +57,10 @@ def owner(path: str, line: int) -> tuple[str, bool] | None:
         mtime = os.path.getmtime(path)
     except OSError:
         return None
-    topic = parts[-1][:-3]
+    solutions_file = os.path.join(os.path.dirname(os.path.dirname(path)), "solutions", parts[-1])
     for lo, hi, name in _owners(path, mtime):
         if lo <= line <= hi:
-            return name, name in _exercise_names(topic)
+            return name, name in _exercise_names(solutions_file)
     return None
 
 
