@@ -115,6 +115,10 @@ def hint(stuck: dict, failed_first: bool = False, values_wrong: bool = False) ->
     if len(kinds) > 1 and not kinds <= set(_P2P):
         return (f"hint: the ranks wait in different calls ({waits}): a collective called on some ranks "
                 "only, in another order, or on another group?")
+    if kinds == {"send"}:
+        return (f"hint: {waits}: every rank waits in a blocking send, which returns only once its recv is "
+                "posted: two ranks that both send first wait for each other (receive first on one side, "
+                "or isend/irecv)")
     if kinds <= set(_P2P):
         return (f"hint: {waits}: a recv whose send is missing, goes to another peer, group or tag, or "
                 "two ranks that both wait to receive first?")
