@@ -301,7 +301,12 @@ class ForkLauncher:
         parts = [head + "."] + [f"rank {r} waits {where_waiting(stacks[r])}" for r in stuck if where_waiting(stacks[r])]
         if stacks and not not_started:
             parts.append(hint(stacks))
+        first_with = {}  # a stack shown once: ranks that wait in the same place say so in one line
         for rank in stuck:
+            if stacks[rank] in first_with:
+                parts.append(f"=== rank {rank}: the same stack as rank {first_with[stacks[rank]]} ===")
+                continue
+            first_with[stacks[rank]] = rank
             shown = stacks[rank].splitlines()
             shown = shown[:10] + ([f"  ... ({len(shown) - 10} outer frames left out)"] if len(shown) > 10 else [])
             parts.append(f"\n=== rank {rank}: still running; its Python stack ===\n" + "\n".join(shown))
