@@ -95,9 +95,10 @@ _P2P = ("recv", "irecv", "send", "isend", "wait", "batch_isend_irecv", "_wait")
 def _waiting_call(stack: str) -> str | None:
     """The torch.distributed function a stack waits in (innermost), e.g. 'all_reduce' or 'recv'."""
     found = frames(stack)
-    for path, _line, fn in found:
-        if "torch/distributed" in path.replace("\\", "/") and fn not in ("wrapper", "_func"):
-            return fn
+    calls = [fn for path, _line, fn in found
+             if "torch/distributed" in path.replace("\\", "/") and fn not in ("wrapper", "_func")]
+    if calls:
+        return calls[-1]  # the outermost: the public function the code called (new_group, not its helpers)
     if found and ".wait(" in linecache.getline(found[0][0], found[0][1]):
         return "wait"  # Work.wait() is C++: no frame of its own
     return None
@@ -111,7 +112,10 @@ def hint(stuck: dict, failed_first: bool = False, values_wrong: bool = False) ->
                 "the news." + (" Wrong values on some ranks only, in code that receives: a received tensor "
                                "used before its wait()?" if values_wrong else ""))
     kinds = set(calls.values())
-    waits = ", ".join(f"rank {r} in {c}" for r, c in sorted(calls.items()))
+    by_call: dict = {}
+    for rank, call in sorted(calls.items()):
+        by_call.setdefault(call, []).append(str(rank))
+    waits = ", ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(r)} in {c}" for c, r in by_call.items())
     if len(kinds) > 1 and not kinds <= set(_P2P):
         return (f"hint: the ranks wait in different calls ({waits}): a collective called on some ranks "
                 "only, in another order, or on another group?")
@@ -178,8 +182,8 @@ def failure_text(label: str, failed: list) -> str:
         first_rank, first = raised[0]
         lines.append(f"rank {first_rank}: {short_traceback(first)}")
         for rank, detail in raised[1:]:
-            last, first_last = (next((x for x in reversed(d.strip().splitlines()) if not x.startswith("hint:")), "?")
-                                for d in (detail, first))
+            last, first_last = (next((x for x in reversed(d.strip().splitlines())
+                                      if x.strip() and not x.startswith("hint:")), "?") for d in (detail, first))
             same = last == first_last
             lines.append(f"rank {rank}: {'the same: ' if same else ''}{last[:300]}")
     for rank, detail in stopped:
