@@ -1,6 +1,6 @@
 # GENERATED from solutions/pipeline.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/06_microbatches.ipynb.
-# untouched-stub fingerprint: c59286a99cd09082
+# untouched-stub fingerprint: 920f12c154a3d2c3
 """Micro-batch pipeline schedules and the executor that runs them (notebook 06_microbatches).
 
 A schedule is data: one list of actions per rank, ``"{stage}F{mb}"`` / ``"{stage}B{mb}"``.
@@ -74,6 +74,21 @@ def communicate(op: schedules.Action, tensor, peer: int, *, group=None, blocking
     raise NotImplementedError("exercise communicate is not implemented yet: edit exercises/pipeline.py, see notebooks/06_microbatches.ipynb")
 
 
+class NonBlockingMissing(NotImplementedError):
+    """`communicate(..., blocking=False)` returned no ``Work``: refused at once instead of a hang.
+
+    A NotImplementedError, so that a notebook cell that needs the non-blocking version says so
+    in one line (`labkit.needs_exercise`) and the deadlock section, which needs only the
+    blocking version, can be reached without minutes of hangs on the way.
+    """
+
+    def __init__(self, op):
+        super().__init__(
+            f"exercise communicate: the non-blocking version is not written yet: communicate({op}, "
+            "blocking=False) returned None instead of the Work of dist.isend / dist.irecv (a missing "
+            "`return`?). Cells that need it skip; the deadlock section runs your blocking version.")
+
+
 # ----------------------------------------------------------------------------- executor
 def run_schedule(stage_module, schedule, inputs=None, targets=None, *, mesh: Mesh, act_shape,
                  timeline=None, loss_scale: float | None = None, blocking_send: bool = False,
@@ -137,6 +152,8 @@ def run_schedule(stage_module, schedule, inputs=None, targets=None, *, mesh: Mes
             peer = next_rank if lowered.to_next_position(op) else prev_rank  # a V sends back up
             with tl.span("send" if sending else "recv", s, mb):
                 work = communicate(op, buf, peer, group=group, blocking=blocking_send)
+                if work is None and not blocking_send:  # else: an unwaited irecv, or a blocking 1F1B hang
+                    raise NonBlockingMissing(op)
                 if work is not None and not sending:
                     work.wait()  # the compute that follows reads the buffer
             if sending and work is not None:

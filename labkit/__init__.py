@@ -11,7 +11,7 @@ The package is grouped by job: `launching/`, `comm/`, `links/`, `model/`, `data/
 """
 from labkit.launching.launcher import LaunchError, StubNotImplemented, launch, rank_device
 from labkit.launching.magic import load_ipython_extension
-from labkit.launching.notebook import install_ipython_display, needs_exercise, not_yet
+from labkit.launching.notebook import install_cell_refresh, install_ipython_display, needs_exercise, not_yet
 from labkit.mesh import Mesh
 from labkit.settings import quick
 
@@ -19,3 +19,4 @@ __all__ = ["launch", "LaunchError", "StubNotImplemented", "rank_device", "Mesh",
            "load_ipython_extension", "needs_exercise", "not_yet"]
 
 install_ipython_display()  # in a notebook: launch errors read as their report, not labkit's frames
+install_cell_refresh()  # in a notebook: every cell runs the exercise files as they are on disk

@@ -167,7 +167,9 @@ def test_every_exercise_has_grading_tests_and_appears_in_the_table(stub_run):
 @pytest.mark.parametrize("tb", ["long", "no"])
 def test_grade_table_reports_passed_not_implemented_failed_and_timed_out(tmp_path, tb):
     """Every output mode (tracebacks or not, the JSON file) files each test by its exception's type:
-    written-but-wrong code in launched ranks is "failed", whatever its traceback mentions."""
+    written-but-wrong code in launched ranks is "failed", whatever its traceback mentions; a dead
+    rank is "crashed"; a test that fails while an exercise it needs (or grades too) fails its own
+    tests is "blocked by" that one, not counted against its other exercises."""
     (tmp_path / "test_fake.py").write_text(textwrap.dedent('''
         import pytest
         import labkit
@@ -213,6 +215,32 @@ def test_grade_table_reports_passed_not_implemented_failed_and_timed_out(tmp_pat
         def test_hang():
             while True:
                 pass
+
+        def _segfault_in_ranks(rank, world_size):
+            import os, signal
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGSEGV)
+            dist.barrier()
+
+        @pytest.mark.exercise("ex_crash")
+        def test_crash():
+            labkit.launch(_segfault_in_ranks, 2, timeout=30)
+
+        @pytest.mark.exercise("ex_base")
+        def test_base():
+            assert False, "the base exercise is wrong"
+
+        @pytest.mark.exercise("ex_dep", needs=("ex_base",))
+        def test_dep_fails_because_of_base():
+            assert False, "wrong only because ex_base is"
+
+        @pytest.mark.exercise("ex_dep", needs=("ex_base",))
+        def test_dep_ok():
+            pass
+
+        @pytest.mark.exercise("ex_multi", "ex_base")
+        def test_two_graded_one_of_them_wrong_on_its_own():
+            assert False
     '''))
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "labkit.grading.plugin", "--grade", "-q",
                           f"--tb={tb}", "--grade-json", "grade.json", "-p", "no:cacheprovider", "test_fake.py"],
@@ -221,12 +249,16 @@ def test_grade_table_reports_passed_not_implemented_failed_and_timed_out(tmp_pat
     expected = {"ex_pass": "passed (1 tests)", "ex_stub": "not implemented yet",
                 "ex_wrong": "failed (1 of 1 tests)", "ex_hang": "timed out (1 of 1 tests)",
                 "ex_launch_wrong": "failed (1 of 1 tests)", "ex_launch_hang": "timed out (1 of 1 tests)",
-                "ex_launch_stub": "not implemented yet"}
+                "ex_launch_stub": "not implemented yet", "ex_crash": "crashed (1 of 1 tests)",
+                "ex_base": "failed (2 of 2 tests)", "ex_dep": "blocked by ex_base (1 of 2 tests)",
+                "ex_multi": "blocked by ex_base (1 of 1 tests)"}
     for name, status in expected.items():
         assert status in rows[name], f"--tb={tb}: {rows[name]!r} should say {status!r}"
     outcomes = json.loads((tmp_path / "grade.json").read_text())
     by_name = {o["exercises"][0]: o["status"] for o in outcomes.values()}
     for name, status in expected.items():
+        if name in ("ex_dep", "ex_multi"):  # the JSON keeps each test's own outcome, not the blame
+            continue
         assert status.startswith(by_name[name]), f"--grade-json: {name} is {by_name[name]!r}, not {status!r}"
     if tb != "no":
         assert "did not finish in time: your implementation may loop forever" in out
@@ -254,3 +286,37 @@ def test_an_edited_exercise_is_picked_up_without_a_restart_in_the_kernel_and_in_
     finally:
         path.unlink(missing_ok=True)
         sys.modules.pop(f"exercises.{name}", None)
+
+
+def test_every_notebook_cell_runs_the_exercise_files_as_they_are_on_disk(tmp_path):
+    """A real kernel. After an edit on disk, the next cell runs the new code through a module bound
+    in an earlier cell (impl() or a plain import), a function imported by name, a lab module that
+    imported a name from the edited one, and inside needs_exercise(), without impl() or launch."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    tag = f"_cell_probe_{os.getpid()}"
+    base, dep = REPO_ROOT / "exercises" / f"{tag}.py", REPO_ROOT / "exercises" / f"{tag}_dep.py"
+    write = ("def edit(n):\n"
+             f"    open({str(base)!r}, 'w').write(f'def value():\\n    return {{n}}\\n')\n")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in (
+        f"import labkit\nfrom labkit.grading import impl\n{write}"
+        f"m = impl('{tag}', 'exercises')\nimport exercises.{tag}_dep as d\nfrom exercises.{tag} import value\n"
+        "print('before', m.value(), value(), d.twice())\nedit(2)",
+        "print('after', m.value(), value(), d.twice())\nedit(3)\n"
+        "with labkit.needs_exercise():\n    print('inside', m.value())",
+    )]
+    try:
+        base.write_text("def value():\n    return 1\n")
+        dep.write_text(f"from .{tag} import value\n\ndef twice():\n    return 2 * value()\n")
+        client = NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
+                                resources={"metadata": {"path": str(tmp_path)}})
+        client.execute()
+    finally:
+        for path in (base, dep):
+            path.unlink(missing_ok=True)
+    text = ["".join(o.get("text", "") + "".join(o.get("traceback", [])) for o in cell.outputs) for cell in nb.cells]
+    assert "before 1 1 2" in text[0], text[0]
+    assert "after 2 2 4" in text[1] and "reloaded exercises/" in text[1], text[1]
+    assert "inside 3" in text[1], text[1]

@@ -414,3 +414,27 @@ def test_function_defined_in_a_notebook_cell_and_the_ranks_magic(tmp_path):
     report = "\n".join(failure.traceback)
     assert failure.ename == "LaunchError" and "ROOT CAUSE" in report and "cell_fn" in report
     assert "labkit/launching/forked.py" not in report
+
+
+def _asleep_or_busy(rank, world_size, what):
+    import time as _time
+
+    if what == "busy":  # two seconds of CPU on every rank: never "asleep"
+        end = _time.process_time() + 2.0
+        while _time.process_time() < end:
+            pass
+        return rank
+    if rank == 0:
+        dist.recv(torch.zeros(1), src=1)  # a recv whose send is missing; rank 1 waits in the barrier
+    dist.barrier()
+
+
+def test_idle_timeout_names_a_hang_when_every_rank_sleeps_and_leaves_working_ranks_alone():
+    import time as _time
+
+    assert labkit.launch(_asleep_or_busy, 2, "busy", timeout=120, idle_timeout=1.0) == [0, 1]
+    start = _time.monotonic()
+    with pytest.raises(LaunchError, match=r"hung: rank\(s\) 0, 1 of 2 all waited, none using the CPU, for 2 s") as err:
+        labkit.launch(_asleep_or_busy, 2, "hang", timeout=120, idle_timeout=2.0)
+    assert _time.monotonic() - start < 60  # the idle watch, far before the 120 s timeout
+    assert "in recv" in str(err.value) and "in barrier" in str(err.value)

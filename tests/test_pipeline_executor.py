@@ -10,6 +10,7 @@ deadlock test waits for its 8 s launcher timeout on purpose.
 """
 import pytest
 import torch
+import torch.distributed as dist
 
 from labkit.grading import impl
 from labkit.launching.launcher import LaunchError, launch
@@ -81,6 +82,33 @@ def test_schedule_for_another_pipeline_size_rejected():
 
 
 # ------------------------------------------------------------------------ real ranks
+def _blocking_only_communicate(op, tensor, peer, *, group=None, blocking=False):
+    """What a learner writes first: the blocking version, whatever ``blocking`` says."""
+    (dist.send if op.kind.startswith("SEND") else dist.recv)(tensor, peer, group=group, tag=op.tag)
+
+
+def _non_blocking_missing_rank(rank, world_size, forget):
+    if forget == "blocking only":
+        pl.communicate = _blocking_only_communicate  # (in this forked rank only)
+    else:  # the non-blocking branch posts its isend/irecv but forgets to return the Work
+        pl.communicate = lambda op, t, peer, *, group=None, blocking=False: (
+            (dist.isend if op.kind.startswith("SEND") else dist.irecv)(t, peer, group=group, tag=op.tag), None)[1]
+    st = pl.SyntheticStage(rank, world_size, ACT, t_f=0.001)
+    x = torch.zeros(ACT[0] * 4, 4, dtype=torch.long)
+    pl.run_schedule(st, pl.one_f_one_b_schedule(world_size, 4), x, x, mesh=Mesh(world_size, pp=world_size), act_shape=ACT)
+
+
+@pytest.mark.parametrize("forget", ["blocking only", "no return"])
+def test_non_blocking_communicate_without_work_refused_at_once_by_name(forget):
+    """1F1B with a communicate(blocking=False) that returns no Work: a one-line NotImplementedError
+    naming the missing Work, in seconds (it used to be a 180 s deadlock, or a wrong buffer)."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(NotImplementedError, match=r"exercise communicate: the non-blocking version .* "
+                                                  r"returned None instead of the Work"):
+        launch(_non_blocking_missing_rank, 2, forget, timeout=60)
+    assert time.monotonic() - start < 15
 def _blocking_rank(rank, world_size):
     st = pl.SyntheticStage(rank, world_size, ACT, t_f=0.001)
     x = torch.zeros(ACT[0] * 4, 4, dtype=torch.long)
@@ -95,7 +123,7 @@ def test_blocking_send_one_f_one_b_really_deadlocks():
     with pytest.raises(LaunchError, match="send") as err:
         launch(_blocking_rank, 2, timeout=8)
     # the stuck ranks' stacks point into communicate, the learner's exercise, at its blocking send
-    assert str(err.value).count("in communicate") == 2, str(err.value)
+    assert str(err.value).count("in communicate: dist.send(") == 2, str(err.value)
 
 
 def _synthetic_rank(rank, world_size, m):

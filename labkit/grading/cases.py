@@ -22,13 +22,26 @@ exercise from failing the others:
   reported as hung, named, with the stacks, within seconds. The other cases of the same
   exercise are reported at once as "not run: an earlier case hung"; the rest run again.
 
+- Each case has a peer watch too: when another rank reports the case failed while this rank
+  is still in it (waiting for the failed rank, as a rule), this rank writes its stack and
+  stops a second later, instead of waiting for its watchdog. And the launch reports a hang as
+  soon as every rank has slept without using the CPU for ``IDLE_HANG`` seconds
+  (`labkit.launching.progress`): a rank waiting for a message nobody sends does just that.
+- Cases are settled lazily: `expect_case` launches until ITS case has an outcome, and puts
+  that case first. A test never waits for other tests' hangs, and ``pytest -x`` stops at the
+  first verdict.
+
 Every rank writes what it starts and finishes to a log file; the test process reads those logs,
-so outcomes survive a rank that died or hung.
+so outcomes survive a rank that died or hung. A rank that died (a signal, gloo's abort) makes
+its case `CaseCrashed`, never a hang; the reports name the learner's own line
+(`labkit.launching.stacks`).
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
+import io
 import json
 import os
 import tempfile
@@ -37,6 +50,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 CASE_TIMEOUT = 10.0  # seconds one case may take on an idle machine: the lab's cases take milliseconds to a second
+IDLE_HANG = 3.0  # seconds every rank may sleep without CPU before a launch of cases is called hung
+# (x busy_factor, at most 2: a rank starved of CPU is runnable, never asleep, so load matters little)
 AGREE_TIMEOUT = 60.0  # seconds a rank waits for the others' verdict on a case (peers' watchdogs fire first)
 OK, NOT_IMPLEMENTED, FAILED = "ok", "not implemented", "failed"
 
@@ -45,11 +60,16 @@ class CaseTimeout(AssertionError):
     """A grading case hung (or was not run because an earlier case of its exercise hung)."""
 
 
+class CaseCrashed(AssertionError):
+    """A rank died in a grading case (a signal such as SIGSEGV, gloo's SIGABRT, os._exit)."""
+
+
 @dataclass
 class _Plan:  # set by launch_cases in the test process, inherited by the forked ranks
     log_dir: str
     skip: set = field(default_factory=set)  # repr(key) of cases already settled
     case_timeout: float = CASE_TIMEOUT
+    first: str | None = None  # repr(key) of the case a test waits for: it runs first
 
 
 _plan: _Plan | None = None
@@ -66,6 +86,9 @@ def run_cases(cases: dict) -> dict:
     """
     import torch.distributed as dist
 
+    from labkit.comm.unwaited import watch_irecv
+    from labkit.launching.peer_watch import PeerWatch
+
     plan = _plan
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -75,21 +98,30 @@ def run_cases(cases: dict) -> dict:
     if log:
         log.write(json.dumps({"plan": [repr(k) for k in cases]}) + "\n")
     results = {}
-    for index, (key, body) in enumerate(cases.items()):
+    order = list(cases.items())
+    if plan and plan.first is not None:  # the case a test waits for runs first
+        order.sort(key=lambda item: repr(item[0]) != plan.first)
+    watch = PeerWatch(store, rank, world_size, log, stack) if store is not None else None
+    for index, (key, body) in enumerate(order):
         if plan and repr(key) in plan.skip:
             continue
         if log:
             allowed = plan.case_timeout * busy_factor()
             log.write(json.dumps({"start": repr(key), "allowed": allowed}) + "\n")
             faulthandler.dump_traceback_later(allowed, exit=True, file=stack)
+        if watch:
+            watch.enter(index, key)
         try:
-            body()
+            with watch_irecv() as recvs:
+                body()
             results[key] = (OK, "")
         except NotImplementedError as error:
             results[key] = (NOT_IMPLEMENTED, str(error))
         except Exception:
-            results[key] = (FAILED, traceback.format_exc())
+            results[key] = (FAILED, "\n".join(filter(None, [traceback.format_exc(), recvs.hint()])))
         finally:
+            if watch:
+                watch.leave()
             if log:
                 faulthandler.cancel_dump_traceback_later()
         if log:
@@ -134,92 +166,140 @@ def _in_step(store, prefix: str, rank: int, world_size: int, status: str) -> boo
 
 @dataclass
 class Outcomes:
-    """Every case's per-rank outcome, by repr(key); a hung case has a `CaseTimeout` instead."""
+    """Every case's per-rank outcome, by repr(key), settled on demand (`outcome`).
+
+    A settled case holds a list of (status, detail) per rank, or a `CaseTimeout` (it hung) or a
+    `CaseCrashed` (a rank died) instead.
+    """
     world_size: int
-    by_case: dict = field(default_factory=dict)  # repr(key) -> list of (status, detail) or CaseTimeout
+    by_case: dict = field(default_factory=dict)  # repr(key) -> list of (status, detail), CaseTimeout or CaseCrashed
     error: Exception | None = None  # a launch that failed before any case could say anything
+    run_all: object = None
+    timeout: float = 120
+    case_timeout: float = CASE_TIMEOUT
+    plan: list = field(default_factory=list)  # repr(key) of every case, in the ranks' order
 
+    def outcome(self, key_repr: str):
+        """The case's outcome, launching (that case first) until it has one; None if no such case."""
+        while key_repr not in self.by_case and self.error is None:
+            if self.plan and key_repr not in self.plan:
+                return None
+            if not self._launch(key_repr):
+                break
+        return self.by_case.get(key_repr)
 
-@functools.lru_cache(maxsize=None)
-def launch_cases(run_all, world_size: int, timeout: float = 120, case_timeout: float = CASE_TIMEOUT) -> Outcomes:
-    """``launch(run_all, world_size)`` until every case has an outcome; cached per (function, world size)."""
-    global _plan
-    from labkit.launching.failures import LaunchError
-    from labkit.launching.launcher import launch
+    def settle(self) -> "Outcomes":
+        """Settle every case (as the tests of one module would, in turn)."""
+        while self.error is None and (not self.plan or [k for k in self.plan if k not in self.by_case]):
+            if not self._launch(None):
+                break
+        return self
 
-    outcomes = Outcomes(world_size)
-    plan_keys: list[str] = []
-    for _attempt in range(200):  # each launch settles at least one case, or the loop ends
+    def _launch(self, first) -> bool:
+        global _plan
+        from labkit.launching.failures import LaunchError
+        from labkit.launching.launcher import launch
+
         with tempfile.TemporaryDirectory(prefix="labkit-cases-") as log_dir:
-            _plan = _Plan(log_dir, set(outcomes.by_case), case_timeout)
+            _plan = _Plan(log_dir, set(self.by_case), self.case_timeout, first)
             launch_error = None
-            try:
-                launch(run_all, world_size, timeout=timeout)
+            try:  # the ranks' output (a dying rank's whole stack, say) stays out of the report
+                with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                    launch(self.run_all, self.world_size, timeout=self.timeout, idle_timeout=IDLE_HANG * min(busy_factor(), 2.0))
             except LaunchError as error:
                 launch_error = error
             finally:
                 _plan = None
-            logs = [_read_log(log_dir, r) for r in range(world_size)]
-            stacks = [_read_text(os.path.join(log_dir, f"stack{r}.txt")) for r in range(world_size)]
-        plan_keys = plan_keys or next((log["plan"] for log in logs if log["plan"]), [])
-        settled = _settle(outcomes, logs, stacks, world_size, case_timeout, launch_error)
-        if not [k for k in plan_keys if k not in outcomes.by_case]:
-            return outcomes
-        if not settled:  # nothing new: a launch that fails before the first case, say
-            outcomes.error = launch_error or RuntimeError("the ranks stopped without running any case")
-            return outcomes
-    return outcomes
+            logs = [_read_log(log_dir, r) for r in range(self.world_size)]
+            stacks = [_read_text(os.path.join(log_dir, f"stack{r}.txt")) for r in range(self.world_size)]
+        self.plan = self.plan or next((log["plan"] for log in logs if log["plan"]), [])
+        if _settle(self, logs, stacks, launch_error):
+            return True
+        self.error = launch_error or RuntimeError("the ranks stopped without running any case")
+        return False
 
 
-def _settle(outcomes, logs, stacks, world_size, case_timeout, launch_error) -> bool:
-    """Record the cases this launch finished on every rank, and the one that hung, if any."""
-    settled = False
+@functools.lru_cache(maxsize=None)
+def launch_cases(run_all, world_size: int, timeout: float = 120, case_timeout: float = CASE_TIMEOUT) -> Outcomes:
+    """The cases of ``run_all`` on ``world_size`` ranks, cached per (function, world size).
+
+    Nothing is launched yet: `expect_case` (or `Outcomes.outcome`) launches until the case it
+    asks for has an outcome, so a test never waits for the cases of other tests.
+    """
+    return Outcomes(world_size, run_all=run_all, timeout=timeout, case_timeout=case_timeout)
+
+
+def _rank_failures(launch_error) -> dict:
+    return {f.rank: f for f in getattr(launch_error, "failures", None) or []}
+
+
+def _settle(outcomes, logs, stacks, launch_error) -> bool:
+    """Record the cases this launch finished on every rank, and the one that hung or crashed, if any."""
+    from labkit.launching.stacks import consequence, crash_text, head, hint, stuck_after, trim, where_waiting
+
+    world_size, settled = outcomes.world_size, False
     done = [log["done"] for log in logs]
     started = [log["started"] for log in logs]
     for key in dict.fromkeys(k for rank_done in done for k in rank_done):
         if all(key in rank_done for rank_done in done):
             outcomes.by_case[key] = [rank_done[key] for rank_done in done]
             settled = True
-    # A case started but not finished on some rank: it hung (its watchdog ended the rank) or crashed.
+    died = _rank_failures(launch_error)
+    for r in range(world_size):  # the launcher killed a hung launch (all asleep): its stacks are in the error
+        if not stacks[r].strip() and r in died and died[r].kind == "timeout":
+            stacks[r] = died[r].details
+        stacks[r] = trim(stacks[r], 1000)  # the main thread's frames, down to the case's body
+    # A case started but not finished on some rank: it hung, crashed, or waited for a failed peer.
     unfinished = {started[r][-1] for r in range(world_size) if started[r] and started[r][-1] not in done[r]}
     for key in unfinished - set(outcomes.by_case):
         ranks = [r for r in range(world_size) if started[r] and started[r][-1] == key and key not in done[r]]
-        where = "\n".join(f"=== rank {r}: waiting here ===\n{_trim(stacks[r])}" for r in ranks if stacks[r].strip())
         settled = True
+        crashed = [r for r in ranks if r in died and died[r].kind == "crash" and not logs[r]["stopped"]
+                   and not stacks[r].strip()]
         failed_first = [r for r in range(world_size) if done[r].get(key, (OK,))[0] != OK]
+        if crashed and all(consequence(done[r][key][1]) for r in failed_first):
+            outcomes.by_case[key] = CaseCrashed(crash_text(key, crashed, died, stacks))
+            continue
         if failed_first:  # some ranks failed, the others then waited for them: the failure is the news
-            outcomes.by_case[key] = [done[r].get(key) or (FAILED, f"stuck in this case after rank(s) "
-                                     f"{failed_first} failed; where it waited:\n{_trim(stacks[r])}")
+            stuck = {r: stacks[r] for r in range(world_size) if r not in failed_first}
+            outcomes.by_case[key] = [done[r].get(key) or (FAILED, stuck_after(failed_first, stacks[r]))
                                      for r in range(world_size)]
             continue
-        allowed = max((logs[r]["allowed"] or case_timeout) for r in ranks)
-        cause = f"did not finish within {allowed:.0f} s" if where else "stopped"
-        detail = (f"case {key} {cause} on rank(s) {', '.join(map(str, ranks))}.\n{where}\n"
-                  "A rank that waits for a message nobody sends (a skipped collective, a send without a "
-                  "matching recv, the wrong peer or group) blocks forever: compare the stacks above.")
-        if launch_error is not None and not where:
-            detail += f"\n\nThe launch said:\n{launch_error}"
-        outcomes.by_case[key] = CaseTimeout(detail)
+        allowed = max((logs[r]["allowed"] or outcomes.case_timeout) for r in ranks)
+        asleep = launch_error is not None and str(launch_error).startswith("hung:")
+        cause = ("hung: every rank waited without using the CPU" if asleep else
+                 f"did not finish within {allowed:.0f} s") if any(stacks[r].strip() for r in ranks) else "stopped"
+        lines = [f"case {key} {cause} on rank(s) {', '.join(map(str, ranks))}."]
+        for r in ranks:
+            lines.append(f"rank {r} waits {where_waiting(stacks[r]) or '(no stack)'}")
+        lines.append(hint({r: stacks[r] for r in ranks}))
+        lines.append("\n".join(f"=== rank {r}: its stack ===\n{head(stacks[r], 12)}" for r in ranks if stacks[r].strip()))
+        if launch_error is not None and not any(stacks[r].strip() for r in ranks):
+            lines.append(f"The launch said:\n{head(str(launch_error), 15)}")
+        outcomes.by_case[key] = CaseTimeout("\n".join(lines))
         exercise = _exercise_of(key)
-        plan = next((log["plan"] for log in logs if log["plan"]), [])
-        for later in plan:  # the rest of that exercise would only hang again
-            if later not in outcomes.by_case and _exercise_of(later) == exercise:
+        for later in outcomes.plan:  # the rest of that exercise would only hang again
+            if later not in outcomes.by_case and _exercise_of(later) == exercise and isinstance(_key(later), tuple):
                 outcomes.by_case[later] = CaseTimeout(f"not run: an earlier case of {exercise} ({key}) hung")
     return settled
 
 
-def _exercise_of(key_repr: str) -> str:
-    try:
-        import ast
+def _key(key_repr: str):
+    import ast
 
-        key = ast.literal_eval(key_repr)
+    try:
+        return ast.literal_eval(key_repr)
     except (ValueError, SyntaxError):
         return key_repr
+
+
+def _exercise_of(key_repr: str) -> str:
+    key = _key(key_repr)
     return str(key[0]) if isinstance(key, tuple) and key else str(key)
 
 
 def _read_log(log_dir: str, rank: int) -> dict:
-    log = {"plan": [], "started": [], "done": {}, "allowed": None}
+    log = {"plan": [], "started": [], "done": {}, "allowed": None, "stopped": None}
     for line in _read_text(os.path.join(log_dir, f"rank{rank}.jsonl")).splitlines():
         try:
             entry = json.loads(line)
@@ -232,6 +312,8 @@ def _read_log(log_dir: str, rank: int) -> dict:
             log["allowed"] = entry.get("allowed", log.get("allowed"))
         elif "done" in entry:
             log["done"][entry["done"]] = tuple(entry["status"])
+        elif "stopped" in entry:
+            log["stopped"] = entry
     return log
 
 
@@ -243,17 +325,6 @@ def _read_text(path: str) -> str:
         return ""
 
 
-def _trim(stack: str) -> str:
-    """The hung rank's frames from where it waits up to the case's body: the rest is the runner's."""
-    lines = []
-    for line in stack.splitlines():
-        if "labkit/grading/cases.py" in line:
-            break  # run_cases, then the frames the fork inherited from the test process
-        if line.strip() and not line.startswith(("Timeout (", "Thread 0x")) and "c10d_logger.py" not in line:
-            lines.append(line)
-    return "\n".join(lines)
-
-
 def expect_case(outcomes, key, label: str):
     """Pass, raise NotImplementedError (a stub), or fail with the failing ranks' traces or the hang's stacks."""
     import pytest
@@ -261,21 +332,21 @@ def expect_case(outcomes, key, label: str):
     if isinstance(outcomes, Exception):
         raise outcomes
     if isinstance(outcomes, Outcomes):
-        outcome = outcomes.by_case.get(repr(key))
+        outcome = outcomes.outcome(repr(key))
         if outcome is None:
             if outcomes.error is not None:
                 raise outcomes.error
             pytest.fail(f"{label}: no such case was run", pytrace=False)
-        if isinstance(outcome, CaseTimeout):
-            raise CaseTimeout(f"{label}: {outcome}")
+        if isinstance(outcome, (CaseTimeout, CaseCrashed)):
+            raise type(outcome)(f"{label}: {outcome}")
         per_rank = outcome
     else:  # a plain list of run_cases results, one dict per rank
         per_rank = [ranks_outcomes[key] for ranks_outcomes in outcomes]
-    failed = []
-    for rank, (status, detail) in enumerate(per_rank):
+    for status, detail in per_rank:
         if status == NOT_IMPLEMENTED:
             raise NotImplementedError(detail)
-        if status != OK:
-            failed.append(f"rank {rank}: {detail}")
+    failed = [(rank, detail) for rank, (status, detail) in enumerate(per_rank) if status != OK]
     if failed:
-        pytest.fail(f"{label}:\n" + "\n".join(failed), pytrace=False)
+        from labkit.launching.stacks import failure_text
+
+        pytest.fail(failure_text(label, failed), pytrace=False)

@@ -10,9 +10,14 @@ Options:
   --grade-json PATH            write every grading test's outcome as JSON (used by the
                                test that proves every grading test fails on the stubs).
 
-Grading tests (``tests/grading``) carry ``@pytest.mark.exercise("name", ...)``; each gets
-a per-test timeout (GRADING_TIMEOUT seconds) so that a hanging implementation is reported
-as such instead of stopping the run.
+Grading tests (``tests/grading``) carry ``@pytest.mark.exercise("name", ..., needs=("other",))``:
+the exercises the test grades, and those whose code it only uses. Each gets a per-test timeout
+(GRADING_TIMEOUT seconds) as a backstop, and its launches report a hang as soon as every rank
+sleeps without CPU (``LABKIT_IDLE_TIMEOUT``, see `labkit.launch`).
+
+The grade table blames only the wrong exercise: a failed test whose `needs`, or one of its
+several graded exercises, also fails a test of its own is "blocked by" that exercise for the
+others, not counted against them (`_rows`). A rank that died is "crashed", not "timed out".
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ import pytest
 GRADING_TIMEOUT = 90  # seconds per grading test on an idle machine: a backstop; launches report hangs first
 
 NOT_IMPLEMENTED, FAILED, PASSED, TIMED_OUT = "not implemented yet", "failed", "passed", "timed out"
+CRASHED, BLOCKED = "crashed", "blocked by"
+IDLE_HANG = 3.0  # seconds all ranks of a grading launch may sleep without CPU: then it is a hang
 
 
 def pytest_addoption(parser):
@@ -66,7 +73,12 @@ def _status(report, excinfo=None) -> str:
         error = excinfo.value
         if isinstance(error, NotImplementedError):
             return NOT_IMPLEMENTED
+        if type(error).__name__ == "CaseCrashed":
+            return CRASHED
         failures = getattr(error, "failures", None)
+        if failures and any(getattr(f, "kind", None) == "crash" and "signal" in f.summary for f in failures) \
+                and not any(getattr(f, "kind", None) == "timeout" for f in failures):
+            return CRASHED
         if failures and all(getattr(f, "kind", None) == "timeout" for f in failures):
             return TIMED_OUT
         if "Timeout" in excinfo.typename or "from pytest-timeout" in str(error)[:200]:
@@ -91,29 +103,67 @@ def pytest_runtest_makereport(item, call):
     outcomes = item.config._labkit_outcomes
     previous = outcomes.get(item.nodeid)
     if previous is None or previous["status"] == PASSED:  # a setup/teardown failure wins
-        outcomes[item.nodeid] = {"exercises": list(marker.args), "status": status}
+        outcomes[item.nodeid] = {"exercises": list(marker.args), "status": status,
+                                 "needs": list(marker.kwargs.get("needs", ()))}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Grading launches: a hang is reported once every rank sleeps without CPU for a few seconds."""
+    if item.get_closest_marker("exercise") is None or "LABKIT_IDLE_TIMEOUT" in os.environ:
+        yield
+        return
+    from labkit.grading.cases import busy_factor
+
+    os.environ["LABKIT_IDLE_TIMEOUT"] = str(IDLE_HANG * min(busy_factor(), 2.0))
+    try:
+        yield
+    finally:
+        os.environ.pop("LABKIT_IDLE_TIMEOUT", None)
+
+
+def _blame(outcomes) -> dict:
+    """exercise -> the statuses it is charged with; a dependent's failure becomes "blocked by X".
+
+    An exercise "fails on its own" when a test grading it alone (it is the only name in the
+    marker) does not pass. A failed test is charged only to those of its graded exercises
+    that fail on their own, when any of them, or of its `needs`, does; the others get
+    "blocked by ..." for it. When none does, every graded exercise is charged (no way to tell).
+    """
+    own_failures = {o["exercises"][0] for o in outcomes.values()
+                    if len(o["exercises"]) == 1 and not o.get("needs") and o["status"] != PASSED}
+    charged: dict[str, list[str]] = {}
+    for outcome in outcomes.values():
+        graded, status = outcome["exercises"], outcome["status"]
+        culprits = [x for x in dict.fromkeys(graded + outcome.get("needs", [])) if x in own_failures]
+        for name in graded:
+            if status in (PASSED, NOT_IMPLEMENTED) or not culprits or name in culprits:  # a stub names itself
+                charged.setdefault(name, []).append(status)
+            else:
+                charged.setdefault(name, []).append(f"{BLOCKED} {', '.join(c for c in culprits if c != name)}")
+    return charged
 
 
 def _rows(outcomes):
     from labkit.grading.registry import exercises
 
     known = {e.key: e for e in exercises()}
-    by_exercise: dict[str, list[str]] = {}
-    for outcome in outcomes.values():
-        for name in outcome["exercises"]:
-            by_exercise.setdefault(name, []).append(outcome["status"])
+    by_exercise = _blame(outcomes)
     rows = []
     for name in list(known) + sorted(set(by_exercise) - set(known)):
         statuses = by_exercise.get(name, [])
         notebook = known[name].notebook if name in known else "?"
+        blocked = sorted({s[len(BLOCKED) + 1:] for s in statuses if s.startswith(BLOCKED)})
+        mine = [s for s in statuses if not s.startswith(BLOCKED)]
         if not statuses:
             status = "no test run"
-        elif NOT_IMPLEMENTED in statuses:
+        elif NOT_IMPLEMENTED in mine:
             status = NOT_IMPLEMENTED
-        elif TIMED_OUT in statuses:
-            status = f"{TIMED_OUT} ({statuses.count(TIMED_OUT)} of {len(statuses)} tests)"
-        elif FAILED in statuses:
-            status = f"{FAILED} ({statuses.count(FAILED)} of {len(statuses)} tests)"
+        elif any(s in (TIMED_OUT, CRASHED, FAILED) for s in mine):
+            worst = next(s for s in (CRASHED, TIMED_OUT, FAILED) if s in mine)
+            status = f"{worst} ({sum(s != PASSED for s in mine)} of {len(statuses)} tests)"
+        elif blocked:
+            status = f"{BLOCKED} {', '.join(blocked)} ({len(statuses) - len(mine)} of {len(statuses)} tests)"
         else:
             status = f"{PASSED} ({len(statuses)} tests)"
         rows.append((name, notebook, status))

@@ -68,7 +68,15 @@ def impl(topic: str, which: str | None = None):
 
 
 def refresh_changed() -> list[str]:
-    """Reload every module `impl` returned whose file changed since; return their names."""
+    """Reload every exercise or solution module whose file changed since it was loaded.
+
+    Covers the modules `impl` returned and any other ``exercises.*`` / ``solutions.*`` module
+    imported meanwhile; then reloads, in place, the lab modules that hold names imported from a
+    reloaded one (``from .zero import shard_size`` in fsdp.py), so that nothing keeps old code.
+    Returns the names of the modules reloaded. Called before every launch's fork and, in a
+    notebook, before every cell (`labkit.launching.notebook.install_cell_refresh`).
+    """
+    _stamp_new_modules()
     changed = []
     for name, (path, digest) in list(_stamps.items()):
         module = sys.modules.get(name)
@@ -76,7 +84,36 @@ def refresh_changed() -> list[str]:
             _reload(module, path)
             _stamps[name] = (path, _source_hash(path))
             changed.append(name)
+    while changed and (stale := _importers_of(changed)):  # a dependent of a dependent, too
+        for name in stale:
+            path = _stamps[name][0]
+            _reload(sys.modules[name], path)
+            _stamps[name] = (path, _source_hash(path))
+            changed.append(name)
     return changed
+
+
+def _stamp_new_modules() -> None:
+    """Remember the source hash of lab modules imported since the last look (not through impl)."""
+    for name, module in list(sys.modules.items()):
+        which, _, topic = name.partition(".")
+        if which in IMPLEMENTATIONS and topic and "." not in topic and name not in _stamps:
+            path = REPO_ROOT / which / f"{topic}.py"
+            if path.exists() and Path(getattr(module, "__file__", "") or "").resolve() == path:
+                _stamps[name] = (path, _source_hash(path))
+
+
+def _importers_of(reloaded: list[str]) -> list[str]:
+    """Loaded lab modules, not yet reloaded, holding a function or class defined in a reloaded one."""
+    stale = []
+    for name in _stamps:
+        module = sys.modules.get(name)
+        if module is None or name in reloaded:
+            continue
+        if any(getattr(value, "__module__", None) in reloaded and callable(value)
+               for value in vars(module).values()):
+            stale.append(name)
+    return stale
 
 
 def _source_hash(path: Path) -> str:
@@ -96,3 +133,10 @@ def _register_refresh():
     hooks = importlib.import_module("labkit.launching.launcher").BEFORE_FORK
     if refresh_changed not in hooks:  # the core offers the hook; it never calls impl() itself
         hooks.append(refresh_changed)
+    cells = importlib.import_module("labkit.launching.notebook")  # every notebook cell and needs_exercise() block
+    if refresh_changed not in cells.BEFORE_CELL:
+        cells.BEFORE_CELL.append(refresh_changed)
+        cells.AFTER_CELL.append(_stamp_new_modules)
+
+
+_register_refresh()  # importing the switch is enough: a notebook's setup cell does

@@ -1,1 +1,1 @@
-"""Launching ranks: fork from a notebook or script, or join ranks that torchrun, Slurm or mpiexec started; failures, restarts, the %%ranks magic, notebook helpers."""
+"""Launching ranks: fork from a notebook or script, or join ranks that torchrun, Slurm or mpiexec started; failures, restarts, the %%ranks magic, notebook helpers; watching them: progress (the idle-hang check), peer_watch (stop when a peer failed), stacks (hang reports in the learner's words)."""

@@ -39,6 +39,8 @@ import time
 import traceback
 from datetime import timedelta
 
+from labkit.launching.progress import IdleWatch
+from labkit.launching.stacks import hint, where_waiting
 from labkit.launching.failures import (LaunchError, LaunchInterrupted, RankFailure, crash_failure, launch_error,
                        one_line, ranks_text)
 
@@ -153,9 +155,11 @@ def _die_with_parent():
 # --------------------------------------------------------------------------- the parent
 
 class ForkLauncher:
-    def __init__(self, fn, world_size, args, kwargs, backend, timeout):
+    def __init__(self, fn, world_size, args, kwargs, backend, timeout, idle_timeout=None):
         self.fn, self.world_size, self.args, self.kwargs = fn, world_size, args, kwargs
         self.backend, self.timeout = backend, timeout
+        # every running rank asleep this long (gloo only: see labkit.launching.progress) = a hang
+        self.idle = IdleWatch(idle_timeout) if idle_timeout and backend == "gloo" else None
         self.results: dict[int, object] = {}
         self.started: set[int] = set()
         self.all_started_at: float | None = None
@@ -220,7 +224,9 @@ class ForkLauncher:
                 if not pending:  # every rank returned; one is slow to exit: the cleanup kills it
                     break
                 self._timeout(list(pending.values()))
-            wait_until = min(deadline, stop_at or deadline)
+            if self._all_asleep(pending, stop_at):
+                self._timeout(list(pending.values()), asleep=True)
+            wait_until = min(deadline, stop_at or deadline, now + 0.25 if self.idle else deadline)
             ready = mp.connection.wait(list(pending) + list(alive), timeout=max(0.0, wait_until - now))
             for item in ready:
                 if item in pending:
@@ -271,12 +277,20 @@ class ForkLauncher:
         failed = {f.rank for f in self.failures}
         return [r for r in range(self.world_size) if r not in self.results and r not in failed]
 
-    def _timeout(self, running):
+    def _all_asleep(self, pending, stop_at) -> bool:
+        if self.idle is None or stop_at is not None or len(self.started) < self.world_size or not pending:
+            return False
+        return self.idle.all_asleep([self.procs[rank].pid for rank in pending.values()])
+
+    def _timeout(self, running, asleep=False):
         stuck = sorted(running)
         stacks = self._stacks(stuck)
         finished = sorted(set(range(self.world_size)) - set(stuck))
         not_started = sorted(set(stuck) - self.started)
-        if not_started:
+        if asleep:
+            head = (f"hung: rank(s) {ranks_text(stuck)} of {self.world_size} all waited, none using the CPU, "
+                    f"for {self.idle.window:.0f} s (nobody left to wake them)")
+        elif not_started:
             head = (f"timed out: rank(s) {ranks_text(not_started)} of {self.world_size} had not finished "
                     f"starting (init_process_group) after {self.timeout + STARTUP_GRACE:g} s")
         else:
@@ -284,9 +298,18 @@ class ForkLauncher:
                     "were still running")
         if finished:
             head += f" (rank(s) {ranks_text(finished)} had already returned)"
-        parts = [head + "."]
+        parts = [head + "."] + [f"rank {r} waits {where_waiting(stacks[r])}" for r in stuck if where_waiting(stacks[r])]
+        if stacks and not not_started:
+            parts.append(hint(stacks))
+        first_with = {}  # a stack shown once: ranks that wait in the same place say so in one line
         for rank in stuck:
-            parts.append(f"\n=== rank {rank}: still running; its Python stack ===\n{stacks[rank]}")
+            if stacks[rank] in first_with:
+                parts.append(f"=== rank {rank}: the same stack as rank {first_with[stacks[rank]]} ===")
+                continue
+            first_with[stacks[rank]] = rank
+            shown = stacks[rank].splitlines()
+            shown = shown[:10] + ([f"  ... ({len(shown) - 10} outer frames left out)"] if len(shown) > 10 else [])
+            parts.append(f"\n=== rank {rank}: still running; its Python stack ===\n" + "\n".join(shown))
             if self.tail[rank]:
                 parts.append(f"--- last output of rank {rank} ---\n" + "".join(self.tail[rank][-5:]))
         parts.append("\nA rank that skips a collective, a send without a matching recv, or two ranks that "
@@ -372,11 +395,12 @@ class ForkLauncher:
 NOISE_FRAMES = ("labkit/launching/forked.py", "labkit/launching/launcher.py", "labkit/launching/cluster.py", "multiprocessing/",
                 "/IPython/", "/ipykernel/", "/tornado/", "/asyncio/", "/traitlets/", "/zmq/", "runpy.py",
                 "/_pytest/", "/pluggy/", "/pytest/", "/jupyter_client/", "/jupyter_core/", "/nbclient/",
-                "/labkit/launching/magic.py")
+                "/labkit/launching/magic.py", "<frozen runpy>", "c10d_logger.py")
 
 
 def trim_stack(text: str) -> str:
     # faulthandler lists every frame down to the process's start; the launcher's, the kernel's
     # and pytest's frames are noise to a learner looking for where their rank waits.
-    lines = [line for line in text.splitlines() if not any(noise in line for noise in NOISE_FRAMES)]
-    return "\n".join(lines).strip()
+    lines = [line for line in text.splitlines() if not any(noise in line for noise in NOISE_FRAMES)
+             and not line.startswith(("Current thread 0x", "Thread 0x"))]
+    return "\n".join(lines).strip("\n")

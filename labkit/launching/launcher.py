@@ -30,7 +30,7 @@ BEFORE_FORK: list = []  # callables run in the parent just before the ranks are 
 _warned = False
 
 
-def launch(fn, world_size, *args, backend="auto", timeout=120.0, **kwargs) -> list:
+def launch(fn, world_size, *args, backend="auto", timeout=120.0, idle_timeout=None, **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
 
     ``backend``: "auto" (nccl when this node has a GPU for each of its ranks, else gloo),
@@ -40,6 +40,9 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, **kwargs) -> li
     watchdog prints the stacks and ends a process whose ``fn`` outlives it.
     Ctrl-C (the notebook's stop button) prints the running ranks' stacks, kills them and
     raises `LaunchInterrupted` (a KeyboardInterrupt).
+    ``idle_timeout``: with forked gloo ranks, report a hang as soon as every running rank has
+    slept (used no CPU) for that many seconds (`labkit.launching.progress`); for work that never
+    sleeps on purpose, such as the grading cases. Default: $LABKIT_IDLE_TIMEOUT, else off.
     Raises ValueError for bad arguments, `LaunchError` for any failure
     (`StubNotImplemented` when an exercise stub was the root cause).
     """
@@ -53,7 +56,9 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, **kwargs) -> li
     prewarm()
     for hook in BEFORE_FORK:  # e.g. labkit.grading reloads the exercises a learner just edited
         hook()
-    return ForkLauncher(fn, world_size, args, kwargs, backend, float(timeout)).run()
+    if idle_timeout is None and os.environ.get("LABKIT_IDLE_TIMEOUT"):
+        idle_timeout = float(os.environ["LABKIT_IDLE_TIMEOUT"])
+    return ForkLauncher(fn, world_size, args, kwargs, backend, float(timeout), idle_timeout).run()
 
 
 _prewarmed = False

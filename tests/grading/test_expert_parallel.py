@@ -248,14 +248,14 @@ def expect_ok(case, world_size):
                 f"expert parallelism on {world_size} ranks, case {case}{WHAT.get(case, '')}")
 
 
-@pytest.mark.exercise("dispatch", "all_to_all_single")
+@pytest.mark.exercise("dispatch", needs=("all_to_all_single",))
 @pytest.mark.parametrize("case", ["dispatch", "dispatch_one_expert_per_rank"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dispatch_sends_each_token_to_its_experts_rank(case, world_size):
     expect_ok(case, world_size)
 
 
-@pytest.mark.exercise("combine", "all_to_all_single")
+@pytest.mark.exercise("combine", needs=("all_to_all_single",))
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_combine_brings_outputs_back_weighted_by_gates(world_size):
     expect_ok("combine", world_size)
@@ -301,7 +301,7 @@ def compute_experts_mismatch(out, want, received, experts, owner, source):
     return f"{head}: {(out[i] - want[i]).abs().max().item():.3g} max abs difference, no expert's output of this row"
 
 
-@pytest.mark.exercise("dispatch", "compute_experts", "combine", "all_to_all_single")
+@pytest.mark.exercise("dispatch", "compute_experts", "combine", needs=("all_to_all_single",))
 @pytest.mark.parametrize("E", [4, 8])
 @pytest.mark.parametrize("ep", [2, 4])
 def test_expert_parallel_equals_single_device_same_drops_logits_every_gradient(ep, E):
@@ -314,12 +314,12 @@ def test_allreduce_ep_gradients_averages_experts_over_dp_and_the_rest_over_every
     expect_ok(case, 4)
 
 
-@pytest.mark.exercise("expert_parallel.sync_gradients", "dispatch", "compute_experts", "combine", "all_to_all_single")
+@pytest.mark.exercise("expert_parallel.sync_gradients", needs=("dispatch", "compute_experts", "combine", "all_to_all_single"))
 def test_ep_x_dp_k_adamw_steps_equal_one_process():
     expect_ok("ep_dp_training", 4)
 
 
-@pytest.mark.exercise("dispatch", "compute_experts", "combine", "all_to_all_single")
+@pytest.mark.exercise("dispatch", "compute_experts", "combine", needs=("all_to_all_single",))
 @pytest.mark.parametrize("case", ["E_not_divisible_by_ep_raises", "mesh_with_other_axes_raises"])
 def test_expert_parallel_bad_input_raises(case):
     expect_ok(case, 4)

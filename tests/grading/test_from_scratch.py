@@ -56,9 +56,7 @@ def in_forked_ranks(body, world_size, timeout=TIMEOUT):
         p.start()
     results = {}
     try:
-        deadline = time.monotonic() + timeout  # one deadline for all: a hang costs `timeout`, not n times it
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        _wait_or_idle([p.pid for p in procs], lambda: not any(p.is_alive() for p in procs), timeout)
         while not queue.empty():
             rank, status, value = queue.get()
             results[rank] = (status, value)
@@ -75,9 +73,32 @@ def in_forked_ranks(body, world_size, timeout=TIMEOUT):
         pytest.fail("\n".join(failed), pytrace=False)
     missing = sorted(set(range(world_size)) - set(results))
     if missing:
-        pytest.fail(f"ranks {missing} did not finish within {timeout} s (a hang: did every rank join "
-                    "init_process_group with the same MASTER_ADDR/MASTER_PORT and world_size?)", pytrace=False)
+        pytest.fail(f"ranks {missing} did not finish: they all waited without using the CPU for {IDLE} s, or ran "
+                    f"past {timeout} s (a hang: did every rank join init_process_group with the same "
+                    "MASTER_ADDR/MASTER_PORT and world_size?)", pytrace=False)
     return [results[r][1] for r in range(world_size)]
+
+
+IDLE = 3.0  # seconds every process may sleep without CPU before it is a hang (labkit.launching.progress)
+
+
+def _wait_or_idle(pids, done, timeout):
+    """Wait until done(), `timeout` seconds, or every process of `pids` (and children) asleep for IDLE s."""
+    import psutil
+
+    from labkit.launching.progress import IdleWatch
+
+    watch, end = IdleWatch(IDLE), time.monotonic() + timeout
+    while not done() and time.monotonic() < end:
+        alive = []
+        for pid in pids:
+            try:
+                alive += [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+            except psutil.Error:
+                pass
+        if alive and watch.all_asleep(alive):
+            return
+        time.sleep(0.25)
 
 
 @pytest.mark.exercise("setup_rank")
@@ -141,7 +162,7 @@ def test_rank_worker_destroys_the_process_group_when_the_work_raises(monkeypatch
     assert in_forked_ranks(body, 2) == [False, False], "destroy_process_group must run even when the work raises (try/finally)"
 
 
-@pytest.mark.exercise("spawn_job")
+@pytest.mark.exercise("spawn_job", needs=("setup_rank", "rank_worker"))
 def test_spawn_job_runs_the_script_world_size_2(world_size=2):
     """The file as a script: `python <file> --world-size N --backend gloo`, its last line JSON."""
     path = impl("from_scratch").__file__
@@ -150,11 +171,14 @@ def test_spawn_job_runs_the_script_world_size_2(world_size=2):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=REPO_ROOT, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=TIMEOUT)
+        _wait_or_idle([proc.pid], lambda: proc.poll() is not None, TIMEOUT)
+        out, err = proc.communicate(timeout=0.1 if proc.poll() is None else None)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the script and the processes it spawned
         proc.communicate()
-        pytest.fail(f"the script did not finish within {TIMEOUT} s", pytrace=False)
+        pytest.fail(f"the script did not finish: its processes all waited without using the CPU for {IDLE} s, "
+                    f"or it ran past {TIMEOUT} s (are the spawned ranks joined, and do they all rendezvous?)",
+                    pytrace=False)
     if "is not implemented yet" in out + err:
         raise NotImplementedError((out + err).strip().splitlines()[-1])
     assert proc.returncode == 0, f"exit code {proc.returncode}:\n{err[-3000:]}"

@@ -221,7 +221,7 @@ def test_flat_shard_gather_reshard_reduce(world):
                 f"FlatShard on {world} ranks")
 
 
-@pytest.mark.exercise("ZeRO3")
+@pytest.mark.exercise("ZeRO3", needs=("FlatShard",))
 @pytest.mark.parametrize("world,case", [(w, c) for w in (2, 4) for c in cases(w)
                                         if c != "flat_shard_gather_reshard_reduce"])
 def test_zero3(world, case):
@@ -237,7 +237,7 @@ def _no_blocks(rank, world):
     return None
 
 
-@pytest.mark.exercise("ZeRO3")
+@pytest.mark.exercise("ZeRO3", needs=("FlatShard",))
 def test_zero3_model_without_blocks_raises():
     (message,) = launch(_no_blocks, 1, timeout=TIMEOUT)
     assert message is not None and "no blocks to wrap" in message, message

@@ -240,7 +240,7 @@ def test_communicate_two_pipelines_pp_not_innermost_one_f_one_b_no_hang_and_bloc
 
 # forward_step / backward_step (notebook 05) are graded in test_pipeline_naive.py; marking them
 # here too would show them "not implemented" in the table until the schedules are written.
-@pytest.mark.exercise("gpipe_schedule", "one_f_one_b_schedule", "communicate")
+@pytest.mark.exercise("communicate", needs=("gpipe_schedule", "one_f_one_b_schedule", "forward_step", "backward_step"))
 @pytest.mark.filterwarnings("ignore::labkit.launching.launcher.OversubscriptionWarning")
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_pipeline_gradients_equal_single_device_m_1_2_4_8(p):

@@ -161,7 +161,7 @@ def _launch_or_show_your_lines(fn, world_size, *args):
                 f"The launcher's report:\n{report}", pytrace=False)
 
 
-@pytest.mark.exercise("naive_step")
+@pytest.mark.exercise("naive_step", needs=("forward_step", "backward_step"))
 @pytest.mark.filterwarnings("ignore::labkit.launching.launcher.OversubscriptionWarning")
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_naive_step_real_ranks_equals_single_model_p_2_3_4(p):
@@ -182,7 +182,7 @@ def test_naive_step_real_ranks_equals_single_model_p_2_3_4(p):
             assert loss is None, f"p={p}: stage {s} must return None (only the last stage has the loss)"
 
 
-@pytest.mark.exercise("naive_step")
+@pytest.mark.exercise("naive_step", needs=("forward_step", "backward_step"))
 @pytest.mark.filterwarnings("ignore::labkit.launching.launcher.OversubscriptionWarning")
 def test_naive_step_two_pipelines_pp_not_innermost_neighbours_from_the_mesh():
     # Mesh(4, pp=2, tp=2): stage 1 of rank 0's pipeline is rank 2 and of rank 1's is rank 3.
@@ -212,7 +212,7 @@ def _naive_rank_float64(rank, world_size):
     return _naive_rank(rank, world_size, 1, torch.float64)
 
 
-@pytest.mark.exercise("naive_step")
+@pytest.mark.exercise("naive_step", needs=("forward_step", "backward_step"))
 def test_naive_step_float64_stages_receive_float64_without_a_dtype_argument():
     """dtype follows the module: a float64 pipeline equals the float64 model (float64: the sums of
     different order agree to ~1e-15 relative, so 1e-10 is far from rounding and far below any real error)."""

@@ -221,24 +221,23 @@ def run_all(rank, c):
 
 
 CP_SIZES = [2, 4]
-RING = ("ring_attention_forward", "merge_partials")
 
 
-@pytest.mark.exercise(*RING, "zigzag_split")
+@pytest.mark.exercise("ring_attention_forward", needs=("merge_partials", "zigzag_split"))
 @pytest.mark.parametrize("c", CP_SIZES)
 @pytest.mark.parametrize("mask", ["causal", None])
 def test_ring_attention_zigzag_forward_lse_and_grads_equal_full_attention(c, mask):
     expect_case(launch_cases(run_all, c, 120), f"ring_zigzag_{mask}", f"c={c} zigzag mask={mask}")
 
 
-@pytest.mark.exercise(*RING)
+@pytest.mark.exercise("ring_attention_forward", needs=("merge_partials",))
 @pytest.mark.parametrize("c", CP_SIZES)
 @pytest.mark.parametrize("mask", ["causal", None])
 def test_ring_attention_contiguous_split_equals_full_attention(c, mask):
     expect_case(launch_cases(run_all, c, 120), f"ring_contiguous_{mask}", f"c={c} contiguous mask={mask}")
 
 
-@pytest.mark.exercise(*RING, "zigzag_split")
+@pytest.mark.exercise("ring_attention_forward", needs=("merge_partials", "zigzag_split"))
 @pytest.mark.parametrize("c", CP_SIZES)
 def test_ring_attention_longer_sequence_64_tokens(c):
     expect_case(launch_cases(run_all, c, 120), "ring_zigzag_long_sequence", f"c={c} s=64")
@@ -256,7 +255,7 @@ def test_ring_attention_bad_mask_and_cp_size_not_matching_raise_value_error(c):
     expect_case(launch_cases(run_all, c, 120), "bad_input", f"c={c} bad input")
 
 
-@pytest.mark.exercise(*RING, "zigzag_split")
+@pytest.mark.exercise("ring_attention_forward", needs=("merge_partials", "zigzag_split"))
 @pytest.mark.parametrize("split", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("c", CP_SIZES)
 def test_context_parallel_tiny_model_trained_3_steps_equals_one_process_float64(c, split):

@@ -281,7 +281,7 @@ def test_pseudo_gradients_mean_of_differences_one_allreduce(outcomes):
     check(outcomes, "pseudo_gradients_mean_of_differences")
 
 
-@pytest.mark.exercise("DiLoCo")
+@pytest.mark.exercise("DiLoCo", needs=("average_pseudo_gradients",))
 @pytest.mark.parametrize("key", ["diloco_H1_inner_sgd_equals_dp", "diloco_H1_inner_sgd_momentum_weight_decay_equals_dp",
                                  "diloco_bytes_per_inner_step_fall_by_H",
                                  "diloco_replicas_equal_after_sync_adamw_nesterov", "diloco_H_zero_raises"])

@@ -135,7 +135,7 @@ def _mlp(rank, world, group=None, seed=0):
     return forward.log(), backward.log()  # [(op, payload bytes)]: every dist.<op> call
 
 
-@pytest.mark.exercise("ParallelMLP")
+@pytest.mark.exercise("ParallelMLP", needs=("ColumnParallelLinear", "RowParallelLinear"))
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_parallel_mlp_equals_swiglu_with_one_allreduce_each_way(world):
     for forward_log, backward_log in launch(_mlp, world, timeout=TIMEOUT):
@@ -198,7 +198,7 @@ def _whole_model(rank, world):
     return True
 
 
-@pytest.mark.exercise("ColumnParallelLinear", "RowParallelLinear", "ParallelMLP")
+@pytest.mark.exercise("ParallelMLP", needs=("ColumnParallelLinear", "RowParallelLinear"))
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_parallelize_model_tiny_loss_and_every_gradient_equal(world):
     assert launch(_whole_model, world, timeout=TIMEOUT) == [True] * world
