@@ -262,7 +262,7 @@ def test_context_parallel_tiny_model_trained_3_steps_equals_one_process_float64(
     expect_case(launch_cases(run_all, c, 120), f"model_{split}", f"c={c} model {split}")
 
 
-@pytest.mark.exercise(*RING, "zigzag_split")
+@pytest.mark.exercise("ring_attention_forward", needs=("merge_partials", "zigzag_split"))
 def test_ring_attention_on_a_mesh_whose_cp_axis_is_not_innermost():
     # Mesh(4, cp=2, tp=2): the ring's neighbours are global ranks 0 <-> 2 and 1 <-> 3, not rank +/- 1
     expect_case(launch_cases(run_all, 4, 120), "ring_cp_not_innermost", "Mesh(4, cp=2, tp=2) ring")
