@@ -10,7 +10,8 @@
 How: on entry of the first `intercept`, each table op is replaced ONCE on the
 `torch.distributed` module by a dispatcher; the dispatcher calls every active hook's
 `before(call)` (outermost first; raising there stops the op before it runs), the real op,
-then every hook's `after(call, result)` (innermost first). Nested `intercept` blocks compose
+then every hook's `after(call, result)` (innermost first; one that returns something other
+than None replaces the result, e.g. a Work that notes its wait()). Nested `intercept` blocks compose
 (a SlowLink inside a count_traffic: both see every call). When the last block ends the
 real functions are put back. `dist.P2POp` is swapped too, so that a P2POp built with the
 dispatcher of isend/irecv holds the real function (torch checks `op is isend`).
@@ -55,8 +56,9 @@ class Hook:
     def before(self, call: Call) -> None:
         pass
 
-    def after(self, call: Call, result) -> None:
-        pass
+    def after(self, call: Call, result):
+        """Return None to keep the result, or a replacement (a wrapper around it)."""
+        return None
 
 
 _hooks: list = []            # active hooks, outermost first
@@ -103,7 +105,8 @@ def _dispatcher(op: str, real):
                 hook.before(call)
             result = real(*args, **kwargs)
             for hook in reversed(hooks):
-                hook.after(call, result)
+                replaced = hook.after(call, result)
+                result = result if replaced is None else replaced  # a hook may hand back a wrapper
             return result
         finally:
             _local.busy = False

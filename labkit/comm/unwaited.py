@@ -3,14 +3,16 @@
 ``dist.irecv`` returns at once; the data lands in the buffer later, when the request is
 waited for (or whenever gloo gets to it). Code that reads the buffer without ``wait()`` gets
 stale values, or NaN, some of the time: the grading case fails with a wall of numbers and
-nothing points at the cause. `watch_irecv` wraps ``dist.irecv`` for the duration of a case
-(the learner's module looks it up on ``torch.distributed`` at each call), hands back each
-request in a thin proxy that notes ``wait()`` (and a True ``is_completed()``), and
-`WatchedRecvs.hint` says how many were never waited for.
+nothing points at the cause. `watch_irecv` is a hook of the one interception point
+(`labkit.comm.intercept`) for the duration of a case: it hands back each ``irecv`` request in
+a thin proxy that notes ``wait()`` (and a True ``is_completed()``), and `WatchedRecvs.hint`
+says how many were never waited for.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+
+from labkit.comm.intercept import Hook, intercept
 
 
 class _Request:
@@ -41,22 +43,20 @@ class WatchedRecvs(list):
                 "a received tensor used before its wait()? (irecv returns at once; the data arrives later)")
 
 
+class _IrecvWatch(Hook):
+    def __init__(self, watched: WatchedRecvs):
+        self.watched = watched
+
+    def after(self, call, result):
+        if call.op != "irecv" or result is None:  # None: this rank is not in the group
+            return None
+        self.watched.append(_Request(result))
+        return self.watched[-1]
+
+
 @contextmanager
 def watch_irecv():
     """Within the block, ``torch.distributed.irecv`` requests are watched; yields their list."""
-    import torch.distributed as dist
-
-    real, watched = dist.irecv, WatchedRecvs()
-
-    def irecv(*args, **kwargs):
-        work = real(*args, **kwargs)
-        if work is None:  # this rank is not in the group
-            return work
-        watched.append(_Request(work))
-        return watched[-1]
-
-    dist.irecv = irecv
-    try:
+    watched = WatchedRecvs()
+    with intercept(_IrecvWatch(watched)):
         yield watched
-    finally:
-        dist.irecv = real

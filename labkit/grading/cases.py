@@ -77,8 +77,12 @@ _plan: _Plan | None = None
 
 # --------------------------------------------------------------------------- in the ranks
 
-def run_cases(cases: dict) -> dict:
+def run_cases(cases: dict, *, watch_recvs: bool = True) -> dict:
     """In a rank: run every ``key -> body()`` in order; return {key: (status, detail)}.
+
+    watch_recvs: watch the cases' irecv requests (a failed case whose rank never waited for one gets
+    the hint "a received tensor used before its wait()?"); False for the tests of the communication
+    layer itself, which check that no interception is installed outside their own blocks.
 
     status is "ok", "not implemented" or "failed" (detail: the traceback). Under
     `launch_cases` the ranks also log, agree after each case, and stop together when they
@@ -86,7 +90,7 @@ def run_cases(cases: dict) -> dict:
     """
     import torch.distributed as dist
 
-    from labkit.comm.unwaited import watch_irecv
+    from labkit.comm.unwaited import WatchedRecvs, watch_irecv
     from labkit.launching.peer_watch import PeerWatch
 
     plan = _plan
@@ -112,7 +116,7 @@ def run_cases(cases: dict) -> dict:
         if watch:
             watch.enter(index, key)
         try:
-            with watch_irecv() as recvs:
+            with (watch_irecv() if watch_recvs else contextlib.nullcontext(WatchedRecvs())) as recvs:
                 body()
             results[key] = (OK, "")
         except NotImplementedError as error:
