@@ -1,0 +1,14 @@
+"""Every parallelism in one training run (notebook 14): dp, pp, ep, cp and tp on one `labkit.mesh.Mesh`.
+
+Above the core, like `labkit.grading` and `labkit.apps`: the composed model runs the learner's own
+pieces through ``impl()`` (the TP layers, Megatron-SP, ring attention, the EP all-to-all, the 1F1B
+executor, ZeRO-1), so the solutions or the exercises do the work.
+
+    dims      ParallelDims: the layout (sizes, ZeRO stage, micro-batches), every bad input refused
+              before any process work, and the Mesh it builds
+    model     parallelize(model, mesh=, dims=): this rank's pipeline stage, TP+SP, CP, EP applied
+    step      ComposedOptimizer (gradient groups from the learner's placement table, plain AdamW
+              or ZeRO-1/2/3 per group) and train_step (one 1F1B step, the global loss on every rank)
+    state     the proof's tools: every parameter gathered back to its unsharded shape
+    dcp       resharding checkpoints with torch.distributed.checkpoint
+"""

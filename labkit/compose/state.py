@@ -1,0 +1,42 @@
+"""Every parameter of a composed run gathered back to the full model's shape: what the proofs compare.
+
+`full_state(stage, mesh=mesh)` is collective over the mesh's tp groups. It returns, on the ONE rank
+that reports each parameter, {name: full tensor}; the union over every rank's return value is the
+whole model's state dict, with the full model's names. The placement used here is labkit's own
+(`labkit.compose.model.param_class`), never the learner's table, so a wrong table cannot hide itself.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from labkit.compose.model import param_class, shard_dim
+from labkit.mesh import Mesh
+
+
+def full_state(stage, *, mesh: Mesh) -> dict:
+    """{name: the full parameter} for the parameters this rank reports (see the module docstring)."""
+    coords = mesh.coords()
+    first_replica = coords["dp"] == 0 and coords["cp"] == 0 and coords["tp"] == 0
+    out = {}
+    for name, p in stage.named_parameters():
+        kind, t = param_class(name), p.detach()
+        if kind == "tp_shard" and mesh.size("tp") > 1:
+            parts = [torch.empty_like(t) for _ in range(mesh.size("tp"))]
+            dist.all_gather(parts, t.contiguous(), group=mesh.group("tp"))
+            t = torch.cat(parts, dim=shard_dim(name))
+        reports = first_replica and (kind == "expert" or coords["ep"] == 0)  # experts: one report per ep rank
+        if reports:
+            out[name] = t.clone()
+    return out
+
+
+def merge(states) -> dict:
+    """One state dict from every rank's `full_state`; ValueError if a name is reported twice."""
+    merged = {}
+    for state in states:
+        for name, t in state.items():
+            if name in merged:
+                raise ValueError(f"{name} reported by two ranks")
+            merged[name] = t
+    return merged

@@ -1,0 +1,157 @@
+"""One training step of the composed model: the learner's 1F1B executor, then every gradient summed
+over the group the learner's placement table names, then AdamW or ZeRO on that group (notebook 14).
+
+    stage = parallelize(model, mesh=mesh)
+    opt = ComposedOptimizer(stage, mesh=mesh, zero=1, lr=1e-2)
+    loss = train_step(stage, opt, tokens, targets, mesh=mesh, microbatches=2)   # the global loss, every rank
+
+Gradient groups. The parameters are grouped by the mesh axes of size > 1 their gradient is summed
+over (``impl("placement").placement(name, mesh=mesh).summed_over``); each group's gradients are summed
+with ONE all-reduce of their flat concatenation (few large messages, as DDP's buckets).
+
+ZeRO on those same groups: a parameter's optimizer state is sharded over exactly the ranks that hold
+a replica of it, with the learner's ZeRO-1 `ShardedOptimizer` (notebook 09) on each group.
+- zero=1: the optimizer state sharded (reduce-scatter, AdamW on the shard, all-gather).
+- zero=2: also the gradients: each full .grad is dropped as soon as it is reduce-scattered. Under a
+  pipeline the micro-batches accumulate into full gradients first, so the saving starts at the
+  reduce-scatter (notebook 09's in-backward buckets would reduce once per micro-batch instead).
+- zero=3: also the parameters: between steps a rank keeps only its shards; the step begins by
+  all-gathering them and keeps them for the whole pipelined step. This is how torchtitan runs FSDP
+  under pipeline parallelism (reshard_after_forward=False): gathering each block just in time
+  would repeat it for every micro-batch's forward and backward.
+The ZeRO optimizer averages its group's gradients (in notebook 09 each rank holds a MEAN loss);
+here each rank holds a SHARE of the one loss, so the gradient is the sum: the gradients are
+multiplied by the group's size before the optimizer averages them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from labkit.compose.dims import live_axes
+from labkit.grading import impl
+from labkit.measure.timeline import NullTimeline
+from labkit.mesh import Mesh
+from labkit.parallel.flat import flatten, grads_or_zeros, write_back
+from labkit.parallel.sharding import all_gather_flat
+
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def gradient_groups(stage, *, mesh: Mesh) -> dict:
+    """{live axes: [(name, parameter)]}, from the learner's placement table, in first-appearance order."""
+    table = impl("placement")
+    groups: dict = {}
+    for name, p in stage.named_parameters():
+        where = table.placement(name, mesh=mesh)
+        if "pp" in where.summed_over:
+            raise ValueError(f"{name}: summed over pp, but no parameter is on two pipeline stages: each stage "
+                             "owns its layers, and nothing is summed across pp")
+        groups.setdefault(live_axes(where.summed_over, mesh.sizes), []).append((name, p))
+    return groups
+
+
+class ComposedOptimizer:
+    """AdamW over the stage's parameters, gradients summed per group, with ZeRO stage `zero` (0-3) on the groups."""
+
+    def __init__(self, stage, *, mesh: Mesh, zero: int = 0, **adamw):
+        self.mesh, self.zero, self.hyper = mesh, zero, {**ADAMW, **adamw}
+        self.groups = []  # (axes, [params], optimizer)
+        for axes, named in gradient_groups(stage, mesh=mesh).items():
+            params = [p for _, p in named]
+            if zero and axes:
+                opt = impl("zero").ShardedOptimizer(params, torch.optim.AdamW, group=mesh.group(axes), **self.hyper)
+            else:
+                opt = torch.optim.AdamW(params, **self.hyper)
+            self.groups.append((axes, params, opt))
+        self.shapes = {p: p.shape for _, params, _ in self.groups for p in params}
+        if zero == 3:
+            self._free_parameters()
+
+    def zero_grad(self) -> None:
+        for _, params, _ in self.groups:
+            for p in params:
+                p.grad = None
+
+    def begin_step(self) -> None:
+        """ZeRO-3: all-gather every group's parameters from the shards (the only copy between steps)."""
+        if self.zero != 3:
+            return
+        for axes, params, opt in self.groups:
+            if axes:
+                for p in params:
+                    p.data = torch.empty(self.shapes[p], dtype=p.dtype, device=p.device)
+                write_back(all_gather_flat(opt.shards[0].detach(), group=self.mesh.group(axes)), params)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for axes, params, opt in self.groups:
+            if not axes:
+                opt.step()
+            elif not self.zero:
+                flat = flatten(grads_or_zeros(params))
+                dist.all_reduce(flat, group=self.mesh.group(axes))  # the sum over the replicas
+                for p, g in zip(params, flat.split([p.numel() for p in params])):
+                    p.grad = g.view_as(p)
+                opt.step()
+            else:
+                n = self.mesh.size(axes)
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(n)  # the optimizer averages: times n, the sum of the shares
+                opt.sync_gradients()
+                if self.zero >= 2:
+                    for p in params:
+                        p.grad = None  # the shards' .grad hold what the step needs
+                if self.zero == 3:
+                    opt.optimizer.step()  # the shards only; gathered again at the next begin_step
+                else:
+                    opt.step()  # (synced already) AdamW on the shard, then the all-gather into the parameters
+        if self.zero == 3:
+            self._free_parameters()
+
+    def _free_parameters(self) -> None:
+        for axes, params, _ in self.groups:
+            if axes:
+                for p in params:
+                    p.data = p.data.new_empty(0)  # only the optimizer's shard remains
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        from labkit.parallel.sharding import optimizer_state_bytes
+        return sum(optimizer_state_bytes(opt) for _, _, opt in self.groups)
+
+
+def train_step(stage, optimizer: ComposedOptimizer, tokens, targets, *, mesh: Mesh, microbatches: int = 1,
+               timeline=None) -> float:
+    """One step on the GLOBAL batch tokens, targets [B, s] (the same on every rank); returns the global
+    loss (cross-entropy plus the MoE balance loss, as one process computes it) on every rank."""
+    B, s = tokens.shape
+    x, y = impl("placement").local_batch(tokens, targets, mesh=mesh)
+    optimizer.zero_grad()
+    optimizer.begin_step()
+    stage.begin_step(B, s)
+    rows = B // mesh.size(("dp", "ep"))
+    act_shape = (rows // microbatches, s // mesh.size("cp") // mesh.size("tp"), stage.config.d_model)
+    pipeline = impl("pipeline")
+    schedule = pipeline.one_f_one_b_schedule(mesh.size("pp"), microbatches)
+    tl = timeline if timeline is not None else NullTimeline()
+    ce = pipeline.run_schedule(stage, schedule, x, y, mesh=mesh, act_shape=act_shape, loss_scale=1.0, timeline=tl)
+    with tl.span("reduce", mesh.coord("pp")):
+        optimizer.step()
+    return global_loss(stage, ce, mesh=mesh)
+
+
+def global_loss(stage, ce, *, mesh: Mesh) -> float:
+    """The step's loss on every rank: the last stages' cross-entropy shares (each tp group's once)
+    and every stage's MoE balance-loss shares, summed over the world."""
+    dtype = next(stage.parameters()).dtype
+    total = torch.zeros((), dtype=dtype if dtype == torch.float64 else torch.float32)
+    if ce is not None:
+        total += ce.detach().to(total.dtype) / mesh.size("tp")  # every tp rank holds the same cross-entropy
+    total += torch.as_tensor(stage.aux_total, dtype=total.dtype)
+    if dist.is_initialized() and math.prod(mesh.sizes.values()) > 1:
+        dist.all_reduce(total)
+    return float(total)
