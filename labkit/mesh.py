@@ -62,7 +62,6 @@ class Mesh:
 
     def __init__(self, world_size: int, *, rank: int | None = None, groups: bool = True,
                  combined=(), **sizes):
-        import torch
         import torch.distributed as dist
 
         self.axes = LEVELS if set(sizes) & set(LEVELS) else AXES
@@ -94,7 +93,9 @@ class Mesh:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r} is not in range({world_size})")
         self.world_size, self.rank = world_size, rank
-        self.grid = torch.arange(world_size).view(*self.sizes.values())
+        # row-major strides of the grid: the layout is plain integer arithmetic, so that it works the
+        # same under torch's FakeTensorMode (labkit.scale simulates a rank with fake tensors)
+        self._strides = {a: math.prod(list(self.sizes.values())[i + 1:]) for i, a in enumerate(self.axes)}
         axis_sets = [(a,) for a in self.axes] + [self._axis_set(c) for c in combined]
         self._groups: dict[tuple, object] = {}
         if initialised and groups:
@@ -108,8 +109,13 @@ class Mesh:
         rank = self.rank if rank is None else rank
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is not in range({self.world_size})")
-        position = [int(i) for i in (self.grid == rank).nonzero()[0]]
-        return dict(zip(self.axes, position))
+        return {a: rank // self._strides[a] % self.sizes[a] for a in self.axes}
+
+    @property
+    def grid(self):
+        """The grid ``torch.arange(world_size).view(*sizes)`` (for display; the layout does not need it)."""
+        import torch
+        return torch.arange(self.world_size).view(*self.sizes.values())
 
     def rank_of(self, **coords) -> int:
         """The global rank at these coordinates; axes left out are this rank's own."""
@@ -120,24 +126,24 @@ class Mesh:
         for axis, index in where.items():
             if not 0 <= index < self.sizes[axis]:
                 raise ValueError(f"{axis}={index} is outside the mesh ({axis} has size {self.sizes[axis]})")
-        return int(self.grid[tuple(where[a] for a in self.axes)])
+        return sum(where[a] * self._strides[a] for a in self.axes)
 
     def ranks(self, axes, rank: int | None = None) -> list[int]:
         """The global ranks of ``rank``'s group along ``axes`` (one axis or a tuple), in grid order."""
         axes = self._axis_set(axes)
         mine = self.coords(rank)
-        index = tuple(slice(None) if a in axes else mine[a] for a in self.axes)
-        return self.grid[index].flatten().tolist()
+        base = sum(mine[a] * self._strides[a] for a in self.axes if a not in axes)
+        return [base + sum(i * self._strides[a] for a, i in zip(axes, index))  # grid order: row-major
+                for index in itertools.product(*(range(self.sizes[a]) for a in axes))]
 
     def all_ranks(self, axes) -> list[list[int]]:
         """Every group along ``axes``, as lists of global ranks, in the order they are created."""
         axes = self._axis_set(axes)
-        others = [range(self.sizes[a]) for a in self.axes if a not in axes]
+        others = [a for a in self.axes if a not in axes]
         groups = []
-        for fixed in itertools.product(*others):
-            it = iter(fixed)
-            index = tuple(slice(None) if a in axes else next(it) for a in self.axes)
-            groups.append(self.grid[index].flatten().tolist())
+        for fixed in itertools.product(*(range(self.sizes[a]) for a in others)):
+            first = sum(i * self._strides[a] for a, i in zip(others, fixed))
+            groups.append(self.ranks(axes, first))
         return groups
 
     def index(self, axes) -> int:

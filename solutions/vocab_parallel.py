@@ -104,7 +104,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         valid = targets != IGNORE_INDEX
         exp.div_(sum_exp.unsqueeze(-1))  # in place: this block of the softmax, all that backward needs
         ctx.save_for_backward(exp, local_target, mine & valid, valid)
-        return (sum_exp.log() - picked)[valid].mean()
+        per_token = sum_exp.log() - picked
+        return (per_token * valid).sum() / valid.sum()  # the mean over the valid targets (no boolean index: fixed shapes)
         ### END SOLUTION
 
     @staticmethod
@@ -112,8 +113,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         ### BEGIN SOLUTION
         softmax, local_target, hit, valid = ctx.saved_tensors
         grad_logits = softmax.clone()  # a copy: a second backward (retain_graph) must find the softmax intact
-        rows = torch.arange(len(hit))[hit]
-        grad_logits[rows, local_target[hit]] -= 1  # minus the one-hot target, on its owner's block only
+        # minus the one-hot target, on its owner's block only (a scatter, not a boolean index: fixed shapes,
+        # so that labkit.scale can run it on fake tensors)
+        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1).to(grad_logits.dtype))
         grad_logits *= (valid.to(grad_logits.dtype) * grad / valid.sum()).unsqueeze(-1)
         return grad_logits, None, None
         ### END SOLUTION

@@ -62,6 +62,14 @@ def shard_dim(name: str) -> int | None:
     return 0 if any(key in name for key in _ROWS) else 1
 
 
+def _copy(module: nn.Module) -> nn.Module:
+    """A deep copy with its own parameters and buffers, cloned in place of deepcopy's copies: deepcopy of
+    a fake tensor makes it a new FakeTensorMode, and labkit.scale runs this model on fake tensors."""
+    memo = {id(p): nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in module.parameters()}
+    memo.update({id(b): b.clone() for b in module.buffers()})
+    return copy.deepcopy(module, memo)
+
+
 # -------------------------------------------------------------------------- the layers
 class ComposedAttention(nn.Module):
     """Attention with its heads over tp (SP around it) and its sequence over cp (the ring)."""
@@ -145,13 +153,13 @@ def aux_share(routing, *, group, seq_len: int, global_batch: int, coef: float) -
 class ComposedBlock(nn.Module):
     def __init__(self, block: nn.Module, *, mesh: Mesh, layer: int, timeline=None):
         super().__init__()
-        self.attention_norm, self.ffn_norm = copy.deepcopy(block.attention_norm), copy.deepcopy(block.ffn_norm)
+        self.attention_norm, self.ffn_norm = _copy(block.attention_norm), _copy(block.ffn_norm)
         self.attention = ComposedAttention(block.attention, mesh=mesh, timeline=timeline)
         self.is_moe = isinstance(block.feed_forward, moe_lib.MoE)
         if self.is_moe:
             extra = {} if timeline is None else {"timeline": timeline}
             self.feed_forward = impl("expert_parallel").EPMoE(
-                copy.deepcopy(block.feed_forward), group=mesh.group("ep"), ep_rank=mesh.coord("ep"),
+                _copy(block.feed_forward), group=mesh.group("ep"), ep_rank=mesh.coord("ep"),
                 ep_size=mesh.size("ep"), layer=layer, **extra)
         else:
             self.feed_forward = ComposedMLP(block.feed_forward, mesh=mesh)
@@ -186,14 +194,14 @@ class ComposedStage(nn.Module):
         self.stage, self.n_stages = mesh.coord("pp"), mesh.size("pp")
         self.is_first, self.is_last = mesh.is_first("pp"), mesh.is_last("pp")
         self.tp_group = mesh.group("tp")
-        self.rope = copy.deepcopy(model.rope)
+        self.rope = _copy(model.rope)
         if self.is_first:
             self.tok_embeddings = impl("vocab_parallel").VocabParallelEmbedding(model.tok_embeddings, group=self.tp_group)
         ids = split_layers(cfg.n_layers, self.n_stages)[self.stage]
         self.layers = nn.ModuleDict({str(i): ComposedBlock(model.layers[i], mesh=mesh, layer=i, timeline=timeline)
                                      for i in ids})
         if self.is_last:
-            self.norm = copy.deepcopy(model.norm)
+            self.norm = _copy(model.norm)
             self.output = impl("tensor_parallel").ColumnParallelLinear(model.output, group=self.tp_group)
         self.global_batch, self.seq_len, self.aux_total = None, None, 0.0
 

@@ -29,6 +29,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from labkit.compose.dims import live_axes
 from labkit.grading import impl
@@ -118,6 +119,10 @@ class ComposedOptimizer:
                 for p in params:
                     p.data = p.data.new_empty(0)  # only the optimizer's shard remains
 
+    def torch_optimizers(self) -> list:
+        """The inner torch optimizers, one per gradient group (what torch's memory tracker can follow)."""
+        return [opt for _, _, opt in self.groups]
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
         from labkit.parallel.sharding import optimizer_state_bytes
@@ -154,4 +159,4 @@ def global_loss(stage, ce, *, mesh: Mesh) -> float:
     total += torch.as_tensor(stage.aux_total, dtype=total.dtype)
     if dist.is_initialized() and math.prod(mesh.sizes.values()) > 1:
         dist.all_reduce(total)
-    return float(total)
+    return float("nan") if is_fake(total) else float(total)  # a simulated rank (labkit.scale) has no values

@@ -77,6 +77,8 @@ def count_collectives():
         yield counts  # filled when the block ends
     world = dist.get_world_size()
     for r in traffic.records:
+        if r.op in ("recv", "irecv"):  # the other side's send: what this rank receives, not what it sends
+            continue
         n = world if r.group == "world" else len(r.group.split(" ", 1)[1].split(","))
         key = (_CANONICAL.get(r.op, r.op), n)
         counts[key] = counts.get(key, 0) + r.wire
@@ -109,7 +111,8 @@ def measure_step(step: SimStep, world_size: int = 1, rank: int = 0) -> dict:
     with fake_world(world_size, rank), FakeTensorMode():
         model, optimizer, batch = step.build()
         tracker = MemTracker()
-        tracker.track_external(model, optimizer)
+        # a composite optimizer (labkit.compose's, one per gradient group) is tracked through its torch ones
+        tracker.track_external(model, *getattr(optimizer, "torch_optimizers", lambda: [optimizer])())
         with count_collectives() as sent, tracker, FlopCounterMode(display=False) as flops, \
                 sdpa_kernel(SDPBackend.MATH):  # the math kernel: its matmuls are counted
             step.run(model, optimizer, batch)
@@ -138,5 +141,39 @@ def dp_step(config, batch: int, seq_len: int, lr: float = 1e-4) -> SimStep:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat)
         optimizer.step()
+
+    return SimStep(build, run)
+
+
+def composed_step(config, dims, batch: int, seq_len: int) -> SimStep:
+    """Notebook 14's composed step (labkit.compose: the learner's TP+SP, ring attention, 1F1B, ZeRO on one
+    Mesh) as one simulated rank. `dims`: a labkit.compose.dims.ParallelDims whose world is the fake
+    world's. Dense models: the MoE's all-to-all sizes come from routing counts, which fake tensors
+    do not have. One micro-batch: torch's MemTracker refuses a module called twice in one step."""
+    from labkit.compose.model import parallelize
+    from labkit.compose.step import ComposedOptimizer, train_step
+    from labkit.model import build_model
+
+    if config.n_experts:
+        raise ValueError("composed_step simulates dense models: the EP all-to-all's sizes depend on the "
+                         "routing, which fake tensors do not compute")
+    if dims.microbatches != 1:
+        raise ValueError("composed_step runs one micro-batch: MemTracker cannot follow a module called "
+                         "several times in one step")
+    dims.check(config, batch=batch, seq_len=seq_len)
+    meshes = []
+
+    def build():
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # the layout is integers; only the model is fake
+            mesh = dims.build_mesh(dist.get_world_size())
+        meshes.append(mesh)
+        stage = parallelize(build_model(config), mesh=mesh)
+        tokens = torch.randint(0, config.vocab_size, (batch, seq_len))
+        return stage, ComposedOptimizer(stage, mesh=mesh, zero=dims.zero), tokens
+
+    def run(stage, optimizer, tokens):
+        train_step(stage, optimizer, tokens, tokens, mesh=meshes[-1], microbatches=1)
 
     return SimStep(build, run)
