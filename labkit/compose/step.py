@@ -134,6 +134,8 @@ def train_step(stage, optimizer: ComposedOptimizer, tokens, targets, *, mesh: Me
     """One step on the GLOBAL batch tokens, targets [B, s] (the same on every rank); returns the global
     loss (cross-entropy plus the MoE balance loss, as one process computes it) on every rank."""
     B, s = tokens.shape
+    device = next(stage.parameters()).device  # a GPU node: the batch goes where the stage is
+    tokens, targets = tokens.to(device), targets.to(device)
     x, y = impl("placement").local_batch(tokens, targets, mesh=mesh)
     optimizer.zero_grad()
     optimizer.begin_step()
