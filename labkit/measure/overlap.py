@@ -3,6 +3,7 @@
     t_msg = message_seconds(nbytes, alpha, beta)          # alpha + bytes / beta
     pipeline_exposed_seconds(p, t_msg)                   # 2 (p - 1) t_msg per step, whatever m
     zero3_prefetch(layer_params, n_ranks, tokens, flop_rate, alpha, beta)
+    pipeline_costs(spans); bubble_with_costs(schedule, spans)   # a measured step, its own costs
 
 Two cases from the lab:
 
@@ -19,8 +20,21 @@ parameters runs. Ring all-gather of S bytes on N ranks: (N - 1) (alpha + S / (N 
 Layer i's forward on `tokens` tokens: 2 x params x tokens FLOPs (its backward twice
 that). The gather hides when it is no longer than the compute; the smallest batch that
 hides it is `min_tokens`.
+
+**Measured costs (notebook 06, bench/pipeline.py).** On a shared CPU the ideal bubble
+(p-1)/(m+p-1) assumes free messages and no work between computes. `pipeline_costs` reads
+off a measured step's timeline what each action really cost: the mean F, B, W spans, the
+mean gap between two computes of a rank with no receive between them (the executor's own
+work), and the mean time a receive adds, counted from the later of the rank's previous
+compute and the sender's compute: gloo moves a message only once its receiver has posted
+the receive, which the executor does just before the compute that reads it, so a receive
+costs about the same whether its message was sent long before or not.
+`bubble_with_costs` runs `simulate` with those costs: the theory with measured costs.
 """
 from __future__ import annotations
+
+from collections import defaultdict
+from statistics import mean
 
 
 def message_seconds(nbytes: float, alpha: float, beta: float) -> float:
@@ -57,3 +71,68 @@ def zero3_prefetch(layer_params: int, n_ranks: int, tokens: int, flop_rate: floa
     compute = 2 * layer_params * tokens / flop_rate
     return dict(gather_s=gather, compute_s=compute, hidden=gather <= compute, exposed_s=max(0.0, gather - compute),
                 min_tokens=gather * flop_rate / (2 * layer_params))
+
+
+def _sender(spans_by_key, s):
+    """The compute whose message this compute receives: F of stage - 1, or B of stage + 1 (None for W)."""
+    if s.kind == "F":
+        return spans_by_key.get(("F", s.stage - 1, s.mb))
+    return spans_by_key.get(("B", s.stage + 1, s.mb)) if s.kind == "B" else None
+
+
+def pipeline_costs(spans) -> dict:
+    """Per-action costs of a measured pipeline step (seconds), read off its timeline's spans.
+
+    F, W: mean compute span per kind; B: mean full backward, B_input: mean split backward (one
+    a W of the same stage and micro-batch completes), 0.0 for a kind absent; gap: mean idle time between
+    two consecutive computes of a rank with no receive between them; recv: mean idle time
+    before a compute that a receive from another rank precedes, counted from the later of
+    the rank's previous compute end and the sender's compute end; n_recv, n_gap: how many.
+    """
+    compute = [s for s in spans if s.kind in ("F", "B", "W")]
+    if not compute:
+        raise ValueError("no F/B/W spans: pass a pipeline step's timeline (Timeline.gather())")
+    by_key = {(s.kind, s.stage, s.mb): s for s in compute}
+    by_rank = defaultdict(list)
+    for s in sorted(spans, key=lambda s: (s.start, s.end)):
+        by_rank[s.rank].append(s)
+    gaps, recvs = [], []
+    for rank, ordered in by_rank.items():
+        prev, received = None, False
+        for s in ordered:
+            if s.kind == "recv":
+                received = True
+            elif s.kind in ("F", "B", "W"):
+                src = _sender(by_key, s)
+                if prev is not None and not received:
+                    gaps.append(s.start - prev.end)
+                elif prev is not None and src is not None and src.rank != rank:
+                    recvs.append(s.start - max(prev.end, src.end))
+                prev, received = s, False
+    split = {(s.stage, s.mb) for s in compute if s.kind == "W"}
+    kind = {id(s): "B_input" if s.kind == "B" and (s.stage, s.mb) in split else s.kind for s in compute}
+    costs = {k: mean([s.duration for s in compute if kind[id(s)] == k] or [0.0]) for k in ("F", "B", "B_input", "W")}
+    return dict(costs, gap=mean(gaps or [0.0]), recv=mean(recvs or [0.0]), n_gap=len(gaps), n_recv=len(recvs))
+
+
+def bubble_with_costs(schedule, spans, costs: dict | None = None) -> float:
+    """The bubble `simulate` predicts for ``schedule`` with the costs measured on ``spans``.
+
+    Every compute takes its measured mean plus the executor's gap; every receive adds
+    recv - gap (its measured cost beyond that gap) to its receiver, from the later of
+    the receiver's and the sender's arrival (`simulate(t_recv=)`). The ranks are busy
+    only in their computes, as in `labkit.measure.timeline.bubble_fraction`.
+    """
+    from labkit.parallel.schedules import lower, simulate
+
+    c = costs or pipeline_costs(spans)
+    g, lowered = c["gap"], lower(schedule)
+    n_split = len(lowered.split)
+    n = {k: sum(a.kind == k for ops in lowered.ops for a in ops) for k in ("F", "B", "W")}
+    # simulate takes one full backward t_b and one t_w (a split B costs t_b - t_w): a schedule
+    # with only split backwards gets t_b = B_input + W; a mixed one keeps its full B's measured
+    # cost and its W's, so its split B's cost B - W there (measured: B_input, within a gap or so)
+    full_b = c["B"] if n["B"] > n_split else c["B_input"] + c["W"] + g
+    sim = simulate(lowered, c["F"] + g, full_b + g, t_w=c["W"] + g, t_recv=max(0.0, c["recv"] - g))
+    busy = n["F"] * c["F"] + (n["B"] - n_split) * c["B"] + n_split * c["B_input"] + n["W"] * c["W"]
+    return 1.0 - busy / (len(lowered.ops) * sim.makespan)
