@@ -4,6 +4,7 @@
     pipeline_exposed_seconds(p, t_msg)                   # 2 (p - 1) t_msg per step, whatever m
     zero3_prefetch(layer_params, n_ranks, tokens, flop_rate, alpha, beta)
     pipeline_costs(spans); bubble_with_costs(schedule, spans)   # a measured step, its own costs
+    prefetch_exposures(spans); check_prefetch(prediction, spans)  # ZeRO-3's gathers on a timeline
 
 Two cases from the lab:
 
@@ -19,7 +20,10 @@ models any schedule.
 parameters runs. Ring all-gather of S bytes on N ranks: (N - 1) (alpha + S / (N beta)).
 Layer i's forward on `tokens` tokens: 2 x params x tokens FLOPs (its backward twice
 that). The gather hides when it is no longer than the compute; the smallest batch that
-hides it is `min_tokens`.
+hides it is `min_tokens`. On the learner's timeline (solutions/fsdp.py's ZeRO3 records each
+unit's "allgather" from issue to the end of its wait, and each block's "F"), the exposed part
+of block i's gather is the time it ends after block i-1's forward: `prefetch_exposures`;
+`check_prefetch` sets it against the prediction.
 
 **Measured costs (notebook 06, bench/pipeline.py).** On a shared CPU the ideal bubble
 (p-1)/(m+p-1) assumes free messages and no work between computes. `pipeline_costs` reads
@@ -135,4 +139,49 @@ def bubble_with_costs(schedule, spans, costs: dict | None = None) -> float:
     full_b = c["B"] if n["B"] > n_split else c["B_input"] + c["W"] + g
     sim = simulate(lowered, c["F"] + g, full_b + g, t_w=c["W"] + g, t_recv=max(0.0, c["recv"] - g))
     busy = n["F"] * c["F"] + (n["B"] - n_split) * c["B"] + n_split * c["B_input"] + n["W"] * c["W"]
-    return 1.0 - busy / (len(lowered.ops) * sim.makespan)
+    window = sim.makespan - g  # the measured window ends with the last compute, not with the gap after it
+    return 1.0 - busy / (len(lowered.ops) * window)
+
+
+def prefetch_exposures(spans) -> list[float]:
+    """Measured exposed time of each block's forward gather (blocks 1, 2, ...; every rank), seconds.
+
+    Block i's forward gather is the first "allgather" span with ``mb == i`` on its rank (the
+    second one is the backward's). Its exposed part is the time it ends after the later of
+    its own start and the end of block i-1's "F": with prefetch it was issued before block
+    i-1's forward and only its tail (if any) is waited for; without, all of it is exposed.
+    Block 0's gather has no forward before it to hide behind and is left out.
+    """
+    out = []
+    for rank in sorted({s.rank for s in spans}):
+        gathers, forwards = {}, {}
+        for s in sorted((s for s in spans if s.rank == rank), key=lambda s: s.start):
+            if s.kind == "allgather" and s.mb is not None:
+                gathers.setdefault(s.mb, s)  # the first: the forward's
+            elif s.kind == "F":
+                forwards.setdefault(s.mb, s)
+        for i in sorted(gathers):
+            if i >= 1 and i - 1 in forwards:
+                g = gathers[i]
+                out.append(max(0.0, g.end - max(g.start, forwards[i - 1].end)))
+    if not out:
+        raise ValueError("no block gather with a forward before it: pass the spans of a ZeRO-3 step "
+                         "recorded with ZeRO3(..., timeline=tl) (kinds 'allgather' and 'F', mb = block)")
+    return out
+
+
+def check_prefetch(prediction: dict, spans) -> dict:
+    """Set `zero3_prefetch`'s prediction against the exposures measured on ``spans``.
+
+    measured_exposed_s: mean of `prefetch_exposures`; margin_s: half the predicted gather;
+    agree: the measured exposure is within the margin of the predicted one (so a predicted
+    "hidden" means less than half a gather measured exposed). Why half a gather: on a few
+    shared CPU cores the alpha-beta fit itself moves by about that much from run to run, so
+    a narrower margin would judge the machine's load, not the arithmetic.
+    """
+    exposures = prefetch_exposures(spans)
+    measured = sum(exposures) / len(exposures)
+    margin = prediction["gather_s"] / 2
+    return dict(measured_exposed_s=measured, predicted_exposed_s=prediction["exposed_s"], margin_s=margin,
+                predicted_hidden=prediction["hidden"], measured_hidden=measured <= margin, n=len(exposures),
+                agree=abs(measured - prediction["exposed_s"]) <= margin)
