@@ -76,30 +76,29 @@ def test_pipeline_costs_catches_a_receive_timed_from_the_receiver_alone(monkeypa
 
 # ------------------------------------------------------------------ ZeRO-3 prefetch on a timeline
 def _zero3_timeline(prefetch: bool):
-    """3 blocks on 2 ranks: root gather, block 0's gather, forwards of 1.0; each block's gather takes 0.75.
+    """3 blocks on 2 ranks, worked by hand: a gather takes 0.75 from the moment the LAST rank issued it.
 
-    With prefetch block i+1's gather is issued as block i starts and waited for after it: 0.25 exposed
-    on rank 0 (its forwards 0.5 long), none on rank 1 beyond the hook's 0.125; without, all 0.75.
-    The backward's gathers of the same units come later and must be ignored.
+    Rank 0's forwards last 0.5, rank 1's 1.0 plus 0.125 of hooks before its wait. With prefetch, block i+1's
+    gather is issued as block i starts; without, after it ends (rank 1 is then the late peer: rank 0 waits
+    for it first, 0.5, then for the gather, 0.75). The backward's gathers come later and must be ignored.
     """
-    spans = []
-    for rank, t_f, hook in ((0, 0.5, 0.0), (1, 1.0, 0.125)):
-        t = 1.0  # after the root's and block 0's gathers
-        spans += [Span("allgather", 0, 0.5, rank), Span("allgather", 0.5, 1.0, rank, mb=0)]
-        for i in range(3):
-            if prefetch and i + 1 < 3:
-                spans.append(Span("allgather", t, max(t + 0.75, t + t_f + hook), rank, mb=i + 1))
-            spans.append(Span("F", t, t + t_f, rank, mb=i))
-            t = max(t + 0.75, t + t_f + hook) if prefetch and i + 1 < 3 else t + t_f
-            if not prefetch and i + 1 < 3:
-                spans.append(Span("allgather", t, t + 0.75, rank, mb=i + 1))
-                t += 0.75
-        spans += [Span("allgather", t + 1, t + 2, rank, mb=i) for i in (2, 1, 0)]  # the backward's
-    return spans
+    A = lambda start, end, rank, mb=None: Span("allgather", start, end, rank, mb=mb)  # noqa: E731
+    F = lambda start, end, rank, mb: Span("F", start, end, rank, mb=mb)  # noqa: E731
+    spans = [A(0, 0.5, r) for r in (0, 1)] + [A(0.5, 1.0, r, 0) for r in (0, 1)]
+    spans += [A(5 + k, 6 + k, r, 2 - k) for r in (0, 1) for k in range(3)]  # the backward's
+    if prefetch:  # rank 0 waits 1.75 - 1.5 and 2.875 - 2.25 (gather 2 issued by rank 1 at 2.125); rank 1 0.125
+        return spans + [A(1.0, 1.75, 0, 1), F(1.0, 1.5, 0, 0), A(1.75, 2.875, 0, 2), F(1.75, 2.25, 0, 1),
+                        F(2.875, 3.375, 0, 2),
+                        A(1.0, 2.125, 1, 1), F(1.0, 2.0, 1, 0), A(2.125, 3.25, 1, 2), F(2.125, 3.125, 1, 1),
+                        F(3.25, 4.25, 1, 2)]
+    return spans + [F(1.0, 1.5, 0, 0), A(1.5, 2.75, 0, 1), F(2.75, 3.25, 0, 1), A(3.25, 4.5, 0, 2), F(4.5, 5, 0, 2),
+                    F(1.0, 2.0, 1, 0), A(2.0, 2.75, 1, 1), F(2.75, 3.75, 1, 1), A(3.75, 4.5, 1, 2), F(4.5, 5.5, 1, 2)]
 
 
 def test_prefetch_exposures_exact():
-    assert prefetch_exposures(_zero3_timeline(prefetch=True)[::-1]) == [0.25, 0.25, 0.125, 0.125]
+    assert prefetch_exposures(_zero3_timeline(prefetch=True)[::-1]) == [0.25, 0.625, 0.125, 0.125]
+    # without prefetch every gather is exposed in full, 0.75: rank 0's first 0.5 of waiting is for its late
+    # peer (counting it, a planted mistake, would give rank 0 1.25 per gather)
     assert prefetch_exposures(_zero3_timeline(prefetch=False)) == [0.75] * 4
     with pytest.raises(ValueError, match="ZeRO3"):
         prefetch_exposures([Span("F", 0, 1, 0, mb=0)])
@@ -110,7 +109,7 @@ def test_check_prefetch_verdicts_and_a_missing_prefetch():
     hidden = dict(gather_s=0.75, compute_s=1.0, hidden=True, exposed_s=0.0)
     exposed = dict(gather_s=0.75, compute_s=0.25, hidden=False, exposed_s=0.5)
     ok = check_prefetch(hidden, _zero3_timeline(prefetch=True))
-    assert ok["measured_exposed_s"] == 0.1875 and ok["margin_s"] == 0.375 and ok["n"] == 4
+    assert ok["measured_exposed_s"] == (0.125 + 0.25) / 2 and ok["margin_s"] == 0.375 and ok["n"] == 4  # median
     assert ok["agree"] and ok["measured_hidden"] and ok["predicted_hidden"]
     # planted mistake, the learner's prefetch missing: the gather waits in full, 0.75, against a predicted 0
     missing = check_prefetch(hidden, _zero3_timeline(prefetch=False))

@@ -38,7 +38,7 @@ costs about the same whether its message was sent long before or not.
 from __future__ import annotations
 
 from collections import defaultdict
-from statistics import mean
+from statistics import mean, median
 
 
 def message_seconds(nbytes: float, alpha: float, beta: float) -> float:
@@ -147,23 +147,25 @@ def prefetch_exposures(spans) -> list[float]:
     """Measured exposed time of each block's forward gather (blocks 1, 2, ...; every rank), seconds.
 
     Block i's forward gather is the first "allgather" span with ``mb == i`` on its rank (the
-    second one is the backward's). Its exposed part is the time it ends after the later of
-    its own start and the end of block i-1's "F": with prefetch it was issued before block
-    i-1's forward and only its tail (if any) is waited for; without, all of it is exposed.
-    Block 0's gather has no forward before it to hide behind and is left out.
+    second one is the backward's). Its exposed part is the time it ends after block i-1's "F"
+    and after the LAST rank issued it (a collective starts only once every rank has joined it:
+    a late peer's delay is load imbalance, not the gather's cost). With prefetch the gather was
+    issued before block i-1's forward and only its tail (if any) is waited for; without, all of
+    it. Block 0's gather has no forward before it to hide behind and is left out.
     """
+    gathers, forwards = {}, {}
+    for s in sorted(spans, key=lambda s: s.start):
+        if s.kind == "allgather" and s.mb is not None:
+            gathers.setdefault((s.rank, s.mb), s)  # the first: the forward's
+        elif s.kind == "F":
+            forwards.setdefault((s.rank, s.mb), s)
+    issued = {}  # block -> when the last rank issued its forward gather
+    for (rank, i), g in gathers.items():
+        issued[i] = max(issued.get(i, g.start), g.start)
     out = []
-    for rank in sorted({s.rank for s in spans}):
-        gathers, forwards = {}, {}
-        for s in sorted((s for s in spans if s.rank == rank), key=lambda s: s.start):
-            if s.kind == "allgather" and s.mb is not None:
-                gathers.setdefault(s.mb, s)  # the first: the forward's
-            elif s.kind == "F":
-                forwards.setdefault(s.mb, s)
-        for i in sorted(gathers):
-            if i >= 1 and i - 1 in forwards:
-                g = gathers[i]
-                out.append(max(0.0, g.end - max(g.start, forwards[i - 1].end)))
+    for (rank, i), g in sorted(gathers.items()):
+        if i >= 1 and (rank, i - 1) in forwards:
+            out.append(max(0.0, g.end - max(issued[i], forwards[rank, i - 1].end)))
     if not out:
         raise ValueError("no block gather with a forward before it: pass the spans of a ZeRO-3 step "
                          "recorded with ZeRO3(..., timeline=tl) (kinds 'allgather' and 'F', mb = block)")
@@ -173,14 +175,16 @@ def prefetch_exposures(spans) -> list[float]:
 def check_prefetch(prediction: dict, spans) -> dict:
     """Set `zero3_prefetch`'s prediction against the exposures measured on ``spans``.
 
-    measured_exposed_s: mean of `prefetch_exposures`; margin_s: half the predicted gather;
+    measured_exposed_s: median of `prefetch_exposures` (a gather also waits for a late peer: a
+    collective completes only once every rank has joined it, and on a shared machine a few such
+    stalls would dominate a mean); margin_s: half the predicted gather;
     agree: the measured exposure is within the margin of the predicted one (so a predicted
     "hidden" means less than half a gather measured exposed). Why half a gather: on a few
     shared CPU cores the alpha-beta fit itself moves by about that much from run to run, so
     a narrower margin would judge the machine's load, not the arithmetic.
     """
     exposures = prefetch_exposures(spans)
-    measured = sum(exposures) / len(exposures)
+    measured = median(exposures)
     margin = prediction["gather_s"] / 2
     return dict(measured_exposed_s=measured, predicted_exposed_s=prediction["exposed_s"], margin_s=margin,
                 predicted_hidden=prediction["hidden"], measured_hidden=measured <= margin, n=len(exposures),
