@@ -31,8 +31,9 @@ off a measured step's timeline what each action really cost: the mean F, B, W sp
 mean gap between two computes of a rank with no receive between them (the executor's own
 work), and the mean time a receive adds, counted from the later of the rank's previous
 compute and the sender's compute: gloo moves a message only once its receiver has posted
-the receive, which the executor does just before the compute that reads it, so a receive
-costs about the same whether its message was sent long before or not.
+the receive (gloo/transport/tcp/pair.cc: "sends cannot execute until the remote side is
+ready to receive"), which the executor does just before the compute that reads it, so a
+receive costs about the same whether its message was sent long before or not.
 `bubble_with_costs` runs `simulate` with those costs: the theory with measured costs.
 """
 from __future__ import annotations
