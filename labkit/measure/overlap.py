@@ -22,7 +22,8 @@ Layer i's forward on `tokens` tokens: 2 x params x tokens FLOPs (its backward tw
 that). The gather hides when it is no longer than the compute; the smallest batch that
 hides it is `min_tokens`. On the learner's timeline (solutions/fsdp.py's ZeRO3 records each
 unit's "allgather" from issue to the end of its wait, and each block's "F"), the exposed part
-of block i's gather is the time it ends after block i-1's forward: `prefetch_exposures`;
+of block i's gather is the time it ends after block i-1's forward (and after the last rank
+issued it): `prefetch_exposures`;
 `check_prefetch` sets it against the prediction.
 
 **Measured costs (notebook 06, bench/pipeline.py).** On a shared CPU the ideal bubble
@@ -176,9 +177,9 @@ def prefetch_exposures(spans) -> list[float]:
 def check_prefetch(prediction: dict, spans) -> dict:
     """Set `zero3_prefetch`'s prediction against the exposures measured on ``spans``.
 
-    measured_exposed_s: median of `prefetch_exposures` (a gather also waits for a late peer: a
-    collective completes only once every rank has joined it, and on a shared machine a few such
-    stalls would dominate a mean); margin_s: half the predicted gather;
+    measured_exposed_s: median of `prefetch_exposures` (on a shared machine other programs stall
+    a gather now and then, and a few such stalls would dominate a mean); margin_s: half the
+    predicted gather;
     agree: the measured exposure is within the margin of the predicted one (so a predicted
     "hidden" means less than half a gather measured exposed). Why half a gather: on a few
     shared CPU cores the alpha-beta fit itself moves by about that much from run to run, so
