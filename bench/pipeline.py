@@ -46,7 +46,10 @@ each, more on a busy machine): every receive on the critical path adds its cost,
 excess grows with the number of hops (v times more for interleaved and V schedules) while
 the bubble shrinks with m. A longer t_F makes it relatively smaller (route 1: at t_F = 100 ms
 GPipe and 1F1B are within 5% of the plain theory at m = 16); the theory with the measured
-costs accounts for it at any t_F (route 2).
+costs accounts for it at any t_F (route 2). It uses mean costs: on a machine loaded beyond its
+cores, single stalls on the critical path cost more than the mean says, and the smallest
+bubbles (3-6% for ZB-H1, ZB-V and DualPipeV at m = 16, where 5% is 0.15-0.3 points) miss
+by more, the more so at --quick's t_F = 30 ms: read the load average in the header.
 --quick: t_F = 30 ms, 2 measured steps per configuration (full: t_F = 100 ms, 3 steps).
 """
 import argparse
