@@ -3,6 +3,8 @@
     t_msg = message_seconds(nbytes, alpha, beta)          # alpha + bytes / beta
     pipeline_exposed_seconds(p, t_msg)                   # 2 (p - 1) t_msg per step, whatever m
     zero3_prefetch(layer_params, n_ranks, tokens, flop_rate, alpha, beta)
+    pipeline_costs(spans); bubble_with_costs(schedule, spans)   # a measured step, its own costs
+    prefetch_exposures(spans); check_prefetch(prediction, spans)  # ZeRO-3's gathers on a timeline
 
 Two cases from the lab:
 
@@ -18,9 +20,27 @@ models any schedule.
 parameters runs. Ring all-gather of S bytes on N ranks: (N - 1) (alpha + S / (N beta)).
 Layer i's forward on `tokens` tokens: 2 x params x tokens FLOPs (its backward twice
 that). The gather hides when it is no longer than the compute; the smallest batch that
-hides it is `min_tokens`.
+hides it is `min_tokens`. On the learner's timeline (solutions/fsdp.py's ZeRO3 records each
+unit's "allgather" from issue to the end of its wait, and each block's "F"), the exposed part
+of block i's gather is the time it ends after block i-1's forward (and after the last rank
+issued it): `prefetch_exposures`;
+`check_prefetch` sets it against the prediction.
+
+**Measured costs (notebook 06, bench/pipeline.py).** On a shared CPU the ideal bubble
+(p-1)/(m+p-1) assumes free messages and no work between computes. `pipeline_costs` reads
+off a measured step's timeline what each action really cost: the mean F, B, W spans, the
+mean gap between two computes of a rank with no receive between them (the executor's own
+work), and the mean time a receive adds, counted from the later of the rank's previous
+compute and the sender's compute: gloo moves a message only once its receiver has posted
+the receive (gloo/transport/tcp/pair.cc: "sends cannot execute until the remote side is
+ready to receive"), which the executor does just before the compute that reads it, so a
+receive costs about the same whether its message was sent long before or not.
+`bubble_with_costs` runs `simulate` with those costs: the theory with measured costs.
 """
 from __future__ import annotations
+
+from collections import defaultdict
+from statistics import mean, median
 
 
 def message_seconds(nbytes: float, alpha: float, beta: float) -> float:
@@ -57,3 +77,117 @@ def zero3_prefetch(layer_params: int, n_ranks: int, tokens: int, flop_rate: floa
     compute = 2 * layer_params * tokens / flop_rate
     return dict(gather_s=gather, compute_s=compute, hidden=gather <= compute, exposed_s=max(0.0, gather - compute),
                 min_tokens=gather * flop_rate / (2 * layer_params))
+
+
+def _sender(spans_by_key, s):
+    """The compute whose message this compute receives: F of stage - 1, or B of stage + 1 (None for W)."""
+    if s.kind == "F":
+        return spans_by_key.get(("F", s.stage - 1, s.mb))
+    return spans_by_key.get(("B", s.stage + 1, s.mb)) if s.kind == "B" else None
+
+
+def pipeline_costs(spans) -> dict:
+    """Per-action costs of a measured pipeline step (seconds), read off its timeline's spans.
+
+    F, W: mean compute span per kind; B: mean full backward, B_input: mean split backward (one
+    a W of the same stage and micro-batch completes), 0.0 for a kind absent; gap: mean idle time between
+    two consecutive computes of a rank with no receive between them; recv: mean idle time
+    before a compute that a receive from another rank precedes, counted from the later of
+    the rank's previous compute end and the sender's compute end; n_recv, n_gap: how many.
+    """
+    compute = [s for s in spans if s.kind in ("F", "B", "W")]
+    if not compute:
+        raise ValueError("no F/B/W spans: pass a pipeline step's timeline (Timeline.gather())")
+    by_key = {(s.kind, s.stage, s.mb): s for s in compute}
+    by_rank = defaultdict(list)
+    for s in sorted(spans, key=lambda s: (s.start, s.end)):
+        by_rank[s.rank].append(s)
+    gaps, recvs = [], []
+    for rank, ordered in by_rank.items():
+        prev, received = None, False
+        for s in ordered:
+            if s.kind == "recv":
+                received = True
+            elif s.kind in ("F", "B", "W"):
+                src = _sender(by_key, s)
+                if prev is not None and not received:
+                    gaps.append(s.start - prev.end)
+                elif prev is not None and src is not None and src.rank != rank:
+                    recvs.append(s.start - max(prev.end, src.end))
+                prev, received = s, False
+    split = {(s.stage, s.mb) for s in compute if s.kind == "W"}
+    kind = {id(s): "B_input" if s.kind == "B" and (s.stage, s.mb) in split else s.kind for s in compute}
+    costs = {k: mean([s.duration for s in compute if kind[id(s)] == k] or [0.0]) for k in ("F", "B", "B_input", "W")}
+    return dict(costs, gap=mean(gaps or [0.0]), recv=mean(recvs or [0.0]), n_gap=len(gaps), n_recv=len(recvs))
+
+
+def bubble_with_costs(schedule, spans, costs: dict | None = None) -> float:
+    """The bubble `simulate` predicts for ``schedule`` with the costs measured on ``spans``.
+
+    Every compute takes its measured mean plus the executor's gap; every receive adds
+    recv - gap (its measured cost beyond that gap) to its receiver, from the later of
+    the receiver's and the sender's arrival (`simulate(t_recv=)`). The ranks are busy
+    only in their computes, as in `labkit.measure.timeline.bubble_fraction`.
+    """
+    from labkit.parallel.schedules import lower, simulate
+
+    c = costs or pipeline_costs(spans)
+    g, lowered = c["gap"], lower(schedule)
+    n_split = len(lowered.split)
+    n = {k: sum(a.kind == k for ops in lowered.ops for a in ops) for k in ("F", "B", "W")}
+    # simulate takes one full backward t_b and one t_w (a split B costs t_b - t_w): a schedule
+    # with only split backwards gets t_b = B_input + W; a mixed one keeps its full B's measured
+    # cost and its W's, so its split B's cost B - W there (measured: B_input, within a gap or so)
+    full_b = c["B"] if n["B"] > n_split else c["B_input"] + c["W"] + g
+    sim = simulate(lowered, c["F"] + g, full_b + g, t_w=c["W"] + g, t_recv=max(0.0, c["recv"] - g))
+    busy = n["F"] * c["F"] + (n["B"] - n_split) * c["B"] + n_split * c["B_input"] + n["W"] * c["W"]
+    window = sim.makespan - g  # the measured window ends with the last compute, not with the gap after it
+    return 1.0 - busy / (len(lowered.ops) * window)
+
+
+def prefetch_exposures(spans) -> list[float]:
+    """Measured exposed time of each block's forward gather (blocks 1, 2, ...; every rank), seconds.
+
+    Block i's forward gather is the first "allgather" span with ``mb == i`` on its rank (the
+    second one is the backward's). Its exposed part is the time it ends after block i-1's "F"
+    and after the LAST rank issued it (a collective starts only once every rank has joined it:
+    a late peer's delay is load imbalance, not the gather's cost). With prefetch the gather was
+    issued before block i-1's forward and only its tail (if any) is waited for; without, all of
+    it. Block 0's gather has no forward before it to hide behind and is left out.
+    """
+    gathers, forwards = {}, {}
+    for s in sorted(spans, key=lambda s: s.start):
+        if s.kind == "allgather" and s.mb is not None:
+            gathers.setdefault((s.rank, s.mb), s)  # the first: the forward's
+        elif s.kind == "F":
+            forwards.setdefault((s.rank, s.mb), s)
+    issued = {}  # block -> when the last rank issued its forward gather
+    for (rank, i), g in gathers.items():
+        issued[i] = max(issued.get(i, g.start), g.start)
+    out = []
+    for (rank, i), g in sorted(gathers.items()):
+        if i >= 1 and (rank, i - 1) in forwards:
+            out.append(max(0.0, g.end - max(issued[i], forwards[rank, i - 1].end)))
+    if not out:
+        raise ValueError("no block gather with a forward before it: pass the spans of a ZeRO-3 step "
+                         "recorded with ZeRO3(..., timeline=tl) (kinds 'allgather' and 'F', mb = block)")
+    return out
+
+
+def check_prefetch(prediction: dict, spans) -> dict:
+    """Set `zero3_prefetch`'s prediction against the exposures measured on ``spans``.
+
+    measured_exposed_s: median of `prefetch_exposures` (on a shared machine other programs stall
+    a gather now and then, and a few such stalls would dominate a mean); margin_s: half the
+    predicted gather;
+    agree: the measured exposure is within the margin of the predicted one (so a predicted
+    "hidden" means less than half a gather measured exposed). Why half a gather: on a few
+    shared CPU cores the alpha-beta fit itself moves by about that much from run to run, so
+    a narrower margin would judge the machine's load, not the arithmetic.
+    """
+    exposures = prefetch_exposures(spans)
+    measured = median(exposures)
+    margin = prediction["gather_s"] / 2
+    return dict(measured_exposed_s=measured, predicted_exposed_s=prediction["exposed_s"], margin_s=margin,
+                predicted_hidden=prediction["hidden"], measured_hidden=measured <= margin, n=len(exposures),
+                agree=abs(measured - prediction["exposed_s"]) <= margin)

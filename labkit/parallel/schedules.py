@@ -307,12 +307,15 @@ class SimResult:
 
 def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, *, t_w: float | None = None, blocking_send: bool = False,
              n_stages: int | None = None, n_microbatches: int | None = None, strict: bool = True,
-             t_msg: float = 0.0) -> SimResult:
+             t_msg: float = 0.0, t_recv: float = 0.0) -> SimResult:
     """Run the lowered schedule on a unit-time model: F takes t_f, B takes t_b, messages are free.
 
     ``t_msg``: with non-blocking sends, a message reaches its receiver t_msg after it is
     sent (alpha + bytes / beta, see `labkit.measure.overlap`), so that the model shows
-    which messages the schedule hides and which lie on its critical path.
+    which messages the schedule hides and which lie on its critical path. ``t_recv``: every
+    receive also costs its receiver t_recv, counted from the later of its own arrival and the
+    message's, hidden or not (gloo's receive: the data moves only once the receiver has posted
+    it, and the executor posts each receive just before the compute that reads it).
 
     ``schedule``: action lists or a `Lowered`. A backward split by a ``W`` action takes
     t_b - t_w for B and t_w for W (t_w defaults to t_b / 2); its activations are held until W.
@@ -366,7 +369,7 @@ def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, *, t_w: float | None 
                     pc[a.peer] += 1
                 else:  # a receive
                     if a.message in sent:
-                        clock[r] = max(clock[r], sent.pop(a.message))
+                        clock[r] = max(clock[r], sent.pop(a.message)) + t_recv
                     elif a.message in waiting_send:
                         sender = waiting_send.pop(a.message)
                         clock[r] = clock[sender] = max(clock[r], clock[sender])
