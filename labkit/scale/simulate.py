@@ -43,6 +43,7 @@ _CANONICAL = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_
 class SimStep:
     build: Callable  # () -> (model, optimizer, batch), run under FakeTensorMode
     run: Callable    # (model, optimizer, batch) -> None: one training step
+    fake: bool = True  # False: real (small) tensors, for steps whose shapes depend on values (MoE routing)
 
 
 @contextlib.contextmanager
@@ -100,14 +101,15 @@ def measure_step(step: SimStep, world_size: int = 1, rank: int = 0) -> dict:
     Returns {"flops": FLOPs of the step, "memory": {"after_forward", "after_step", "peak": {kind: bytes}},
     "bytes": {(op, group size): bytes sent}}. Nothing is allocated for real.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
     # (labkit.model's token check skips fake tensors: they have no values to read)
-    with fake_world(world_size, rank), FakeTensorMode():
-        model, optimizer, batch = step.build()
+    with fake_world(world_size, rank), (FakeTensorMode() if step.fake else contextlib.nullcontext()) as fake:
+        with FakeCopyMode(fake) if step.fake else contextlib.nullcontext():  # a deepcopy inside build (parallelize_model's) stays in this fake mode
+            model, optimizer, batch = step.build()
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
         with count_collectives() as sent, tracker, FlopCounterMode(display=False) as flops, \
