@@ -55,6 +55,15 @@ LAYOUTS = {
 QUICK_LAYOUTS = ("dp2", "tp2", "pp2 1f1b m4")
 
 
+def _lookup(layout):
+    """(Layout, runner) of a LAYOUTS name or of a (Layout, runner) pair; ValueError naming the choices."""
+    if isinstance(layout, str):
+        if layout not in LAYOUTS:
+            raise ValueError(f"no layout named {layout!r}: choose one of {list(LAYOUTS)}, or pass (Layout, runner)")
+        return LAYOUTS[layout]
+    return layout
+
+
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -138,7 +147,7 @@ def _time_rank(rank, world, layout, runner, steps, warmup, calibrate):
 def _run(layout, steps, warmup, calibrate, timeout):
     from labkit import launch
 
-    layout, runner = LAYOUTS[layout] if isinstance(layout, str) else layout
+    layout, runner = _lookup(layout)
     per_rank = launch(_time_rank, layout.world_size, layout, runner, steps, warmup, calibrate, backend="gloo",
                       timeout=timeout)
     seconds = min(max(t[0] for t in step) for step in zip(*(r["times"] for r in per_rank)))
@@ -204,7 +213,7 @@ def predict_layout(layout, fit: dict, rate: float | None = None):
     from labkit.scale.cost import predict
     from labkit.scale.specs import spec_from_config
 
-    layout, _ = LAYOUTS[layout] if isinstance(layout, str) else layout
+    layout, _ = _lookup(layout)
     world = layout.world_size
     p = predict(spec_from_config(_config()), layout, cpu_cluster(fit, world, rate), GLOBAL_BATCH,
                 SEQ_LEN, efficiency=1.0, value_bytes=4, overlap=False)
