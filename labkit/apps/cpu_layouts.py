@@ -29,7 +29,8 @@ hybrid_step: DP, PP with 1F1B, DP x PP), "zero1" (notebook 09's ZeroAdamW), "tp"
 parallelize_model), "cp" (notebook 11's ContextParallel with ring attention). Another step (the
 composed step of notebook 14) is one more runner and more rows.
 The machine is shared: a step's time is the slowest rank's, and a layout's time the minimum over
-the steps after a warm-up (the run least disturbed by other processes).
+the steps after a warm-up (the run least disturbed by other processes); with the calibration, the
+step whose layout and calibration times sum least (the pair least disturbed, measured back to back).
 """
 from __future__ import annotations
 
@@ -150,11 +151,13 @@ def _run(layout, steps, warmup, calibrate, timeout):
     layout, runner = _lookup(layout)
     per_rank = launch(_time_rank, layout.world_size, layout, runner, steps, warmup, calibrate, backend="gloo",
                       timeout=timeout)
-    seconds = min(max(t[0] for t in step) for step in zip(*(r["times"] for r in per_rank)))
+    # per step, the slowest rank's (layout, calibration) seconds
+    steps_ = [(max(t[0] for t in step), max(t[1] for t in step) if calibrate else 0.0)
+              for step in zip(*(r["times"] for r in per_rank))]
     if not calibrate:
-        return seconds, None
-    # the calibration's rate: its FLOPs over the slowest rank's least disturbed step
-    local = min(max(t[1] for t in step) for step in zip(*(r["times"] for r in per_rank)))
+        return min(t for t, _ in steps_), None
+    # the least disturbed PAIR (both measured back to back): the machine's load is shared with others
+    seconds, local = min(steps_, key=sum)
     return seconds, per_rank[0]["flops"] / local
 
 
@@ -175,7 +178,7 @@ def _rate_rank(rank, world, steps):
     return flops / best
 
 
-def _link_rank(rank, world, iters, repeats=3):
+def _link_rank(rank, world, iters, repeats=5):
     """(alpha, beta) of one ring step: the least disturbed of `repeats` measurements (min alpha, max beta)."""
     from labkit.links.bandwidth import measure_link
 
