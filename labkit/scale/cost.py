@@ -72,12 +72,14 @@ def _params_per_gpu(model, layout) -> dict:
 
 
 def step_time(compute_s: float, attention_s: float, traffic_s: dict, layout: Layout, n_micro: int,
-              layers_per_rank: int) -> tuple[float, dict]:
+              layers_per_rank: int, overlap: bool = True) -> tuple[float, dict]:
     """(step seconds, parts) from one GPU's compute time, its attention's share, and each axis's
     traffic time: the overlap rules and the bubble of the module's docstring. `predict` feeds it
-    the closed forms; a measured step (labkit.scale.simulate) feeds it its own FLOPs and bytes."""
+    the closed forms; a measured step (labkit.scale.simulate) feeds it its own FLOPs and bytes.
+    overlap=False: every axis's traffic is exposed in full (the lab's own steps communicate after
+    their compute, as notebooks 04-13 write them)."""
     secs = {axis: traffic_s.get(axis, 0.0) for axis in ("dp", "cp", "tp", "ep", "pp")}
-    exposed = {
+    exposed = dict(secs) if not overlap else {
         "dp": max(0.0, secs["dp"] - compute_s) + secs["dp"] / layers_per_rank,
         "cp": max(0.0, secs["cp"] - attention_s),
         "tp": secs["tp"], "ep": secs["ep"], "pp": secs["pp"],
@@ -90,8 +92,9 @@ def step_time(compute_s: float, attention_s: float, traffic_s: dict, layout: Lay
 
 
 def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_gpus: int | None = None,
-            efficiency: float = EFFICIENCY) -> Prediction:
-    """The cost model's figures for one layout (LayoutError if it cannot run, before any arithmetic)."""
+            efficiency: float = EFFICIENCY, value_bytes: int = 2, overlap: bool = True) -> Prediction:
+    """The cost model's figures for one layout (LayoutError if it cannot run, before any arithmetic).
+    value_bytes, overlap: see axis_traffic and step_time (the defaults: bf16 GPUs that overlap)."""
     n_gpus = layout.world_size if n_gpus is None else n_gpus
     n_micro = check_layout(model, layout, n_gpus, cluster.gpus_per_node, global_batch, seq_len)
     tokens = global_batch * seq_len
@@ -101,10 +104,10 @@ def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_g
     L = layout.layers_per_rank(model.n_layers)
     flops *= L * layout.pp / model.n_layers if layout.pp > 1 else 1.0
     rate = cluster.peak_bf16_flops * efficiency
-    traffic = axis_traffic(model, layout, cluster, n_micro, seq_len, _params_per_gpu(model, layout))
+    traffic = axis_traffic(model, layout, cluster, n_micro, seq_len, _params_per_gpu(model, layout), value_bytes)
     attention = 12 * model.n_layers * model.d_model * seq_len * tokens / n_gpus / rate
     step, parts = step_time(flops / rate, attention, {a: v["seconds"] for a, v in traffic.items()}, layout,
-                            n_micro, L)
+                            n_micro, L, overlap)
     memory = peak_memory(model, layout, n_micro, seq_len)
     return Prediction(
         layout=layout, step_s=step, tokens_per_s_per_gpu=tokens / step / n_gpus,

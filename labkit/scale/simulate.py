@@ -6,8 +6,8 @@
 
 `measure_step(step, world_size, rank)` is the one place a parallel training step plugs into
 the simulator. `step` is a `SimStep`: `build()` makes the rank's model, optimizer and batch
-(called inside `FakeTensorMode`, so a 405B-shaped model costs no memory), `run(model, opt,
-batch)` does one training step (forward, backward, the collectives, the optimizer). The rank
+(called inside `FakeTensorMode`, so a 405B-shaped model costs no memory; a deepcopy in it stays in
+the same fake mode), `run(model, opt, batch)` does one training step (forward, backward, the collectives, the optimizer). The rank
 runs on torch's fake process group (`backend="fake"`, torch.testing._internal.distributed.
 fake_pg: every collective returns at once, with no data), so one process plays rank `rank`
 of `world_size`; ranks with the same role give the same figures, so one run per distinct role
@@ -20,6 +20,9 @@ of `world_size`; ranks with the same role give the same figures, so one run per 
     bytes     each collective's bytes sent by this rank (ring formulas of labkit.scale.traffic),
               by op and group size. This counter is a stand-in: the lab's one communication
               layer (labkit.comm, count_traffic) replaces it when it lands.
+`fake=False` runs a step on real tensors (still the fake process group): for a step whose shapes
+depend on values, as MoE routing does, which fake tensors cannot answer. The lab's FSDP, TP, 1F1B
+and MoE steps plug in this way in labkit/apps/sim_roles.py (one rank per distinct role).
 The composed step of notebook 14 plugs in as a SimStep whose `run` calls it on a Mesh; its
 measured FLOPs and bytes per axis then go through `labkit.scale.cost.step_time`, the same
 overlap and bubble rules the closed forms go through in `predict`.
@@ -43,6 +46,7 @@ _CANONICAL = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_
 class SimStep:
     build: Callable  # () -> (model, optimizer, batch), run under FakeTensorMode
     run: Callable    # (model, optimizer, batch) -> None: one training step
+    fake: bool = True  # False: real (small) tensors, for steps whose shapes depend on values (MoE routing)
 
 
 @contextlib.contextmanager
@@ -102,14 +106,15 @@ def measure_step(step: SimStep, world_size: int = 1, rank: int = 0) -> dict:
     Returns {"flops": FLOPs of the step, "memory": {"after_forward", "after_step", "peak": {kind: bytes}},
     "bytes": {(op, group size): bytes sent}}. Nothing is allocated for real.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
     # (labkit.model's token check skips fake tensors: they have no values to read)
-    with fake_world(world_size, rank), FakeTensorMode():
-        model, optimizer, batch = step.build()
+    with fake_world(world_size, rank), (FakeTensorMode() if step.fake else contextlib.nullcontext()) as fake:
+        with FakeCopyMode(fake) if step.fake else contextlib.nullcontext():  # a deepcopy inside build (parallelize_model's) stays in this fake mode
+            model, optimizer, batch = step.build()
         tracker = MemTracker()
         # a composite optimizer (labkit.compose's, one per gradient group) is tracked through its torch ones
         tracker.track_external(model, *getattr(optimizer, "torch_optimizers", lambda: [optimizer])())

@@ -36,12 +36,15 @@ def ring_time(kind: str, nbytes: float, n: int, alpha: float, beta: float) -> tu
     return sent, steps * (n - 1) * alpha + sent / beta
 
 
-def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_gpu: dict) -> dict:
+def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_gpu: dict,
+                 value_bytes: int = BF16) -> dict:
     """{axis: {"bytes": sent per GPU per step, "seconds": alpha-beta time, "count": collectives}}.
 
     params_per_gpu: {"dense": ..., "experts": ...} parameters this GPU holds before ZeRO
-    (its stage, its tp shard), from the footprint.
+    (its stage, its tp shard), from the footprint. value_bytes: of the activations, parameters and
+    gradients that travel (2: bf16, as on GPUs; 4: the lab's fp32 runs on the CPU).
     """
+    BF16 = value_bytes  # noqa: N806 (the closed forms below read as the docstring's)
     m, L = model, layout.layers_per_rank(model.n_layers)
     mb, s = layout.micro_batch, seq_len // layout.cp
     act = BF16 * mb * s * m.d_model
