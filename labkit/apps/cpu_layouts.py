@@ -26,8 +26,9 @@ one rank's critical path, whichever is longer.
 `LAYOUTS` is the registry: name -> (labkit.scale Layout, runner). A runner is the rank function of
 one of the lab's parallel steps (through `impl`, so your exercises run): "hybrid" (notebook 07's
 hybrid_step: DP, PP with 1F1B, DP x PP), "zero1" (notebook 09's ZeroAdamW), "tp" (notebook 08's
-parallelize_model), "cp" (notebook 11's ContextParallel with ring attention). Another step (the
-composed step of notebook 14) is one more runner and more rows.
+parallelize_model), "cp" (notebook 11's ContextParallel with ring attention), "composed" (notebook 14's
+labkit.compose step: any of dp, pp, cp, tp at once, TP with sequence parallelism and a vocabulary-
+parallel head, which is what labkit.scale's cost model assumes).
 The machine is shared: a step's time is the slowest rank's, and a layout's time the minimum over
 the steps after a warm-up (the run least disturbed by other processes); with the calibration, the
 step whose layout and calibration times sum least (the pair least disturbed, measured back to back).
@@ -52,6 +53,10 @@ LAYOUTS = {
     "dp2 x pp2": (Layout(dp=2, pp=2, micro_batch=2, **_PLAIN), "hybrid"),
     "cp2 ring": (Layout(cp=2, micro_batch=8, **_PLAIN), "cp"),
     "dp8": (Layout(dp=8, micro_batch=1, **_PLAIN), "hybrid"),
+    # notebook 14's composed step (labkit.compose): TP with SP and a vocabulary-parallel head, as labkit.scale models it
+    "composed dp2 x tp2": (Layout(dp=2, tp=2, micro_batch=4, **_PLAIN), "composed"),
+    "composed pp2 x tp2 m4": (Layout(pp=2, tp=2, micro_batch=2, **_PLAIN), "composed"),
+    "composed cp2 x tp2": (Layout(cp=2, tp=2, micro_batch=8, **_PLAIN), "composed"),
 }
 QUICK_LAYOUTS = ("dp2", "tp2", "pp2 1f1b m4")
 
@@ -106,7 +111,20 @@ def _build(runner: str, layout: Layout, rank: int, world: int):
         cp = impl("context_parallel").ContextParallel(model, mesh=Mesh(world, cp=world))
         opt = adamw(model.parameters())
         return lambda: (cp(x, x).backward(), cp.sync_gradients(), opt.step(), opt.zero_grad())
-    raise ValueError(f"unknown runner {runner!r}: one of hybrid, zero1, tp, cp")
+    if runner == "composed":
+        from labkit.compose.dims import ParallelDims
+        from labkit.compose.model import parallelize
+        from labkit.compose.step import ComposedOptimizer, train_step
+
+        m = GLOBAL_BATCH // layout.dp // layout.micro_batch
+        dims = ParallelDims(dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp, microbatches=m,
+                            zero={"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[layout.zero])
+        dims.check(cfg, batch=GLOBAL_BATCH, seq_len=SEQ_LEN, world_size=world)
+        mesh = dims.build_mesh(world)
+        stage = parallelize(model, mesh=mesh)
+        opt = ComposedOptimizer(stage, mesh=mesh, zero=dims.zero, lr=1e-4)
+        return lambda: train_step(stage, opt, x, x, mesh=mesh, microbatches=m)
+    raise ValueError(f"unknown runner {runner!r}: one of hybrid, zero1, tp, cp, composed")
 
 
 def _local_step(world: int):

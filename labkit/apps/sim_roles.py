@@ -36,27 +36,9 @@ from labkit.scale.simulate import SimStep, measure_step
 ROLES = ("fsdp", "tp", "pp", "moe")
 
 
-class _SimMesh(Mesh):
-    """labkit's Mesh whose grid look-ups step out of fake mode: its grid is a real tensor of rank
-    numbers, and a step calls mesh.coord / next_rank while its own tensors are fake."""
-
-    def _real(name):
-        def method(self, *args, **kwargs):
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily():
-                return getattr(Mesh, name)(self, *args, **kwargs)
-        return method
-
-    coords, rank_of, ranks, all_ranks = _real("coords"), _real("rank_of"), _real("ranks"), _real("all_ranks")
-
-
 def _mesh(world: int, **sizes) -> Mesh:
-    """A Mesh on the fake group, built outside fake mode (its grid is a real tensor)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        return _SimMesh(world, **sizes)
+    """A Mesh on the fake group (its layout is integer arithmetic: it works under fake mode)."""
+    return Mesh(world, **sizes)
 
 
 def _adamw(params):
@@ -148,7 +130,7 @@ def _shapes(cfg):
 def _ring(op: str, n: int, nbytes) -> float:
     """Bytes one rank sends (labkit.comm's bus factors) for a full tensor of nbytes over n ranks."""
     return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "all_to_all": (n - 1) / n, "send": 1, "irecv": 1}[op] * nbytes
+            "all_to_all": (n - 1) / n, "send": 1}[op] * nbytes
 
 
 def expected(role: str, cfg, batch: int, seq_len: int, world: int, size: int = 1, stage: int = 0,
@@ -189,7 +171,7 @@ def expected(role: str, cfg, batch: int, seq_len: int, world: int, size: int = 1
         first, last = stage == 0, stage == pp - 1
         out["flops"] = (6 * (layers * block + (V * d if last else 0)) + 12 * layers * d * seq_len) * tokens
         add("send", pp, bsd * ((not last) + (not first)))  # activations forward, their gradients back
-        add("irecv", pp, bsd * ((not last) + (not first)))  # labkit.comm counts a receive's bytes too
+        # (receives are not counted: count_collectives counts what this rank SENDS)
         out.update(holds=layers * (block + 2 * d) + (V * d if first else 0) + (V * d + d if last else 0),
                    tensors=layers * per_block + first + 2 * last)
         add("all_reduce", dp, 4 * out["holds"])

@@ -169,10 +169,7 @@ def composed_step(config, dims, batch: int, seq_len: int) -> SimStep:
     meshes = []
 
     def build():
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():  # the layout is integers; only the model is fake
-            mesh = dims.build_mesh(dist.get_world_size())
+        mesh = dims.build_mesh(dist.get_world_size())
         meshes.append(mesh)
         stage = parallelize(build_model(config), mesh=mesh)
         tokens = torch.randint(0, config.vocab_size, (batch, seq_len))
