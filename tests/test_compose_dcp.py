@@ -115,10 +115,10 @@ def resume_on(dims, moe, path):
 
 def assert_equal_to_reference(losses, weights, moe):
     ref_losses, ref = reference(moe)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[-len(losses):]), **TOL)
     assert set(weights) == set(ref), sorted(set(ref) ^ set(weights))
-    for name, w in ref.items():
+    for name, w in ref.items():  # the weights first: a failure names the first wrong parameter
         torch.testing.assert_close(weights[name].detach(), w, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[-len(losses):]), **TOL)
 
 
 def checkpoint_on(tmp_path_factory, dims, moe):
@@ -194,10 +194,18 @@ def test_another_config_is_refused_before_any_tensor(dense_dp2, monkeypatch):
     assert cfg != other
 
 
-def test_a_wrong_placement_is_caught(dense_pp2_tp2, monkeypatch):
-    """Planted: a tp shard labelled Replicate (every tp rank claims the whole tensor)."""
-    from torch.distributed.tensor import Replicate
-    monkeypatch.setattr(ckpt, "placements", lambda name, dm: [Replicate() for _ in dm.mesh_dim_names])
-    with pytest.raises(Exception) as caught:
-        assert_equal_to_reference(*resume_on(ParallelDims(tp=2), False, dense_pp2_tp2), False)
-    print(caught.value)
+def test_a_shard_on_the_wrong_mesh_dim_is_caught(dense_pp2_tp2, monkeypatch):
+    """Planted: every tp shard labelled Shard(dim) on the dp mesh dim instead of tp (the same sizes here,
+    so the same local shapes: DCP itself cannot notice). Rank (dp 1, tp 0) then loads tp rank 1's rows."""
+    from torch.distributed.tensor import Replicate, Shard
+    from labkit.compose.model import param_class, shard_dim
+
+    def on_dp(name, dm):
+        out = [Replicate() for _ in dm.mesh_dim_names]
+        if param_class(name) == "tp_shard":
+            out[dm.mesh_dim_names.index("dp")] = Shard(shard_dim(name))
+        return out
+
+    monkeypatch.setattr(ckpt, "placements", on_dp)
+    with pytest.raises(AssertionError, match=r"^tok_embeddings\.weight: Tensor-likes are not close"):
+        assert_equal_to_reference(*resume_on(ParallelDims(dp=2, tp=2), False, dense_pp2_tp2), False)
