@@ -71,11 +71,25 @@ def reference(moe: bool):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def check_bridge(mesh):
+    """The DeviceMesh is the lab's Mesh: the same grid, names, and each axis's group the Mesh's own."""
+    import torch.distributed as dist
+    dm = ckpt.to_device_mesh(mesh)
+    assert ckpt.to_device_mesh(mesh) is dm  # cached: built once per Mesh
+    assert dm.mesh.tolist() == mesh.grid.tolist() and dm.mesh_dim_names == mesh.axes
+    for axis in mesh.axes:
+        assert dm.get_group(axis) is mesh.group(axis), axis
+    sm = ckpt.stage_mesh(mesh)  # this stage's ranks: the grid at this rank's pp coordinate
+    assert sm.mesh.flatten().tolist() == mesh.grid.select(1, mesh.coord("pp")).flatten().tolist()
+    assert all(dist.get_process_group_ranks(sm.get_group(a)) == mesh.ranks(a) for a in sm.mesh_dim_names)
+
+
 def composed(rank, world, dims, moe, path, resume):
     """One rank: train K steps from seed 0 and save, or load into a model of ANOTHER seed and finish."""
     cfg = config(moe)
     dims.check(cfg, batch=BATCH, seq_len=SEQ, world_size=world)
     mesh = dims.build_mesh(world)
+    check_bridge(mesh)
     stage = parallelize(build_model(cfg, seed=1 if resume else 0).double(), mesh=mesh)
     opt = ComposedOptimizer(stage, mesh=mesh, zero=dims.zero)
     X, Y = batches(cfg)

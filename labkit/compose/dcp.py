@@ -34,9 +34,11 @@ is read.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import warnings
 import weakref
 
 import torch
@@ -177,6 +179,14 @@ def _fields(config) -> dict:
     return json.loads(json.dumps(fields))  # as the file will give them back (tuples become lists)
 
 
+@contextlib.contextmanager
+def _one_process_quiet():
+    """DCP warns that it assumes one process when no process group exists: here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -199,7 +209,8 @@ def save(path, stage, optimizer, *, mesh: Mesh | None, step: int, config) -> Non
     if zero3:
         optimizer.begin_step()  # ZeRO-3 keeps only shards between steps: gather the parameters
     sd, _ = _state_dict(stage, optimizer, dm, shapes)
-    dcp.save(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
+    with _one_process_quiet():
+        dcp.save(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
     if zero3:
         optimizer._free_parameters()
 
@@ -239,7 +250,8 @@ def load(path, stage, optimizer, *, mesh: Mesh | None, config) -> int:
     missing = sorted(k for k in sd if k.startswith("model.") and k not in stored)
     if missing:
         raise ValueError(f"the checkpoint lacks {missing[:3]}: it was not saved from this model")
-    dcp.load(sd, checkpoint_id=os.fspath(path), no_dist=not dist.is_initialized())
+    with _one_process_quiet():
+        dcp.load(sd, checkpoint_id=os.fspath(path), no_dist=not dist.is_initialized())
     after()
     if zero3:
         optimizer._free_parameters()
