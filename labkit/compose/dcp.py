@@ -65,7 +65,7 @@ def to_device_mesh(mesh: Mesh):
     if mesh in _DEVICE_MESHES:
         return _DEVICE_MESHES[mesh]
     from torch.distributed.device_mesh import DeviceMesh
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"  # DTensors live where the parameters do
     groups = [mesh.group(axis) for axis in mesh.axes]
     dm = DeviceMesh.from_group(groups, device, mesh=mesh.grid, mesh_dim_names=tuple(mesh.axes))
     _DEVICE_MESHES[mesh] = dm
