@@ -1,6 +1,6 @@
 """The composed step (notebook 14) on a simulated rank sends exactly what it sends on real ranks (notebook 15).
 
-labkit.scale.simulate.composed_step runs labkit.compose's step as one rank of a fake world (FakeTensorMode,
+labkit.apps.sim_roles.composed_step runs labkit.compose's step as one rank of a fake world (FakeTensorMode,
 the fake process group). Its bytes per (op, group size), counted by the one communication layer, must equal
 those of the same rank in a real gloo run of the same layout: the simulator may not invent or lose a
 collective. float32 in both (bytes depend on the dtype, not the values). About 10 s.
@@ -42,7 +42,8 @@ def real(monkeypatch_module=None):
 
 @pytest.mark.parametrize("rank", [0, 15], ids=["first-stage", "last-stage"])
 def test_simulated_rank_sends_what_the_real_rank_sends(rank, real, monkeypatch):
-    from labkit.scale.simulate import composed_step, measure_step
+    from labkit.apps.sim_roles import composed_step
+    from labkit.scale.simulate import measure_step
 
     monkeypatch.setenv("LABKIT_IMPL", "solutions")
     simulated = measure_step(composed_step(CFG, DIMS, BATCH, SEQ), world_size=DIMS.world_size, rank=rank)
@@ -51,7 +52,7 @@ def test_simulated_rank_sends_what_the_real_rank_sends(rank, real, monkeypatch):
 
 
 def test_moe_and_microbatches_are_refused_with_the_reason():
-    from labkit.scale.simulate import composed_step
+    from labkit.apps.sim_roles import composed_step
 
     with pytest.raises(ValueError, match="routing"):
         composed_step(get_config("tiny-moe", capacity_factor=2.0), ParallelDims(dp=2, ep=2), 4, 16)

@@ -1,15 +1,16 @@
 """The layers: labkit's core never reaches the solutions or the exercises, not even through impl().
 
-Core = every module of labkit/ except the applications (labkit/apps/) and the grading support
+Core = every module of labkit/ except the applications (labkit/apps/), the grading support
 (labkit/grading/: the switch, the registry, the case runner, stub generation, the pytest plugin and
-the first-wrong-place diagnostics), which exists to pick, run and judge the learner's code.
+the first-wrong-place diagnostics), which exists to pick, run and judge the learner's code, and the
+composition of notebook 14 (labkit/compose/), which runs the learner's pieces together.
 """
 import ast
 from pathlib import Path
 
 LABKIT = Path(__file__).resolve().parent.parent / "labkit"
-NOT_CORE = ("apps", "grading")  # the folders above the core
-FORBIDDEN_MODULES = ("solutions", "exercises", "labkit.apps", "labkit.grading")
+NOT_CORE = ("apps", "grading", "compose")  # the folders above the core
+FORBIDDEN_MODULES = ("solutions", "exercises", "labkit.apps", "labkit.grading", "labkit.compose")
 
 
 def core_modules():

@@ -260,3 +260,34 @@ def sweep(cfg, moe_cfg, batch: int, seq_len: int, worlds=(8, 16, 32, 64, 128, 25
                 worst = max(worst, abs(checked[0][1] / spec_flops(role, c, b, s, size, stage) - 1))
     runs = len({r[:4] for r in rows})
     return dict(rows=rows, seconds=time.perf_counter() - start, runs=runs, worst_spec_gap=worst)
+
+
+def composed_step(config, dims, batch: int, seq_len: int) -> SimStep:
+    """Notebook 14's composed step (labkit.compose: the learner's TP+SP, ring attention, 1F1B, ZeRO on one
+    Mesh) as one simulated rank. `dims`: a labkit.compose.dims.ParallelDims whose world is the fake
+    world's. Dense models: the MoE's all-to-all sizes come from routing counts, which fake tensors
+    do not have. One micro-batch: torch's MemTracker refuses a module called twice in one step."""
+    from labkit.compose.model import parallelize
+    from labkit.compose.step import ComposedOptimizer, train_step
+    from labkit.model import build_model
+
+    if config.n_experts:
+        raise ValueError("composed_step simulates dense models: the EP all-to-all's sizes depend on the "
+                         "routing, which fake tensors do not compute")
+    if dims.microbatches != 1:
+        raise ValueError("composed_step runs one micro-batch: MemTracker cannot follow a module called "
+                         "several times in one step")
+    dims.check(config, batch=batch, seq_len=seq_len)
+    meshes = []
+
+    def build():
+        mesh = dims.build_mesh(dist.get_world_size())
+        meshes.append(mesh)
+        stage = parallelize(build_model(config), mesh=mesh)
+        tokens = torch.randint(0, config.vocab_size, (batch, seq_len))
+        return stage, ComposedOptimizer(stage, mesh=mesh, zero=dims.zero), tokens
+
+    def run(stage, optimizer, tokens):
+        train_step(stage, optimizer, tokens, tokens, mesh=meshes[-1], microbatches=1)
+
+    return SimStep(build, run)

@@ -23,9 +23,9 @@ of `world_size`; ranks with the same role give the same figures, so one run per 
 `fake=False` runs a step on real tensors (still the fake process group): for a step whose shapes
 depend on values, as MoE routing does, which fake tensors cannot answer. The lab's FSDP, TP, 1F1B
 and MoE steps plug in this way in labkit/apps/sim_roles.py (one rank per distinct role).
-The composed step of notebook 14 plugs in as a SimStep whose `run` calls it on a Mesh; its
-measured FLOPs and bytes per axis then go through `labkit.scale.cost.step_time`, the same
-overlap and bubble rules the closed forms go through in `predict`.
+So does the composed step of notebook 14 (`labkit.apps.sim_roles.composed_step`: every parallelism
+on one Mesh, dense models, one micro-batch); its simulated bytes equal a real run's exactly
+(tests/test_compose_simulated.py).
 """
 from __future__ import annotations
 
@@ -149,33 +149,3 @@ def dp_step(config, batch: int, seq_len: int, lr: float = 1e-4) -> SimStep:
 
     return SimStep(build, run)
 
-
-def composed_step(config, dims, batch: int, seq_len: int) -> SimStep:
-    """Notebook 14's composed step (labkit.compose: the learner's TP+SP, ring attention, 1F1B, ZeRO on one
-    Mesh) as one simulated rank. `dims`: a labkit.compose.dims.ParallelDims whose world is the fake
-    world's. Dense models: the MoE's all-to-all sizes come from routing counts, which fake tensors
-    do not have. One micro-batch: torch's MemTracker refuses a module called twice in one step."""
-    from labkit.compose.model import parallelize
-    from labkit.compose.step import ComposedOptimizer, train_step
-    from labkit.model import build_model
-
-    if config.n_experts:
-        raise ValueError("composed_step simulates dense models: the EP all-to-all's sizes depend on the "
-                         "routing, which fake tensors do not compute")
-    if dims.microbatches != 1:
-        raise ValueError("composed_step runs one micro-batch: MemTracker cannot follow a module called "
-                         "several times in one step")
-    dims.check(config, batch=batch, seq_len=seq_len)
-    meshes = []
-
-    def build():
-        mesh = dims.build_mesh(dist.get_world_size())
-        meshes.append(mesh)
-        stage = parallelize(build_model(config), mesh=mesh)
-        tokens = torch.randint(0, config.vocab_size, (batch, seq_len))
-        return stage, ComposedOptimizer(stage, mesh=mesh, zero=dims.zero), tokens
-
-    def run(stage, optimizer, tokens):
-        train_step(stage, optimizer, tokens, tokens, mesh=meshes[-1], microbatches=1)
-
-    return SimStep(build, run)
