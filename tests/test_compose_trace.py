@@ -57,3 +57,24 @@ def test_every_call_of_a_step_lands_on_its_axes_and_the_bytes_equal_the_formula(
         assert swapped != ops  # the planted cp/tp swap is caught by the counts above
         assert held == sum(params.values())
         assert payload == formula, (coords, payload, formula)
+
+
+def test_parameters_per_rank_tile_the_moe_model_exactly():
+    # pure arithmetic: over the ranks of one data-parallel replica (dp = cp = 0), the tp shards, the experts and
+    # the stages of params_by_axes add up to the whole model, each replicated class counted once per tp rank
+    from labkit.compose.model import param_class
+    cfg = get_config("tiny-moe", d_model=32, n_heads=4, hidden_dim=32, vocab_size=128, context=64, capacity_factor=2.0)
+    model = build_model(cfg, seed=0)
+    dims = ParallelDims(dp=2, ep=2, pp=2, tp=2)
+    mesh = Mesh(dims.world_size, **dims.mesh_sizes(), rank=0, groups=False)
+    count = {kind: sum(p.numel() for n, p in model.named_parameters() if param_class(n) == kind)
+             for kind in ("tp_shard", "sp_replica", "expert")}
+    held = {}
+    for rank in range(dims.world_size):
+        c = mesh.coords(rank)
+        if c["dp"] == 0 and c["cp"] == 0:
+            for axes, n in params_by_axes(model, dims, c).items():
+                held[axes] = held.get(axes, 0) + n
+    # summed over: tp shards (dp, ep) -> ("ep",); norms and router (dp, ep, tp) -> ("ep", "tp"); experts (tp) -> ("tp",)
+    assert held == {("ep",): count["tp_shard"] * dims.ep, ("ep", "tp"): count["sp_replica"] * dims.ep * dims.tp,
+                    ("tp",): count["expert"] * dims.tp}
