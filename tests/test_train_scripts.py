@@ -5,7 +5,9 @@ Each distributed strategy (dp, pp, hybrid) runs as a separate job under `torchru
 with --save) and losses must equal `labkit.training.loop.train`'s, run here in one process;
 so must the single strategy, run in this process. Two more jobs start the ranks by hand
 with the variables Slurm's srun and MPICH's mpiexec (PBS) set, which is how those
-launchers hand a rank its identity.
+launchers hand a rank its identity. The composed strategy (notebook 14's layouts: --tp, --cp,
+--ep, --zero) runs forked, under torchrun and with mpiexec's variables; a bad layout stops before
+any rank starts.
 
 Every job runs in its own session and is killed, children included, on timeout.
 Cost: each job starts fresh interpreters that import torch: about 5-10 s per job on two
@@ -153,3 +155,70 @@ def test_train_wrong_process_count_says_what_to_change():
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode != 0
     assert "needs 4 processes" in proc.stderr and "started 2" in proc.stderr, proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- the composed strategy (notebook 14)
+@pytest.mark.parametrize("extra,world", [
+    (["--dp", "2", "--tp", "2"], 4),
+    (["--pp", "2", "--cp", "2", "--tp", "2", "--zero", "1"], 8),
+    (["--dp", "2", "--zero", "3"], 2),
+], ids=["dp2-tp2", "pp2-cp2-tp2-zero1", "dp2-zero3"])
+def test_train_composed_forked_equals_train_loop(extra, world, reference, tmp_path, monkeypatch):
+    """Any layout, forked: the same AdamW (no decay on norms), warm-up + cosine and global-norm clipping as the
+    loop, so the weights equal one process's in float64."""
+    monkeypatch.setenv("LABKIT_IMPL", "solutions")
+    saved = tmp_path / "weights.pt"
+    _check(main([*extra, *COMMON, "--save", str(saved)]), saved, reference, "composed", world)
+
+
+def test_train_composed_moe_with_experts_equals_one_process(tmp_path, monkeypatch):
+    """tiny-moe, dp2 x ep2 x tp2 (dropless: tp splits the sequences), against the single strategy's run of it."""
+    monkeypatch.setenv("LABKIT_IMPL", "solutions")
+    moe = ["--model", "tiny-moe", "--capacity-factor", "2", *COMMON]
+    one = main(["--strategy", "single", *moe, "--save", str(tmp_path / "one.pt")])
+    composed = main(["--dp", "2", "--ep", "2", "--tp", "2", *moe, "--save", str(tmp_path / "composed.pt")])
+    assert (composed["strategy"], composed["world_size"], composed["ep"]) == ("composed", 4, 2)
+    torch.testing.assert_close(torch.tensor([composed["first_loss"], composed["final_loss"]]),
+                               torch.tensor([one["first_loss"], one["final_loss"]]), rtol=RTOL, atol=ATOL)
+    want, got = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "composed.pt")
+    assert set(got) == set(want)
+    for name, w in got.items():
+        torch.testing.assert_close(w, want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_train_composed_under_torchrun_equals_single_process(reference, tmp_path):
+    saved = tmp_path / "weights.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "labkit.apps.train", "--tp", "2", "--zero", "1", *COMMON, "--save", str(saved)]
+    (output,) = _run([(cmd, _env())])
+    _check(_report(output), saved, reference, "composed", 2)
+
+
+def test_train_composed_with_mpiexec_variables_equals_single_process(reference, tmp_path):
+    # what MPICH's mpiexec (PBS) does for a cp2 x pp2 layout: four copies, each told its rank
+    saved, port, jobs = tmp_path / "weights.pt", str(_free_port()), []
+    for rank in range(4):
+        cmd = [sys.executable, "-m", "labkit.apps.train", "--cp", "2", "--pp", "2", *COMMON, "--save", str(saved)]
+        jobs.append((cmd, _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PMI_RANK=str(rank), PMI_SIZE="4",
+                               MPI_LOCALRANKID=str(rank))))
+    _check(_report(_run(jobs)[0]), saved, reference, "composed", 4)
+
+
+@pytest.mark.parametrize("extra,env_world,words", [
+    (["--dp", "2", "--tp", "2"], "2", "= 4 ranks, but 2 are running"),
+    (["--tp", "3"], None, "tp=3 does not divide n_heads=4"),
+    (["--dp", "2", "--ep", "2"], None, "ep=2 on a dense model"),
+    (["--cp", "2", "--model", "tiny-moe"], None, "dropless"),
+    (["--strategy", "hybrid", "--tp", "2"], None, "belong to the composed strategy"),
+], ids=["product-not-world", "tp-heads", "ep-dense", "moe-drops-under-cp", "flags-of-another-strategy"])
+def test_train_composed_bad_layout_fails_before_any_rank(extra, env_world, words, monkeypatch, capsys):
+    """One line naming the fix, before any rank is started (in this process: it must not get as far as forking)."""
+    monkeypatch.setenv("LABKIT_IMPL", "solutions")  # main(--impl) sets it; restored afterwards
+    if env_world is not None:  # as torchrun would start it: the world size comes from the launcher
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", env_world)
+        monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr("labkit.launching.launcher.launch", lambda *a, **k: pytest.fail("a rank was started"))
+    with pytest.raises(SystemExit) as stop:
+        main([*extra, *COMMON])
+    assert words in str(stop.value), str(stop.value)

@@ -14,6 +14,15 @@ Strategies, as (dp, pp) meshes of notebook 07 (world size = dp x pp):
     dp      dp replicas: impl("data_parallel") shard, all-reduce the gradients (notebook 04)
     pp      pp stages, 1F1B micro-batches: impl("pipeline").run_schedule (notebook 06)
     hybrid  dp pipelines of pp stages: impl("hybrid").hybrid_step (notebook 07)
+and any layout of notebook 14 (chosen by --tp, --cp, --ep or --zero, or --strategy composed):
+    composed  dp x pp x cp x tp ranks (ep borrowed from dp) on one Mesh: labkit.compose (TP with
+            sequence parallelism and a vocabulary-parallel head, the zigzag ring, the EP all-to-all,
+            1F1B, ZeRO-1/2/3 on each parameter's replicas). The same AdamW (no decay on norm weights),
+            schedule and global-norm clipping (each parameter's replicas counted once):
+
+    python -m labkit.apps.train --dp 2 --pp 2 --tp 2                       # forks 8 ranks
+    python -m labkit.apps.train --dp 2 --ep 2 --cp 2 --model tiny-moe --capacity-factor 2
+    torchrun --nproc-per-node 8 -m labkit.apps.train --pp 2 --cp 2 --tp 2 --zero 1
 Every strategy trains the same model on the same global batches with the same AdamW,
 learning-rate schedule and gradient clipping as `labkit.training.loop`, so its losses and
 final weights equal the single-process run's (up to float rounding; tests/test_train_scripts.py).
@@ -36,16 +45,23 @@ import sys
 import time
 
 # torch is imported inside the functions: a wrong command line fails in a fraction of a second.
-STRATEGIES = ("single", "dp", "pp", "hybrid")
+STRATEGIES = ("single", "dp", "pp", "hybrid", "composed")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m labkit.apps.train", description=__doc__.split("\n")[0])
-    p.add_argument("--strategy", choices=STRATEGIES, default="single")
+    p.add_argument("--strategy", choices=STRATEGIES, default=None,
+                   help="default: composed if --tp/--cp/--ep/--zero is given, else single")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (dp, hybrid)")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (pp, hybrid)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (composed)")
+    p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (composed)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks, borrowed from dp (composed, MoE)")
+    p.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stage (composed)")
     p.add_argument("--microbatches", type=int, default=None, help="per pipeline; default 2 x pp")
-    p.add_argument("--model", default="tiny", help="model config: tiny or seed")
+    p.add_argument("--model", default="tiny", help="model config: tiny, tiny-moe or seed")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="MoE capacity factor (>= n_experts / top_k: dropless, needed with cp or tp)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=16, help="the GLOBAL batch, in sequences")
     p.add_argument("--seq-len", type=int, default=64)
@@ -89,6 +105,39 @@ def resolve_mesh(strategy: str, dp: int | None, pp: int | None, world_size: int 
         raise SystemExit(f"--strategy {strategy} with dp={dp}, pp={pp} needs {dp * pp} processes, but the "
                          f"launcher started {world_size}: change --dp/--pp or the number of processes")
     return dp, pp
+
+
+def model_config(args):
+    """The run's ModelConfig: the named config, with --capacity-factor for a MoE."""
+    from labkit.model import get_config
+
+    extra = {} if args.capacity_factor is None else {"capacity_factor": args.capacity_factor}
+    return get_config(args.model, **extra)
+
+
+def composed_dims(args):
+    from labkit.compose.dims import ParallelDims
+
+    return ParallelDims(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, ep=args.ep, zero=args.zero,
+                        microbatches=args.microbatches)
+
+
+def resolve_composed(args, world: int | None) -> int:
+    """Fill the composed layout's sizes (dp from the launcher's world size if left out) and check it
+    against the model, batch and world with labkit.compose's checks, before any process work."""
+    args.pp, args.cp, args.tp, args.ep = (v or 1 for v in (args.pp, args.cp, args.tp, args.ep))
+    args.zero = args.zero or 0
+    if args.dp is None:
+        rest = args.pp * args.cp * args.tp
+        args.dp = world // rest if world and world % rest == 0 else max(1, args.ep)
+    if args.microbatches is None:
+        args.microbatches = 2 * args.pp if args.pp > 1 else 1
+    try:
+        dims = composed_dims(args)
+        dims.check(model_config(args), batch=args.batch_size, seq_len=args.seq_len, world_size=world)
+    except ValueError as e:
+        raise SystemExit(f"python -m labkit.apps.train: {e}") from None
+    return dims.world_size
 
 
 # ---------------------------------------------------------------------------- the ranks
@@ -169,7 +218,9 @@ def train_rank(rank: int, world_size: int, args) -> dict:
     tokens = load_tokens("tinystories")
     import torch
 
-    model = build_model(args.model, seed=args.seed, device=device).to(getattr(torch, args.dtype))
+    model = build_model(model_config(args), seed=args.seed, device=device).to(getattr(torch, args.dtype))
+    if args.strategy == "composed":
+        return composed_rank(world_size, args, cfg, model, tokens, device)
     mesh = Mesh(world_size, dp=args.dp, pp=args.pp)  # the one topology: every group, every neighbour
     m = args.microbatches
     if args.strategy in ("single", "dp"):
@@ -206,15 +257,46 @@ def train_rank(rank: int, world_size: int, args) -> dict:
             "weights": weights if mesh.coord("dp") == 0 else None}  # replica 0 speaks for all
 
 
+def composed_rank(world_size: int, args, cfg, model, tokens, device) -> dict:
+    """The composed strategy's ranks: labkit.compose's step with the loop's AdamW, schedule and clipping."""
+    import torch.distributed as dist
+
+    from labkit.compose.model import parallelize
+    from labkit.compose.state import full_state
+    from labkit.compose.step import ComposedOptimizer, train_step
+    from labkit.data import get_batch
+    from labkit.training.loop import lr_at
+
+    dims = composed_dims(args)
+    mesh = dims.build_mesh(world_size)
+    stage = parallelize(model, mesh=mesh)
+    opt = ComposedOptimizer(stage, mesh=mesh, zero=dims.zero, lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=cfg.weight_decay, no_decay=lambda p: p.dim() < 2)  # as make_optimizer
+    losses, t_start = [], None
+    for step in range(cfg.steps):
+        if step == 1:
+            dist.barrier()
+            t_start = time.perf_counter()
+        x, y = get_batch(tokens, cfg.batch_size, cfg.seq_len, step, seed=cfg.seed, device=device)
+        opt.set_lr(lr_at(step, cfg))
+        losses.append(train_step(stage, opt, x, y, mesh=mesh, microbatches=dims.microbatches, max_norm=cfg.grad_clip))
+        if dist.get_rank() == 0 and not args.quiet:
+            print(f"step {step:4d}  loss {losses[-1]:.4f}", flush=True)
+    dist.barrier()
+    seconds = time.perf_counter() - t_start if t_start is not None else float("nan")
+    opt.begin_step()  # ZeRO-3: the parameters back from the shards
+    weights = {n: w.cpu() for n, w in full_state(stage, mesh=mesh).items()}
+    return {"losses": losses, "seconds": seconds, "device": str(device), "weights": weights}
+
+
 # ---------------------------------------------------------------------------- the report
 def report(results, args, world_size: int) -> tuple[dict, dict]:
     """Merge the ranks' results: (the report: losses, tokens/s, MFU, a weights checksum; the gathered weights)."""
     import torch
 
     from labkit.measure import metrics
-    from labkit.model import get_config
 
-    config = get_config(args.model)
+    config = model_config(args)
     losses = next(r["losses"] for r in results if r["losses"] is not None)
     weights = {}
     for r in results:
@@ -227,6 +309,7 @@ def report(results, args, world_size: int) -> tuple[dict, dict]:
                            n_devices=world_size) if timed > 0 and device.startswith("cuda") else None
     return {
         "strategy": args.strategy, "dp": args.dp, "pp": args.pp, "microbatches": args.microbatches,
+        **({a: getattr(args, a) for a in ("cp", "tp", "ep", "zero")} if args.strategy == "composed" else {}),
         "world_size": world_size, "model": args.model, "steps": args.steps,
         "global_batch_tokens": args.batch_size * args.seq_len,
         "first_loss": losses[0], "final_loss": losses[-1],
@@ -247,10 +330,19 @@ def main(argv=None) -> dict:
     if args.impl:
         os.environ["LABKIT_IMPL"] = args.impl  # before any impl(): forked ranks inherit it
     world = scheduled_world_size()
-    args.dp, args.pp = resolve_mesh(args.strategy, args.dp, args.pp, world)
-    if args.microbatches is None:
-        args.microbatches = 2 * args.pp if args.strategy in ("pp", "hybrid") else 1
-    world_size = args.dp * args.pp
+    composed_flags = any(getattr(args, a) is not None for a in ("tp", "cp", "ep", "zero"))
+    if args.strategy is None:
+        args.strategy = "composed" if composed_flags else "single"
+    elif composed_flags and args.strategy != "composed":
+        raise SystemExit(f"--tp/--cp/--ep/--zero belong to the composed strategy, not --strategy {args.strategy}: "
+                         "leave --strategy out (or say --strategy composed)")
+    if args.strategy == "composed":
+        world_size = resolve_composed(args, world)
+    else:
+        args.dp, args.pp = resolve_mesh(args.strategy, args.dp, args.pp, world)
+        if args.microbatches is None:
+            args.microbatches = 2 * args.pp if args.strategy in ("pp", "hybrid") else 1
+        world_size = args.dp * args.pp
     if args.batch_size % (args.dp * args.microbatches):
         raise SystemExit(f"--batch-size {args.batch_size} must split into dp x microbatches = "
                          f"{args.dp} x {args.microbatches} equal parts")
@@ -269,7 +361,8 @@ def main(argv=None) -> dict:
         from labkit.measure.metrics import format_rate
 
         mfu_text = "n/a (no known peak FLOP/s for this device)" if out["mfu"] is None else f"{out['mfu']:.1%}"
-        print(f"{args.strategy} dp={args.dp} pp={args.pp} m={args.microbatches} on {world_size} rank(s), "
+        layout = composed_dims(args).short() if args.strategy == "composed" else f"dp={args.dp} pp={args.pp}"
+        print(f"{args.strategy} {layout} m={args.microbatches} on {world_size} rank(s), "
               f"{out['device']}: loss {out['first_loss']:.4f} -> {out['final_loss']:.4f}; "
               f"{format_rate(out['tokens_per_s'])} ({format_rate(out['tokens_per_s_per_device'])} per device), "
               f"MFU {mfu_text}")

@@ -57,19 +57,34 @@ def gradient_groups(stage, *, mesh: Mesh) -> dict:
 class ComposedOptimizer:
     """AdamW over the stage's parameters, gradients summed per group, with ZeRO stage `zero` (0-3) on the groups."""
 
-    def __init__(self, stage, *, mesh: Mesh, zero: int = 0, **adamw):
+    def __init__(self, stage, *, mesh: Mesh, zero: int = 0, no_decay=None, **adamw):
+        """`no_decay`: a predicate on a parameter, True where weight decay is off (the train app's nanoGPT
+        rule: ``lambda p: p.dim() < 2``, no decay on norm weights); such parameters get inner optimizers of
+        their own (one ZeRO shard each), after the decayed ones of the same gradient group."""
         self.mesh, self.zero, self.hyper = mesh, zero, {**ADAMW, **adamw}
         self.groups = []  # (axes, [params], optimizer)
         for axes, named in gradient_groups(stage, mesh=mesh).items():
             params = [p for _, p in named]
-            if zero and axes:
-                opt = impl("zero").ShardedOptimizer(params, torch.optim.AdamW, group=mesh.group(axes), **self.hyper)
-            else:
-                opt = torch.optim.AdamW(params, **self.hyper)
-            self.groups.append((axes, params, opt))
+            off = [p for p in params if no_decay is not None and no_decay(p)]
+            for part, hyper in (([p for p in params if all(p is not q for q in off)], self.hyper),
+                                (off, {**self.hyper, "weight_decay": 0.0})):
+                if not part:
+                    continue
+                if zero and axes:
+                    opt = impl("zero").ShardedOptimizer(part, torch.optim.AdamW, group=mesh.group(axes), **hyper)
+                else:
+                    opt = torch.optim.AdamW(part, **hyper)
+                self.groups.append((axes, part, opt))
         self.shapes = {p: p.shape for _, params, _ in self.groups for p in params}
         if zero == 3:
             self._free_parameters()
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of every inner optimizer (a schedule's value for this step)."""
+        for _, _, opt in self.groups:
+            for inner in [opt] + ([opt.optimizer] if hasattr(opt, "optimizer") else []):
+                for group in inner.param_groups:
+                    group["lr"] = lr
 
     def zero_grad(self) -> None:
         for _, params, _ in self.groups:
@@ -87,31 +102,65 @@ class ComposedOptimizer:
                 write_back(all_gather_flat(opt.shards[0].detach(), group=self.mesh.group(axes)), params)
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, max_norm: float | None = None) -> None:
+        """Sum every group's gradients over its replicas, clip the global norm to `max_norm` (if given),
+        then AdamW (on the shards with ZeRO)."""
         for axes, params, opt in self.groups:
-            if not axes:
+            self._sync(axes, params, opt)
+        if max_norm is not None:
+            self._clip(max_norm)
+        for axes, params, opt in self.groups:
+            if not (self.zero and axes):
                 opt.step()
-            elif not self.zero:
-                flat = flatten(grads_or_zeros(params))
-                dist.all_reduce(flat, group=self.mesh.group(axes))  # the sum over the replicas
-                for p, g in zip(params, flat.split([p.numel() for p in params])):
-                    p.grad = g.view_as(p)
-                opt.step()
+            elif self.zero == 3:
+                opt.optimizer.step()  # the shards only; gathered again at the next begin_step
             else:
-                n = self.mesh.size(axes)
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(n)  # the optimizer averages: times n, the sum of the shares
-                opt.sync_gradients()
-                if self.zero >= 2:
-                    for p in params:
-                        p.grad = None  # the shards' .grad hold what the step needs
-                if self.zero == 3:
-                    opt.optimizer.step()  # the shards only; gathered again at the next begin_step
-                else:
-                    opt.step()  # (synced already) AdamW on the shard, then the all-gather into the parameters
+                opt.step()  # (synced already) AdamW on the shard, then the all-gather into the parameters
         if self.zero == 3:
             self._free_parameters()
+
+    def _sync(self, axes, params, opt) -> None:
+        if not axes:
+            return
+        if not self.zero:
+            flat = flatten(grads_or_zeros(params))
+            dist.all_reduce(flat, group=self.mesh.group(axes))  # the sum over the replicas
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad = g.view_as(p)
+            return
+        n = self.mesh.size(axes)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(n)  # the optimizer averages: times n, the sum of the shares
+        opt.sync_gradients()
+        if self.zero >= 2:
+            for p in params:
+                p.grad = None  # the shards' .grad hold what the step needs
+
+    def _gradients(self):
+        """(tensor, replicas): every gradient this rank holds after the sync, with how many ranks hold
+        the same values (a ZeRO shard: 1, the shards of a group partition it)."""
+        for axes, params, opt in self.groups:
+            if self.zero and axes:
+                yield opt.shards[0].grad, 1
+            else:
+                for p in params:
+                    if p.grad is not None:
+                        yield p.grad, self.mesh.size(axes) if axes else 1
+
+    def _clip(self, max_norm: float) -> None:
+        """Global-norm clipping as torch.nn.utils.clip_grad_norm_ on one process: every replica's squared
+        norm divided by its replica count, summed over the world, so that each value counts once."""
+        grads = list(self._gradients())
+        sq = torch.zeros((), dtype=torch.float64, device=grads[0][0].device if grads else None)
+        for g, replicas in grads:
+            sq += g.detach().double().pow(2).sum() / replicas
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sq)
+        coef = max_norm / (float(sq.sqrt()) + 1e-6)
+        if coef < 1.0:
+            for g, _ in grads:
+                g.mul_(coef)
 
     def _free_parameters(self) -> None:
         for axes, params, _ in self.groups:
@@ -130,7 +179,7 @@ class ComposedOptimizer:
 
 
 def train_step(stage, optimizer: ComposedOptimizer, tokens, targets, *, mesh: Mesh, microbatches: int = 1,
-               timeline=None) -> float:
+               timeline=None, max_norm: float | None = None) -> float:
     """One step on the GLOBAL batch tokens, targets [B, s] (the same on every rank); returns the global
     loss (cross-entropy plus the MoE balance loss, as one process computes it) on every rank."""
     B, s = tokens.shape
@@ -147,7 +196,7 @@ def train_step(stage, optimizer: ComposedOptimizer, tokens, targets, *, mesh: Me
     tl = timeline if timeline is not None else NullTimeline()
     ce = pipeline.run_schedule(stage, schedule, x, y, mesh=mesh, act_shape=act_shape, loss_scale=1.0, timeline=tl)
     with tl.span("reduce", mesh.coord("pp")):
-        optimizer.step()
+        optimizer.step(max_norm)
     return global_loss(stage, ce, mesh=mesh)
 
 
