@@ -3,7 +3,8 @@
 Two Linux network namespaces joined by a veth pair are two hosts: each has its own
 interfaces and ports, and they reach each other only at 10.231.0.1 and 10.231.0.2 (a test
 subnet that exists inside the namespaces only, on an interface named lab0 on both). On them:
-  - torchrun: labkit/jobs/torchrun_multi_node.sh in each namespace, c10d rendezvous on host A;
+  - torchrun: labkit/jobs/torchrun_multi_node.sh in each namespace, c10d rendezvous on host A
+    (the hybrid dp2 x pp2, and notebook 14's composed pp2 x cp2 x tp2 with one stage per host);
   - mpiexec: labkit/jobs/pbs_mpiexec.pbs with a PBS-style host file naming both addresses;
     Open MPI reaches host B through an rsh agent that is `ip netns exec` instead of ssh;
   - Slurm: slurmctld and slurmd (a one-node cluster on host A's loopback, written config,
@@ -134,6 +135,18 @@ def test_torchrun_across_two_hosts_equals_single_process(hosts, reference, tmp_p
     args = [*HYBRID, *COMMON, "--save", saved]
     outputs = _run(_torchrun_jobs(hosts, 29500, f"labkit-test-{hosts.tag}", args, STEPS="3"))
     _check(_the_report(outputs), saved, reference, "hybrid", 4)
+
+
+def test_torchrun_three_axes_across_two_hosts_equals_single_process(hosts, reference, tmp_path, nothing_left):
+    """Notebook 14's composed strategy, pp2 x cp2 x tp2 on 4 ranks per host: the grid puts tp innermost, so
+    each host holds one pipeline stage (its cp ring and tp groups stay inside it) and the stage boundary's
+    activations and gradients cross the link between the hosts."""
+    saved = tmp_path / "weights.pt"
+    args = ["--pp", "2", "--cp", "2", "--tp", "2", *COMMON, "--save", saved]
+    jobs = _torchrun_jobs(hosts, 29504, f"labkit-3d-{hosts.tag}", args, STEPS="3")
+    for _, env in jobs:
+        env["NPROC"] = "4"
+    _check(_the_report(_run(jobs)), saved, reference, "composed", 8)
 
 
 def test_mpiexec_across_two_hosts_equals_single_process(hosts, reference, tmp_path, nothing_left):
