@@ -6,7 +6,7 @@ Fits this machine as a "cluster" from its own measurements (labkit/apps/cpu_layo
 alpha-beta of a ring step on 2, 4 and 8 gloo ranks, and each rank's FLOP/s on the whole model's training
 step (no communication) measured in the same launch as the layout, interleaved with its steps (the
 baseline of this bench: the machine's load, shared with other work, hits both alike; GFLOP/s column). Then, for every layout of the registry (DP, ZeRO-1, TP, PP 1F1B,
-DP x PP, CP ring attention, up to 8 ranks; the seed model, global batch 8 x 128 tokens), predicts its
+DP x PP, CP ring attention, notebook 14's composed step, up to 8 ranks; the seed model, global batch 8 x 128 tokens), predicts its
 step time with labkit.scale.cost.predict (fp32 on the wire, no overlap: the lab's steps communicate
 after their compute) and runs it with labkit.launch (gloo). The machine's 2 cores are shared with
 other work: a step's time is the slowest rank's, a layout's the minimum over the steps after one
