@@ -20,3 +20,16 @@ __all__ = ["launch", "LaunchError", "StubNotImplemented", "rank_device", "Mesh",
 
 install_ipython_display()  # in a notebook: launch errors read as their report, not labkit's frames
 install_cell_refresh()  # in a notebook: every cell runs the exercise files as they are on disk
+
+
+def _start_zygote_in_a_notebook() -> None:
+    """In a notebook kernel, start the clean process ranks are born from now, while the learner reads."""
+    import sys
+
+    if "IPython" in sys.modules and sys.modules["IPython"].get_ipython() is not None:
+        from labkit.launching import zygote
+
+        zygote.start_soon()
+
+
+_start_zygote_in_a_notebook()

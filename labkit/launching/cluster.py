@@ -74,10 +74,9 @@ def scheduled_world() -> dict | None:
 
 
 def run_as_scheduled_rank(world, fn, world_size, args, kwargs, backend, timeout, choose_backend):
-    import torch
     import torch.distributed as dist
 
-    from labkit.launching.forked import to_cpu
+    from labkit.launching.rank_main import init_process_group, to_cpu
 
     rank, size, local_rank = world["rank"], world["world_size"], world["local_rank"]
     if size != world_size:
@@ -88,10 +87,8 @@ def run_as_scheduled_rank(world, fn, world_size, args, kwargs, backend, timeout,
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank))
         os.environ.setdefault("MASTER_ADDR", first_host())
         os.environ.setdefault("MASTER_PORT", "29500")
-        backend = choose_backend(backend, world["local_world_size"] or local_rank + 1, forking=False)
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout))
+        backend = choose_backend(backend, world["local_world_size"] or local_rank + 1)
+        init_process_group(backend, rank, size, local_rank, timeout)  # under nccl, gloo for CPU tensors too
         import atexit
 
         atexit.register(leave_together, rank, size)

@@ -1,32 +1,23 @@
-"""The fork launcher: N ranks forked from this process, watched until they return, fail or hang.
+"""The fork launcher: N ranks forked from the zygote, watched from here until they return, fail or hang.
 
 In the order things happen (`labkit.launch` has checked the arguments and chosen the backend):
 
-1. The parent picks a free TCP port for rank 0's rendezvous store and *forks* one child per
-   rank. Forking (not spawning) is what lets a function defined in a notebook cell run in the
-   children without pickling, and it costs milliseconds instead of the seconds a fresh
-   interpreter needs to import torch.
-2. Each child makes itself a process-group leader (so the parent can kill it and anything it
-   started in one call), asks the kernel to kill it if the parent dies, sends its stdout and
-   stderr through pipes that the parent prints with a ``[rank k]`` prefix, initialises
-   ``torch.distributed``, tells the parent it has started, and calls ``fn``. The return value
-   (or the traceback) goes back through a pipe.
-3. The parent waits for results, exits and the deadline. The ``timeout`` counts from the moment
-   every rank has started (so a slow start on a busy machine never counts as a hang); start-up
-   itself gets ``timeout + STARTUP_GRACE`` seconds. On the first failure it gives the other
-   ranks a moment to report, then kills the rest and raises (`labkit.launching.failures`). On the
-   deadline, or on Ctrl-C, it asks the running ranks for their Python stacks (faulthandler on
-   SIGUSR1), kills everything and raises.
-
-Ranks run torch with one intra-op thread: GNU OpenMP, which the CPU build of torch uses, hangs
-in a forked child whose parent has already used its thread pool. One thread per rank is also
-what torchrun sets (OMP_NUM_THREADS=1).
+1. The function, its arguments and the notebook objects they use are packed
+   (`labkit.launching.shipping`); what cannot travel is named before any process starts.
+2. This process picks a free TCP port for rank 0's rendezvous store, makes each rank's result,
+   stdout and stderr pipes, and asks the zygote (`labkit.launching.zygote`: a clean process that
+   never ran autograd or touched CUDA) to fork one child per rank with those pipes. What each rank
+   then does is `labkit.launching.rank_main`.
+3. This process waits for results, exits (the zygote reports them) and the deadline. The
+   ``timeout`` counts from the moment every rank has started (so a slow start on a busy machine
+   never counts as a hang); start-up itself gets ``timeout + STARTUP_GRACE`` seconds. On the first
+   failure it gives the other ranks a moment to report, then kills the rest and raises
+   (`labkit.launching.failures`). On the deadline, or on Ctrl-C, it asks the running ranks for
+   their Python stacks (faulthandler on SIGUSR1), kills everything and raises.
 """
 from __future__ import annotations
 
-import faulthandler
-import io
-import multiprocessing as mp
+import itertools
 import multiprocessing.connection
 import os
 import pickle
@@ -36,43 +27,21 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
-from datetime import timedelta
 
+from labkit.launching import shipping, zygote
 from labkit.launching.progress import IdleWatch
+from labkit.launching.rank_main import flush_std_streams, to_cpu  # noqa: F401 - used by the cluster path
 from labkit.launching.stacks import hint, where_waiting
 from labkit.launching.failures import (LaunchError, LaunchInterrupted, RankFailure, crash_failure, launch_error,
-                       one_line, ranks_text)
+                       ranks_text)
 
 GRACE_AFTER_FAILURE = 1.5  # seconds the other ranks get to report their own failure
 STARTUP_GRACE = 60.0  # extra seconds start-up (fork + rendezvous) may take on a busy machine
-
-
-def flush_std_streams() -> None:
-    """Flush this process's stdout and stderr (before a fork, and before a child exits)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-
-
-def to_cpu(value):
-    """Move tensors to the CPU so that unpickling in the parent never initialises CUDA."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, (list, tuple)):
-        converted = [to_cpu(v) for v in value]
-        return type(value)(converted) if not hasattr(value, "_fields") else type(value)(*converted)
-    if isinstance(value, dict):
-        return type(value)((k, to_cpu(v)) for k, v in value.items())
-    return value
+_launch_ids = itertools.count()
 
 
 def free_port() -> int:
-    # A port no socket is bound to right now. (Serving the store from the parent instead
+    # A port no socket is bound to right now. (Serving the store from this process instead
     # would remove the small window before rank 0 binds it, but a store thread in the
     # parent at fork time made ranks hang in init_process_group now and then.)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -80,120 +49,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# --------------------------------------------------------------------------- the child
-
-def _child_main(rank, world_size, fn, args, kwargs, backend, port, pg_timeout,
-                result_w, out_w, err_w, stack_path, parent_pid):
-    os.setsid()  # own process group: the parent kills it and its children in one call
-    _die_with_parent()
-    if os.getppid() != parent_pid:  # the parent died before we could ask
-        os._exit(1)
-    os.dup2(out_w, 1)
-    os.dup2(err_w, 2)
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, errors="replace")
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, errors="replace")
-    faulthandler.enable(file=sys.stderr)  # a crash's Python stack goes through the pipe too
-    stack_file = open(stack_path, "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    ok = False
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)  # see the module docstring: libgomp and fork
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout))
-        result_w.send_bytes(pickle.dumps(("started", None)))
-        result = fn(rank, world_size, *args, **kwargs)
-        try:
-            payload = pickle.dumps(("ok", to_cpu(result)))
-        except Exception as error:
-            raise TypeError(f"the return value of rank {rank} cannot be sent back to the launcher "
-                            f"({error}); return plain data or CPU tensors") from None
-        result_w.send_bytes(payload)
-        ok = True
-        # Leave together: a rank that exits while a peer is still connecting to it (gloo sets up
-        # its connections pair by pair) makes that peer fail. A barrier would do, but it could
-        # complete a collective that a learner's rank skipped; the store keys cannot. Rank 0
-        # hosts the store, so it is also the last to leave.
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"labkit/done/{rank}", "1")
-        store.wait([f"labkit/done/{r}" for r in range(world_size)])
-        dist.destroy_process_group()
-    except BaseException as error:  # noqa: BLE001 - everything goes back to the parent
-        if not ok:
-            tb = error.__traceback__
-            while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-                tb = tb.tb_next  # the learner's frames only, not the launcher's
-            details = "".join(traceback.format_exception(type(error), error, tb or error.__traceback__))
-            failure = RankFailure(rank, "exception", one_line(error), details,
-                                  time.time(), isinstance(error, NotImplementedError))
-            try:
-                result_w.send_bytes(pickle.dumps(("error", failure)))
-            except Exception:
-                pass
-    finally:
-        flush_std_streams()
-    os._exit(0 if ok else 1)  # skip atexit handlers inherited from the parent (a Jupyter kernel's, say)
-
-
-def _die_with_parent():
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except Exception:
-            pass
-
-
 # --------------------------------------------------------------------------- the parent
 
 class ForkLauncher:
-    def __init__(self, fn, world_size, args, kwargs, backend, timeout, idle_timeout=None):
+    def __init__(self, fn, world_size, args, kwargs, backend, timeout, idle_timeout=None, namespace_owner=None):
         self.fn, self.world_size, self.args, self.kwargs = fn, world_size, args, kwargs
-        self.backend, self.timeout = backend, timeout
+        self.backend, self.timeout, self.namespace_owner = backend, timeout, namespace_owner
         # every running rank asleep this long (gloo only: see labkit.launching.progress) = a hang
         self.idle = IdleWatch(idle_timeout) if idle_timeout and backend == "gloo" else None
         self.results: dict[int, object] = {}
         self.started: set[int] = set()
         self.all_started_at: float | None = None
         self.failures: list[RankFailure] = []
-        self.procs: list[mp.Process] = []
+        self.pids: list[int] = []
+        self.exit_codes: dict[int, int] = {}  # rank -> exit code, as the zygote reported it
         self.readers: list[threading.Thread] = []
         self.tail: dict[int, list[str]] = {r: [] for r in range(world_size)}
 
     def run(self) -> list:
-        ctx = mp.get_context("fork")
-        port = free_port()
+        payload = shipping.pack(self.fn, self.args, self.kwargs, self.namespace_owner)  # names what cannot travel
+        self.zygote = zygote.get()
+        self.launch_id = next(_launch_ids)
         # gloo's own timeout comes well after the launcher's deadline (start-up included).
         pg_timeout = 2 * self.timeout + STARTUP_GRACE + 60
         with tempfile.TemporaryDirectory(prefix="labkit-launch-") as tmp:
-            self.stack_paths = [os.path.join(tmp, f"stack-{r}.txt") for r in range(self.world_size)]
-            result_readers = []
+            stack_paths = [os.path.join(tmp, f"stack-{r}.txt") for r in range(self.world_size)]
+            self.stack_paths = stack_paths
+            request = dict(launch_id=self.launch_id, world_size=self.world_size, backend=self.backend,
+                           port=free_port(), pg_timeout=pg_timeout, stack_paths=stack_paths,
+                           env=dict(os.environ), path=list(sys.path), cwd=os.getcwd(), payload=payload,
+                           sources=shipping.cell_sources())
+            result_readers, theirs = [], []
             try:
                 flush_std_streams()
                 for rank in range(self.world_size):
-                    result_r, result_w = ctx.Pipe(duplex=False)
+                    result_r, result_w = os.pipe()
                     out_r, out_w = os.pipe()
                     err_r, err_w = os.pipe()
-                    proc = ctx.Process(
-                        target=_child_main, name=f"labkit-rank-{rank}",
-                        args=(rank, self.world_size, self.fn, self.args, self.kwargs, self.backend, port,
-                              pg_timeout, result_w, out_w, err_w, self.stack_paths[rank], os.getpid()))
-                    proc.start()
-                    result_w.close()
-                    os.close(out_w)
-                    os.close(err_w)
-                    self.procs.append(proc)
-                    result_readers.append(result_r)
+                    theirs += [result_w, out_w, err_w]
+                    result_readers.append(multiprocessing.connection.Connection(result_r, writable=False))
                     self._forward(out_r, rank, "stdout")
                     self._forward(err_r, rank, "stderr")
+                self.pids = self.zygote.fork(request, theirs)
+                for fd in theirs:
+                    os.close(fd)
+                theirs = []
                 try:
                     self._wait(result_readers)
                 except KeyboardInterrupt as interrupt:
@@ -201,6 +101,8 @@ class ForkLauncher:
                         raise
                     self._interrupted()
             finally:
+                for fd in theirs:  # the request never reached the zygote
+                    os.close(fd)
                 self._kill_all()
                 for reader in self.readers:
                     reader.join(timeout=2)
@@ -210,11 +112,28 @@ class ForkLauncher:
 
     # -- waiting
 
+    def _exits(self, timeout: float | None = 0.0) -> list[int]:
+        """Ranks of this launch whose exit the zygote reported (waiting up to ``timeout`` for the first)."""
+        ranks = []
+        backlog, self.zygote.exits = self.zygote.exits, []
+        for launch_id, rank, code in backlog:
+            if launch_id == self.launch_id:
+                self.exit_codes[rank] = code
+                ranks.append(rank)
+        if ranks:
+            return ranks
+        if timeout is None or multiprocessing.connection.wait([self.zygote], timeout=timeout):
+            kind, value = self.zygote.next_message()
+            if kind == "exit" and value[0] == self.launch_id:
+                self.exit_codes[value[1]] = value[2]
+                ranks.append(value[1])
+        return ranks
+
     def _wait(self, conns):
         launched = time.monotonic()
         stop_at = None
         pending = {conn: rank for rank, conn in enumerate(conns)}
-        alive = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
+        alive = set(range(self.world_size))
         while pending or alive:
             now = time.monotonic()
             if stop_at is not None and now >= stop_at:
@@ -227,25 +146,25 @@ class ForkLauncher:
             if self._all_asleep(pending, stop_at):
                 self._timeout(list(pending.values()), asleep=True)
             wait_until = min(deadline, stop_at or deadline, now + 0.25 if self.idle else deadline)
-            ready = mp.connection.wait(list(pending) + list(alive), timeout=max(0.0, wait_until - now))
+            ready = multiprocessing.connection.wait(list(pending) + [self.zygote],
+                                                    timeout=max(0.0, wait_until - now))
             for item in ready:
                 if item in pending:
                     rank = pending[item]
                     if self._receive(item, rank) != "started":
                         pending.pop(item)
-                elif item in alive:
-                    rank = alive.pop(item)
-                    proc = self.procs[rank]
-                    proc.join(timeout=1)
-                    conn = next((c for c, r in pending.items() if r == rank), None)
-                    if conn is not None:  # read what it sent before dying, if anything
-                        pending.pop(conn)
-                        while conn.poll() and self._receive(conn, rank) == "started":
-                            pass
-                    if rank not in self.results and rank not in {f.rank for f in self.failures}:
-                        for pump in self.readers[2 * rank:2 * rank + 2]:
-                            pump.join(timeout=2)  # its last lines (gloo's abort message) first
-                        self.failures.append(crash_failure(rank, proc.exitcode, self.tail[rank], time.time()))
+            exited = self._exits() if self.zygote in ready or self.zygote.exits else []
+            for rank in exited:
+                alive.discard(rank)
+                conn = next((c for c, r in pending.items() if r == rank), None)
+                if conn is not None:  # read what it sent before dying, if anything
+                    pending.pop(conn)
+                    while conn.poll() and self._receive(conn, rank) == "started":
+                        pass
+                if rank not in self.results and rank not in {f.rank for f in self.failures}:
+                    for pump in self.readers[2 * rank:2 * rank + 2]:
+                        pump.join(timeout=2)  # its last lines (gloo's abort message) first
+                    self.failures.append(crash_failure(rank, self.exit_codes[rank], self.tail[rank], time.time()))
             if self.failures and stop_at is None:
                 stop_at = time.monotonic() + GRACE_AFTER_FAILURE
         if self.failures:
@@ -280,7 +199,7 @@ class ForkLauncher:
     def _all_asleep(self, pending, stop_at) -> bool:
         if self.idle is None or stop_at is not None or len(self.started) < self.world_size or not pending:
             return False
-        return self.idle.all_asleep([self.procs[rank].pid for rank in pending.values()])
+        return self.idle.all_asleep([self.pids[rank] for rank in pending.values()])
 
     def _timeout(self, running, asleep=False):
         stuck = sorted(running)
@@ -333,7 +252,7 @@ class ForkLauncher:
     def _stacks(self, ranks) -> dict[int, str]:
         for rank in ranks:
             try:
-                os.kill(self.procs[rank].pid, signal.SIGUSR1)
+                os.kill(self.pids[rank], signal.SIGUSR1)
             except ProcessLookupError:
                 pass
         time.sleep(0.5)
@@ -379,20 +298,26 @@ class ForkLauncher:
             pass
 
     def _kill_all(self):
-        for proc in self.procs:
-            if proc.pid is None:
+        """Kill every rank of this launch (and what it started), then hear each one's exit: none is left."""
+        for rank, pid in enumerate(self.pids):
+            if rank in self.exit_codes:
                 continue
             for kill in (os.killpg, os.kill):
                 try:
-                    kill(proc.pid, signal.SIGKILL)
+                    kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-        for proc in self.procs:
-            if proc.pid is not None:
-                proc.join(timeout=5)
+        give_up = time.monotonic() + 10
+        while len(self.exit_codes) < len(self.pids) and time.monotonic() < give_up:
+            try:
+                self._exits(timeout=max(0.0, give_up - time.monotonic()))
+            except zygote.ZygoteError:
+                break  # the zygote died: it took its ranks with it (PR_SET_PDEATHSIG)
 
 
-NOISE_FRAMES = ("labkit/launching/forked.py", "labkit/launching/launcher.py", "labkit/launching/cluster.py", "multiprocessing/",
+NOISE_FRAMES = ("labkit/launching/forked.py", "labkit/launching/launcher.py", "labkit/launching/cluster.py",
+                "labkit/launching/rank_main.py", "labkit/launching/shipping.py", "labkit/launching/zygote.py",
+                "/cloudpickle/", "multiprocessing/",
                 "/IPython/", "/ipykernel/", "/tornado/", "/asyncio/", "/traitlets/", "/zmq/", "runpy.py",
                 "/_pytest/", "/pluggy/", "/pytest/", "/jupyter_client/", "/jupyter_core/", "/nbclient/",
                 "/labkit/launching/magic.py", "<frozen runpy>", "c10d_logger.py")

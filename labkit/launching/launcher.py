@@ -26,7 +26,7 @@ from labkit.launching.forked import ForkLauncher
 from labkit.launching.cluster import run_as_scheduled_rank, scheduled_world
 
 BACKENDS = ("auto", "gloo", "nccl")
-BEFORE_FORK: list = []  # callables run in the parent just before the ranks are forked
+BEFORE_FORK: list = []  # callables run in the caller just before it asks for the ranks
 _warned = False
 
 
@@ -46,6 +46,11 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, idle_timeout=No
     Raises ValueError for bad arguments, `LaunchError` for any failure
     (`StubNotImplemented` when an exercise stub was the root cause).
     """
+    return _launch(fn, world_size, args, kwargs, backend, timeout, idle_timeout)
+
+
+def _launch(fn, world_size, args, kwargs, backend="auto", timeout=120.0, idle_timeout=None, namespace_owner=None):
+    """`launch` with its arguments as they are; ``namespace_owner`` names a dict argument in errors."""
     _check_arguments(fn, world_size, backend, timeout)
     world = scheduled_world()
     if world is not None:
@@ -53,12 +58,11 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, idle_timeout=No
                                      choose_backend)
     backend = choose_backend(backend, world_size)
     _note_oversubscription(world_size)
-    prewarm()
     for hook in BEFORE_FORK:  # e.g. labkit.grading reloads the exercises a learner just edited
         hook()
     if idle_timeout is None and os.environ.get("LABKIT_IDLE_TIMEOUT"):
         idle_timeout = float(os.environ["LABKIT_IDLE_TIMEOUT"])
-    return ForkLauncher(fn, world_size, args, kwargs, backend, float(timeout), idle_timeout).run()
+    return ForkLauncher(fn, world_size, args, kwargs, backend, float(timeout), idle_timeout, namespace_owner).run()
 
 
 _prewarmed = False
@@ -68,9 +72,9 @@ def prewarm():
     """Import, once, in this process what every forked rank would otherwise import for itself.
 
     The first torch.optim optimizer a process builds imports torch._dynamo (seconds on a
-    laptop), and the first ``assert_close`` imports numpy's testing helpers. Done here, before
-    the fork, the ranks inherit both for free. The one warm-up of the lab: launchers, the
-    training entry point and the grading runner all call this.
+    laptop), and the first ``assert_close`` imports numpy's testing helpers. The zygote
+    (`labkit.launching.zygote`) does this once, so the ranks it forks inherit both for free; the
+    training entry point and the grading runner call it too. It runs no autograd and touches no GPU.
     """
     global _prewarmed
     if not _prewarmed:
@@ -87,7 +91,7 @@ def rank_device():
     import torch
     import torch.distributed as dist
 
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):  # "nccl" or "cpu:gloo,cuda:nccl"
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -116,7 +120,7 @@ def _cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def choose_backend(backend: str, ranks_on_node: int, forking: bool = True) -> str:
+def choose_backend(backend: str, ranks_on_node: int) -> str:
     """The one backend rule: nccl when this node has a GPU for each of its ranks, else gloo."""
     gpus = _cuda_device_count()
     if backend == "auto":
@@ -127,14 +131,6 @@ def choose_backend(backend: str, ranks_on_node: int, forking: bool = True) -> st
                 f"backend='nccl' needs one GPU per rank: {ranks_on_node} ranks on this node, {gpus} GPU(s) "
                 "visible. nccl cannot put two ranks on one GPU. Use backend='gloo' (CPU), fewer ranks, "
                 "or a node with more GPUs.")
-        import torch
-
-        if forking and torch.cuda.is_initialized():
-            raise LaunchError(
-                "CUDA is already initialised in this process, and a forked rank cannot use it "
-                "('Cannot re-initialize CUDA in forked subprocess'). Restart the kernel and launch "
-                "before touching CUDA in the notebook itself (no .cuda() / torch.cuda calls before "
-                "labkit.launch), or run the script under torchrun.")
     return backend
 
 

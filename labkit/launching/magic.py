@@ -6,9 +6,11 @@
     dist.all_reduce(t)
     print(t)
 
-The cell sees the notebook's variables (the ranks are forked from the kernel) plus
-``rank``, ``world_size``, ``torch`` and ``dist``. Errors and timeouts behave exactly
-as in `labkit.launch`. Assignments made in the cell stay in the ranks.
+The cell sees the notebook's variables plus ``rank``, ``world_size``, ``torch`` and ``dist``:
+the variables the cell names are copied to the ranks by value (`labkit.launching.shipping`; the
+ranks are fresh processes, see `labkit.launching.zygote`), and one that cannot travel is named
+before any rank starts. Errors and timeouts behave exactly as in `labkit.launch`. Assignments made
+in the cell stay in the ranks.
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import argparse
 import linecache
 import shlex
 
-from labkit.launching.launcher import launch
+import types
+
+from labkit.launching.launcher import _launch
 
 _parser = argparse.ArgumentParser(prog="%%ranks", add_help=False)
 _parser.add_argument("world_size", type=int)
@@ -29,7 +33,17 @@ def _run_cell(rank, world_size, source, filename, namespace):
     import torch.distributed as dist
 
     scope = dict(namespace, rank=rank, world_size=world_size, torch=torch, dist=dist)
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show the cell
     exec(compile(source, filename, "exec"), scope)
+
+
+def names_used(code: types.CodeType) -> set[str]:
+    """Every name the code (and the functions, classes and comprehensions inside it) may look up."""
+    names = set(code.co_names) | set(code.co_varnames) | set(code.co_freevars)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= names_used(const)
+    return names
 
 
 def ranks(line: str, cell: str, user_ns: dict | None = None):
@@ -40,8 +54,14 @@ def ranks(line: str, cell: str, user_ns: dict | None = None):
     filename = f"<%%ranks cell {abs(hash(cell)) % 10**8}>"
     # Registered so that tracebacks from the ranks show the cell's lines.
     linecache.cache[filename] = (len(cell), None, cell.splitlines(True), filename)
-    launch(_run_cell, options.world_size, cell, filename, user_ns or {},
-           backend=options.backend, timeout=options.timeout)
+    try:
+        used = names_used(compile(cell, filename, "exec"))
+    except SyntaxError:
+        used = set()  # the ranks report it, at the cell's line
+    namespace = {name: value for name, value in (user_ns or {}).items()
+                 if name in used and not name.startswith("__")}
+    _launch(_run_cell, options.world_size, (cell, filename, namespace), {},
+            backend=options.backend, timeout=options.timeout, namespace_owner="the %%ranks cell")
 
 
 def load_ipython_extension(ipython):

@@ -1,0 +1,320 @@
+"""The clean process every forked rank is born from (a zygote, as Python's ``forkserver``).
+
+Why: on a GPU node torch refuses to run autograd in a process forked after its parent ran a
+backward ("Unable to handle autograd's threading in combination with fork-based
+multiprocessing"), and refuses CUDA in a process forked after its parent initialised CUDA. A
+notebook kernel, or a script that trained before it launched, has done both. So ranks are never
+forked from the caller. The first launch of a process starts one *fresh interpreter*, the zygote
+(``python -m labkit.launching.zygote``, never a fork of the caller), which imports torch and
+labkit, warms them up without running autograd or touching CUDA, and then waits. Each launch asks
+it to fork the ranks: forking a process that has torch imported costs milliseconds, where
+``mp.spawn`` pays a fresh interpreter and ``import torch`` per rank, seconds each.
+
+What a rank runs travels by value (`labkit.launching.shipping`); its stdout, stderr and result
+pipes are made by the caller and handed over with the request (SCM_RIGHTS), so the caller reads
+them as if it had forked the rank itself, and signals the ranks by pid (stacks, kill). The zygote
+reports each rank's exit status (the caller is not their parent and cannot wait for them).
+
+Lifetime: one zygote per calling process, started lazily (`get`), or early in a notebook kernel
+(`start_soon`) so that its start-up overlaps the learner's reading. It exits when the caller's end
+of the socket closes (the caller exited or was killed), killing any rank still running, so no
+process outlives the caller. A zygote whose start fails is reported with its own output.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from labkit.launching.failures import LaunchError
+
+READY_TIMEOUT = 180.0  # a fresh interpreter importing torch on a loaded 2-core machine
+# Modules a rank would otherwise import for itself at every launch; imported once, here.
+PRELOAD = ("torch.distributed", "numpy", "labkit.grading", "labkit.grading.cases", "labkit.launching.magic",
+           "labkit.launching.rank_main", "cloudpickle")
+PRELOAD_IF_CALLER_HAS = ("pytest", "psutil", "nbformat")
+
+
+# --------------------------------------------------------------------------- messages
+
+def send(sock: socket.socket, message, fds=()) -> None:
+    data = pickle.dumps(message)
+    header = struct.pack("!Q", len(data))
+    if fds:
+        socket.send_fds(sock, [header], list(fds))
+        sock.sendall(data)
+    else:
+        sock.sendall(header + data)
+
+
+def _recv_exactly(sock, n):
+    chunks = []
+    while n:
+        chunk = sock.recv(n)
+        if not chunk:
+            raise EOFError("the other end closed the socket")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def receive(sock: socket.socket, max_fds: int = 0):
+    """One message, and the file descriptors that came with it."""
+    fds = []
+    if max_fds:
+        header, fds, _, _ = socket.recv_fds(sock, 8, max_fds)
+        if not header:
+            raise EOFError("the other end closed the socket")
+        if len(header) < 8:
+            header += _recv_exactly(sock, 8 - len(header))
+    else:
+        header = _recv_exactly(sock, 8)
+    (size,) = struct.unpack("!Q", header)
+    return pickle.loads(_recv_exactly(sock, size)), fds
+
+
+# --------------------------------------------------------------------------- the zygote itself
+
+def serve(fd: int) -> None:
+    """The zygote's loop: fork ranks on request, report their exits, leave when the caller does."""
+    sock = socket.socket(fileno=fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller's Ctrl-C is the caller's to handle
+    _prepare()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    children: dict[int, tuple] = {}  # pid -> (launch id, rank)
+    send(sock, ("ready", os.getpid()))
+    try:
+        while True:
+            readable, _, _ = select.select([sock, wake_r], [], [], None if not children else 1.0)
+            if wake_r in readable:
+                os.read(wake_r, 4096)
+            _reap(children, sock)
+            if sock in readable:
+                try:
+                    (kind, request), fds = receive(sock, max_fds=253)
+                except (EOFError, OSError):
+                    break  # the caller is gone
+                if kind == "launch":
+                    _fork_ranks(request, fds, children, sock, (wake_r, wake_w))
+                elif kind == "stop":
+                    break
+    finally:
+        for pid in children:
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        os._exit(0)
+
+
+def _prepare() -> None:
+    """Import and warm up everything a rank needs, without autograd, CUDA or OpenMP's threads."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import importlib
+
+    import torch
+
+    from labkit.launching.launcher import prewarm
+
+    prewarm()
+    wanted = list(PRELOAD) + os.environ.pop("LABKIT_ZYGOTE_PRELOAD", "").split(",")
+    for name in filter(None, wanted):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a rank that needs it will say why
+            pass
+    assert not torch.cuda.is_initialized(), "the zygote must never initialise CUDA"
+
+
+def _reap(children: dict, sock) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        launch_id, rank = children.pop(pid, (None, None))
+        if launch_id is not None:
+            try:
+                send(sock, ("exit", (launch_id, rank, os.waitstatus_to_exitcode(status))))
+            except OSError:
+                pass
+
+
+def _fork_ranks(request: dict, fds: list, children: dict, sock, wake) -> None:
+    from labkit.launching.rank_main import rank_main
+
+    pids = []
+    for rank in range(request["world_size"]):
+        mine = fds[3 * rank:3 * rank + 3]
+        pid = os.fork()
+        if pid == 0:  # the rank: nothing of the zygote's plumbing stays open in it
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for other in [fd for fd in fds if fd not in mine] + list(wake) + [sock.fileno()]:
+                try:
+                    os.close(other)
+                except OSError:
+                    pass
+            rank_main(rank, request, *mine)  # never returns
+            os._exit(1)
+        children[pid] = (request["launch_id"], rank)
+        pids.append(pid)
+    for fd in fds:
+        os.close(fd)
+    send(sock, ("forked", (request["launch_id"], pids)))
+
+
+# --------------------------------------------------------------------------- the caller's handle
+
+class ZygoteError(LaunchError):
+    """The zygote could not be started, or died."""
+
+
+class Zygote:
+    """The caller's handle on its zygote: start it, ask it to fork ranks, hear about their exits."""
+
+    def __init__(self):
+        import labkit
+
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = mine
+        self.log = tempfile.TemporaryFile(prefix="labkit-zygote-")
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(labkit.__file__)))
+        env = dict(os.environ, LABKIT_ZYGOTE="1",
+                   LABKIT_ZYGOTE_PRELOAD=",".join(m for m in PRELOAD_IF_CALLER_HAS if m in sys.modules))
+        # The caller's path, this labkit first: the zygote imports the same code as its caller.
+        env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in sys.path if p]
+                                            + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "labkit.launching.zygote", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
+            env=env, close_fds=True, start_new_session=True)
+        theirs.close()
+        self.pid = self.proc.pid
+        self.ready = False
+        self.exits: list = []  # exit reports that arrived while waiting for something else
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        if self.ready:
+            return
+        readable, _, _ = select.select([self.sock], [], [], timeout)
+        try:
+            if not readable:
+                raise EOFError(f"it did not answer within {timeout:g} s")
+            (kind, _), _ = receive(self.sock)
+            if kind != "ready":
+                raise EOFError(f"it said {kind!r} instead of 'ready'")
+        except (EOFError, OSError) as error:
+            self.close()
+            raise ZygoteError(f"the process that forks the ranks (labkit.launching.zygote) did not start: "
+                              f"{error}.\n{self.output()}") from None
+        self.ready = True
+
+    def output(self) -> str:
+        self.log.seek(0)
+        text = self.log.read().decode(errors="replace").strip()
+        return f"Its output:\n{text[-3000:]}" if text else "It printed nothing."
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def fork(self, request: dict, fds: list) -> list[int]:
+        """Ask for ``request['world_size']`` ranks; their pids, in rank order."""
+        send(self.sock, ("launch", request), fds)
+        while True:
+            kind, value = self.next_message(timeout=READY_TIMEOUT)
+            if kind == "forked" and value[0] == request["launch_id"]:
+                return value[1]
+            if kind == "exit":
+                self.exits.append(value)
+
+    def next_message(self, timeout: float | None = None):
+        readable, _, _ = select.select([self.sock], [], [], timeout)
+        if not readable:
+            raise ZygoteError(f"the process that forks the ranks did not answer within {timeout:g} s")
+        try:
+            message, _ = receive(self.sock)
+        except (EOFError, OSError):
+            raise ZygoteError(f"the process that forks the ranks (pid {self.pid}) died. "
+                              f"{self.output()}") from None
+        return message
+
+    def fileno(self) -> int:  # so that multiprocessing.connection.wait can watch it
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+            self.log.close()
+        finally:
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+_zygote: Zygote | None = None
+_owner_pid: int | None = None
+_lock = threading.Lock()
+
+
+def get() -> Zygote:
+    """This process's zygote, started (or restarted, if it died) and ready."""
+    global _zygote
+    with _lock:
+        if _zygote is not None and (_owner_pid != os.getpid() or not _zygote.alive()):
+            _zygote = None  # inherited through a fork, or dead: start a new one
+        if _zygote is None:
+            _start()
+        zygote = _zygote
+    zygote.wait_ready()
+    return zygote
+
+
+def start_soon() -> None:
+    """Start this process's zygote now, without waiting for it (a notebook kernel's first import)."""
+    if os.environ.get("LABKIT_ZYGOTE") == "1":
+        return
+    with _lock:
+        if _zygote is None:
+            _start()
+
+
+def _start() -> None:
+    global _zygote, _owner_pid
+    _zygote, _owner_pid = Zygote(), os.getpid()
+    atexit.register(stop)  # close it cleanly at exit; a killed caller's zygote leaves on its own
+
+
+def current_pid() -> int | None:
+    """The pid of this process's zygote, if one runs (tests tell it apart from leftover ranks)."""
+    return _zygote.pid if _zygote is not None and _owner_pid == os.getpid() and _zygote.alive() else None
+
+
+def stop() -> None:
+    """Stop this process's zygote (a new one starts at the next launch)."""
+    global _zygote
+    with _lock:
+        if _zygote is not None and _owner_pid == os.getpid():
+            _zygote.close()
+        _zygote = None
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
