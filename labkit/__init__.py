@@ -9,6 +9,10 @@
 The package is grouped by job: `launching/`, `comm/`, `links/`, `model/`, `data/`, `training/`,
 `measure/`, `parallel/` (the core), and above it `grading/` and `apps/`. CONTRIBUTING.md maps every module.
 """
+from labkit.comm import compat as _compat
+
+_compat.install()  # torch.distributed ops an older torch lacks (torch 2.11 on a GPU node)
+
 from labkit.launching.launcher import LaunchError, StubNotImplemented, launch, rank_device
 from labkit.launching.magic import load_ipython_extension
 from labkit.launching.notebook import install_cell_refresh, install_ipython_display, needs_exercise, not_yet

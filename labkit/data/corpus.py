@@ -193,7 +193,7 @@ def check_seq_len(config, seq_len: int) -> None:
 # ---------------------------------------------------------------------------------------
 # Token streams
 
-_TOKENS: dict = {}  # in-memory cache; forked ranks inherit it
+_TOKENS: dict = {}  # in-memory cache of this process (ranks read the .npy cache on disk)
 CACHE_VERSION = 1  # bump when the encoding rule (normalisation, BOS) changes: old cache files are then ignored
 
 

@@ -65,7 +65,7 @@ class CaseCrashed(AssertionError):
 
 
 @dataclass
-class _Plan:  # set by launch_cases in the test process, inherited by the forked ranks
+class _Plan:  # made by launch_cases in the test process, sent to the ranks with the launch (`_with_plan`)
     log_dir: str
     skip: set = field(default_factory=set)  # repr(key) of cases already settled
     case_timeout: float = CASE_TIMEOUT
@@ -73,6 +73,13 @@ class _Plan:  # set by launch_cases in the test process, inherited by the forked
 
 
 _plan: _Plan | None = None
+
+
+def _with_plan(rank, world_size, run_all, plan):
+    """In a rank: install the test process's plan, then run the cases (ranks share no memory with it)."""
+    global _plan
+    _plan = plan
+    return run_all(rank, world_size)
 
 
 # --------------------------------------------------------------------------- in the ranks
@@ -200,20 +207,18 @@ class Outcomes:
         return self
 
     def _launch(self, first) -> bool:
-        global _plan
         from labkit.launching.failures import LaunchError
         from labkit.launching.launcher import launch
 
         with tempfile.TemporaryDirectory(prefix="labkit-cases-") as log_dir:
-            _plan = _Plan(log_dir, set(self.by_case), self.case_timeout, first)
+            plan = _Plan(log_dir, set(self.by_case), self.case_timeout, first)
             launch_error = None
             try:  # the ranks' output (a dying rank's whole stack, say) stays out of the report
                 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                    launch(self.run_all, self.world_size, timeout=self.timeout, idle_timeout=IDLE_HANG * min(busy_factor(), 2.0))
+                    launch(_with_plan, self.world_size, self.run_all, plan, timeout=self.timeout,
+                           idle_timeout=IDLE_HANG * min(busy_factor(), 2.0))
             except LaunchError as error:
                 launch_error = error
-            finally:
-                _plan = None
             logs = [_read_log(log_dir, r) for r in range(self.world_size)]
             stacks = [_read_text(os.path.join(log_dir, f"stack{r}.txt")) for r in range(self.world_size)]
         self.plan = self.plan or next((log["plan"] for log in logs if log["plan"]), [])
