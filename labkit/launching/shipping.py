@@ -103,6 +103,9 @@ def _culprit(fn, args, kwargs, namespace_owner):
         if used is not None:
             pieces += [(f"the variable `{k}` (captured by {name})", v) for k, v in used.nonlocals.items()]
             pieces += [(f"the global `{k}` (used by {name})", v) for k, v in used.globals.items()]
+        defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+        pieces += [(f"the default value of `{k}` (in {name})", v) for k, v in defaults.items()]
     for i, arg in enumerate(args):
         if isinstance(arg, dict) and namespace_owner is not None:
             pieces += [(f"the notebook variable `{k}` (used in {namespace_owner})", v) for k, v in arg.items()]
