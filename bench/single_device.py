@@ -30,8 +30,11 @@ import torch.nn.functional as F
 
 from labkit.data import get_batch, load_tokens
 from labkit.measure.metrics import format_rate, mfu
-from labkit.model import build_model
+from labkit.model import build_model, get_config
 from labkit.training.loop import TrainConfig, lr_at, make_optimizer, train_step
+
+
+SIZES = {"wide": get_config("seed", d_model=768, n_heads=12, n_layers=12)}  # the seed model at GPT-2 small's width
 
 
 def plain_loop(model, opt, batches, autocast):
@@ -92,13 +95,14 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = True
     tokens = load_tokens("tinystories")
     runs = [("tiny", 16, 128, 7, 2)] if args.quick or device.type == "cpu" else [("tiny", 64, 128, 5, 20)]
-    if device.type == "cuda":
+    if device.type == "cuda":  # three sizes: launch-bound (tiny) to matmul-bound (wide, GPT-2 small's shape)
         runs.append(("seed", 32, 256, 3, 5) if args.quick else ("seed", 64, 256, 5, 20))
+        runs.append(("wide", 16, 256, 3, 5) if args.quick else ("wide", 32, 256, 5, 10))
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{os.cpu_count()} CPU cores, {torch.get_num_threads()} threads'}), {dtype}")
     print(f"{'config':<7}{'batch':>7}{'seq':>6}{'lab':>16}{'plain':>16}{'ratio':>8}{'MFU':>8}")
     results = {"bench": "single_device", "device": str(device), "dtype": dtype}
     for config, b, t, rounds, steps in runs:
-        lab, plain, ratio, cfg = measure(config, b, t, rounds, steps, device, dtype, tokens)
+        lab, plain, ratio, cfg = measure(SIZES.get(config, config), b, t, rounds, steps, device, dtype, tokens)
         util = mfu(lab, cfg, t, device, torch.bfloat16 if dtype == "bf16" else torch.float32)
         shown = "-" if util is None else f"{100 * util:.1f}%"
         print(f"{config:<7}{b:>7}{t:>6}{format_rate(lab):>16}{format_rate(plain):>16}{ratio:>8.3f}{shown:>8}")

@@ -1,0 +1,208 @@
+"""The one check an instructor runs on a GPU node: the lab's tests, notebooks and speed there.
+
+    bash bench/gpu_check.sh [--quick] [--only tests,notebooks,single,compile,predict] [--notebooks 00,01]
+
+Rows, each PASS / FAIL / SKIP with its figures, then one JSON object as the last line:
+- tests:     the whole test suite with the GPU visible (quick setting, reference solutions;
+             pytest-xdist across the cores where it is installed);
+- notebooks: every notebook in the full setting, executed by nbclient (JupyterLab is not needed;
+             the browser tests are the suite's and need Chromium);
+- single:    `bench/single_device.py` in bf16 and fp32 (TF32 allowed) at three model sizes, with MFU;
+- compile:   `torch.compile` of the model in the lab's step, its speed-up over eager (bf16, seed model);
+- predict:   the cost model's compute time for this GPU's step (FLOPs / (peak x EFFICIENCY),
+             `labkit.scale.cost`) against the measured step. The model is for large matrices; the
+             lab's small models are bound by kernel launches, so a large miss here is expected, and
+             the row says by how much.
+On a machine without a GPU every row but `tests` is skipped with a one-line reason, and `tests`
+says to run `make test` instead; the script still ends with its JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+STEPS = ("tests", "notebooks", "single", "compile", "predict")
+NOTEBOOKS: list = []  # --notebooks 00,01: only these (default: all)
+
+
+def _run(cmd, timeout, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    start = time.monotonic()
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        return out.returncode, out.stdout + out.stderr, time.monotonic() - start
+    except subprocess.TimeoutExpired as error:
+        text = (error.stdout or b"").decode(errors="replace") if isinstance(error.stdout, bytes) else (error.stdout or "")
+        return 124, text, time.monotonic() - start
+
+
+def check_tests(gpu: bool, quick: bool) -> dict:
+    if not gpu:
+        return {"status": "SKIP", "why": "no GPU here: the CPU suite is `make test`"}
+    import importlib.util
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "--impl=solutions", "-p", "no:cacheprovider", "--timeout", "300",
+           "tests", "-m", "not slow", "--deselect", "tests/test_browser.py", "--deselect", "tests/test_multihost.py"]
+    if importlib.util.find_spec("xdist"):
+        cmd += ["-p", "xdist", "-n", str(min(12, os.cpu_count() or 1))]
+    code, text, seconds = _run(cmd, 420 if quick else 1800, {"LABKIT_QUICK": "1"})
+    tail = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    summary = tail[-1].strip("= ") if tail else f"no summary (exit {code})"
+    failed = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    return {"status": "PASS" if code == 0 else "FAIL", "summary": summary, "seconds": round(seconds, 1),
+            "failed": failed[:40]}
+
+
+def check_notebooks(gpu: bool, quick: bool) -> dict:
+    if not gpu:
+        return {"status": "SKIP", "why": "no GPU here: `make test` runs every notebook in the quick setting"}
+    try:
+        import nbformat
+        from nbclient import NotebookClient
+    except ImportError:
+        return {"status": "SKIP", "why": "nbclient/nbformat not installed (pip install nbclient ipykernel)"}
+    os.environ["LABKIT_QUICK"] = "0"
+    os.environ.setdefault("LABKIT_IMPL", "solutions")
+    results = {}
+    for path in sorted(glob.glob(os.path.join(REPO, "notebooks", "[0-9][0-9]_*.ipynb"))):
+        name = os.path.basename(path)[:2]
+        if NOTEBOOKS and name not in NOTEBOOKS:
+            continue
+        nb = nbformat.read(path, as_version=4)
+        start = time.monotonic()
+        try:
+            NotebookClient(nb, timeout=600, kernel_name="python3",
+                           resources={"metadata": {"path": os.path.dirname(path)}}).execute()
+            results[name] = {"ok": True, "seconds": round(time.monotonic() - start, 1)}
+        except Exception as error:  # noqa: BLE001 - the row names the first failing cell
+            results[name] = {"ok": False, "seconds": round(time.monotonic() - start, 1),
+                             "error": str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__}
+    failed = [k for k, v in results.items() if not v["ok"]]
+    return {"status": "PASS" if not failed else "FAIL", "summary": f"{len(results) - len(failed)}/{len(results)} ran to the end",
+            "failed": failed, "notebooks": results}
+
+
+def check_single(gpu: bool, quick: bool) -> dict:
+    if not gpu:
+        return {"status": "SKIP", "why": "no GPU here: `python bench/single_device.py` measures the CPU"}
+    rows = {}
+    for dtype in ("bf16", "fp32"):
+        code, text, _ = _run([sys.executable, "bench/single_device.py", "--dtype", dtype] + (["--quick"] if quick else []), 600)
+        if code != 0:
+            return {"status": "FAIL", "summary": f"single_device.py --dtype {dtype} exited {code}", "tail": text[-2000:]}
+        rows[dtype] = json.loads(text.strip().splitlines()[-1])
+    ratios = [row[c]["ratio"] for row in rows.values() for c in ("tiny", "seed", "wide") if c in row]
+    return {"status": "PASS" if min(ratios) >= 0.95 else "FAIL",
+            "summary": "lab/plain " + ", ".join(f"{d} {c} {rows[d][c]['ratio']:.3f} (MFU {100 * (rows[d][c]['mfu'] or 0):.1f}%)"
+                                                for d in rows for c in ("tiny", "seed", "wide") if c in rows[d]),
+            "runs": rows}
+
+
+def _step_seconds(model, opt, batches, train_step, sync):
+    for x, y in batches[:2]:
+        train_step(model, opt, x, y)
+    sync()
+    times = []
+    for x, y in batches[2:]:
+        start = time.perf_counter()
+        train_step(model, opt, x, y)
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def check_compile(gpu: bool, quick: bool) -> dict:
+    if not gpu:
+        return {"status": "SKIP", "why": "no GPU here"}
+    import torch
+
+    from labkit.data import get_batch, load_tokens
+    from labkit.model import build_model
+    from labkit.training.loop import TrainConfig, make_optimizer, train_step
+
+    tokens, device = load_tokens("tinystories"), torch.device("cuda")
+    batches = [get_batch(tokens, 64, 256, i, seed=0, device=device) for i in range(12 if quick else 30)]
+    cfg = TrainConfig(steps=100, batch_size=64, seq_len=256)
+    timings = {}
+    for mode in ("eager", "compiled"):
+        model = build_model("seed", seed=0, device=device)
+        opt = make_optimizer(model, cfg)
+        runner = torch.compile(model) if mode == "compiled" else model
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            timings[mode] = _step_seconds(runner, opt, batches, train_step, torch.cuda.synchronize)
+    speedup = timings["eager"] / timings["compiled"]
+    return {"status": "PASS", "summary": f"seed bf16 step eager {1e3 * timings['eager']:.2f} ms, compiled "
+                                         f"{1e3 * timings['compiled']:.2f} ms: x{speedup:.2f}",
+            "eager_s": timings["eager"], "compiled_s": timings["compiled"], "speedup": speedup}
+
+
+def check_predict(gpu: bool, quick: bool) -> dict:
+    if not gpu:
+        return {"status": "SKIP", "why": "no GPU here"}
+    import torch
+
+    from labkit.data import get_batch, load_tokens
+    from labkit.measure.metrics import flops_per_token, peak_flops
+    from labkit.model import build_model
+    from labkit.scale.cost import EFFICIENCY
+    from labkit.training.loop import TrainConfig, make_optimizer, train_step
+
+    tokens, device = load_tokens("tinystories"), torch.device("cuda")
+    rows = {}
+    for name, b, t in (("tiny", 64, 128), ("seed", 64, 256)):
+        model = build_model(name, seed=0, device=device)
+        opt = make_optimizer(model, TrainConfig(steps=100, batch_size=b, seq_len=t))
+        batches = [get_batch(tokens, b, t, i, seed=0, device=device) for i in range(12)]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            measured = _step_seconds(model, opt, batches, train_step, torch.cuda.synchronize)
+        peak = peak_flops(device, torch.bfloat16)
+        predicted = flops_per_token(model.config, t) * b * t / (peak * EFFICIENCY) if peak else float("nan")
+        rows[name] = {"measured_s": measured, "predicted_s": predicted, "ratio": predicted / measured}
+    return {"status": "PASS", "summary": ", ".join(f"{k}: predicted {1e3 * v['predicted_s']:.3f} ms / measured "
+                                                   f"{1e3 * v['measured_s']:.3f} ms = {v['ratio']:.2f}" for k, v in rows.items())
+            + " (compute-only model; these steps are launch-bound)", "rows": rows}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter benches; the suite's time limit 7 minutes")
+    parser.add_argument("--only", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
+    parser.add_argument("--notebooks", default="", help="comma-separated notebook numbers, e.g. 00,01 (default: all)")
+    options = parser.parse_args(argv)
+    NOTEBOOKS[:] = [n.strip().zfill(2) for n in options.notebooks.split(",") if n.strip()]
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+
+    gpu = torch.cuda.is_available()
+    name = torch.cuda.get_device_name(0) if gpu else "no GPU"
+    print(f"gpu_check: {name}, torch {torch.__version__}, Python {sys.version.split()[0]}, "
+          f"{time.strftime('%Y-%m-%d')}", flush=True)
+    checks = {"tests": check_tests, "notebooks": check_notebooks, "single": check_single,
+              "compile": check_compile, "predict": check_predict}
+    results = {}
+    for step in [s for s in options.only.split(",") if s]:
+        if step not in checks:
+            raise SystemExit(f"unknown step {step!r}: choose from {', '.join(STEPS)}")
+        try:
+            results[step] = checks[step](gpu, options.quick)
+        except Exception as error:  # noqa: BLE001 - one broken row does not hide the others
+            results[step] = {"status": "FAIL", "summary": f"{type(error).__name__}: {error}"[:400]}
+        row = results[step]
+        print(f"{step:<10} {row['status']:<5} {row.get('summary') or row.get('why', '')}", flush=True)
+        for line in row.get("failed", [])[:40]:
+            print(f"           {line}")
+    print(json.dumps({"bench": "gpu_check", "device": name, "torch": torch.__version__,
+                      "date": time.strftime("%Y-%m-%d"), **results}, default=str))
+
+
+if __name__ == "__main__":
+    main()
