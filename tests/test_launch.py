@@ -440,3 +440,38 @@ def test_idle_timeout_names_a_hang_when_every_rank_sleeps_and_leaves_working_ran
         labkit.launch(_asleep_or_busy, 2, "hang", timeout=120, idle_timeout=2.0)
     assert _time.monotonic() - start < 60  # the idle watch, far before the 120 s timeout
     assert "in recv" in str(err.value) and "in barrier" in str(err.value)
+
+
+def test_a_killed_caller_leaves_neither_its_zygote_nor_its_ranks(tmp_path):
+    """SIGKILL to the caller mid-launch: the zygote sees its socket close, kills the ranks and exits."""
+    script = tmp_path / "killed.py"
+    pids = tmp_path / "pids"
+    script.write_text(textwrap.dedent(f"""
+        import os, time, labkit
+        from labkit.launching import zygote
+        def sleeper(rank, world_size):
+            with open({str(pids)!r} + str(rank), "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(600)
+        zygote.get()
+        print("ZYGOTE", zygote.current_pid(), flush=True)
+        labkit.launch(sleeper, 2, timeout=600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        zygote_pid = int(proc.stdout.readline().split()[1])
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"pids{r}").exists() and (tmp_path / f"pids{r}").read_text()
+                      for r in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        rank_pids = [int((tmp_path / f"pids{r}").read_text()) for r in range(2)]
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 20
+    alive = lambda: [p for p in [zygote_pid] + rank_pids  # noqa: E731
+                     if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(), f"left behind after the caller was killed: {alive()}"
