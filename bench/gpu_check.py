@@ -50,11 +50,14 @@ def check_tests(gpu: bool, quick: bool) -> dict:
         return {"status": "SKIP", "why": "no GPU here: the CPU suite is `make test`"}
     import importlib.util
 
-    cmd = [sys.executable, "-m", "pytest", "-q", "--impl=solutions", "-p", "no:cacheprovider", "--timeout", "300",
+    cmd = [sys.executable, "-m", "pytest", "-q", "--impl=solutions", "-p", "no:cacheprovider", "--timeout", "240", "-rfE",
            "tests", "-m", "not slow", "--deselect", "tests/test_browser.py", "--deselect", "tests/test_multihost.py"]
     if importlib.util.find_spec("xdist"):
         cmd += ["-p", "xdist", "-n", str(min(12, os.cpu_count() or 1))]
-    code, text, seconds = _run(cmd, 420 if quick else 1800, {"LABKIT_QUICK": "1"})
+    code, text, seconds = _run(cmd, 330 if quick else 1800, {"LABKIT_QUICK": "1"})
+    if os.environ.get("GPU_CHECK_LOG_DIR"):  # the whole pytest output, for a later look
+        with open(os.path.join(os.environ["GPU_CHECK_LOG_DIR"], "pytest.txt"), "w") as f:
+            f.write(text)
     tail = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed)", line)]
     summary = tail[-1].strip("= ") if tail else f"no summary (exit {code})"
     failed = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]

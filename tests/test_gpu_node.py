@@ -251,3 +251,25 @@ def test_the_sharded_steps_pass_their_tests_without_the_single_ops():
                          capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     assert out.returncode == 0, out.stdout[-4000:]
     assert " passed" in out.stdout.splitlines()[-1]
+
+
+# --------------------------------------------------------------------------- GPU figures
+
+def test_mfu_counts_against_the_peak_of_the_arithmetic_that_runs():
+    """bf16 against the bf16 peak; fp32 against TF32's where either switch allows it, else fp32's."""
+    from labkit.measure.metrics import TFLOPS, lookup_peak, math_mode
+
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        assert (math_mode(torch.bfloat16), math_mode(torch.float32)) == ("bf16", "fp32")
+        torch.set_float32_matmul_precision("high")  # the newer switch alone
+        assert math_mode(torch.float32) == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before[0]
+        torch.set_float32_matmul_precision(before[1])
+    # dense SXM peaks from NVIDIA's H100/H200 data sheets (sparsity figures halved)
+    assert lookup_peak("NVIDIA H200", "bf16") == 989 * TFLOPS and lookup_peak("NVIDIA H200", "tf32") == 495 * TFLOPS
+    assert lookup_peak("NVIDIA H100 80GB HBM3", "fp32") == 67 * TFLOPS
+    assert lookup_peak("NVIDIA H100 PCIe", "bf16") == 756 * TFLOPS

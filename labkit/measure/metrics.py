@@ -59,7 +59,9 @@ def math_mode(dtype: torch.dtype = torch.float32) -> str:
         return "bf16"
     if dtype == torch.float16:
         return "fp16"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    # TF32 runs where either switch allows it: the old flag, or set_float32_matmul_precision("high"/"medium")
+    tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    return "tf32" if tf32 else "fp32"
 
 
 def lookup_peak(device_name: str, mode: str = "bf16") -> float | None:
