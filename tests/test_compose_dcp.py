@@ -84,8 +84,13 @@ def check_bridge(mesh):
     assert all(dist.get_process_group_ranks(sm.get_group(a)) == mesh.ranks(a) for a in sm.mesh_dim_names)
 
 
-def composed(rank, world, dims, moe, path, resume):
-    """One rank: train K steps from seed 0 and save, or load into a model of ANOTHER seed and finish."""
+def composed(rank, world, dims, moe, path, resume, plant=None):
+    """One rank: train K steps from seed 0 and save, or load into a model of ANOTHER seed and finish.
+
+    ``plant``: a function run in the rank first, to plant a mistake there (ranks share no memory with
+    the test process, so a monkeypatch here would not reach them)."""
+    if plant is not None:
+        plant()
     cfg = config(moe)
     dims.check(cfg, batch=BATCH, seq_len=SEQ, world_size=world)
     mesh = dims.build_mesh(world)
@@ -115,7 +120,7 @@ def save_on(dims, moe, path) -> list:
     return launch(composed, dims.world_size, dims, moe, str(path), False, timeout=TIMEOUT)[0][0]
 
 
-def resume_on(dims, moe, path):
+def resume_on(dims, moe, path, plant=None):
     """Load `path` on `dims` (None: one process), train to STEPS; (losses, gathered weights)."""
     if dims is None:
         cfg = config(moe)
@@ -123,7 +128,7 @@ def resume_on(dims, moe, path):
         opt = torch.optim.AdamW(model.parameters(), **ADAMW)
         start = ckpt.load(path, model, opt, mesh=None, config=cfg)
         return single_steps(model, opt, cfg, range(start, STEPS)), dict(model.named_parameters())
-    out = launch(composed, dims.world_size, dims, moe, str(path), True, timeout=TIMEOUT)
+    out = launch(composed, dims.world_size, dims, moe, str(path), True, plant, timeout=TIMEOUT)
     return out[0][0], merge(o[1] for o in out)
 
 
@@ -208,9 +213,8 @@ def test_another_config_is_refused_before_any_tensor(dense_dp2, monkeypatch):
     assert cfg != other
 
 
-def test_a_shard_on_the_wrong_mesh_dim_is_caught(dense_pp2_tp2, monkeypatch):
-    """Planted: every tp shard labelled Shard(dim) on the dp mesh dim instead of tp (the same sizes here,
-    so the same local shapes: DCP itself cannot notice). Rank (dp 1, tp 0) then loads tp rank 1's rows."""
+def _tp_shards_placed_on_dp():
+    """Planted in a rank: every tp shard labelled Shard(dim) on the dp mesh dim instead of tp."""
     from torch.distributed.tensor import Replicate, Shard
     from labkit.compose.model import param_class, shard_dim
 
@@ -220,6 +224,12 @@ def test_a_shard_on_the_wrong_mesh_dim_is_caught(dense_pp2_tp2, monkeypatch):
             out[dm.mesh_dim_names.index("dp")] = Shard(shard_dim(name))
         return out
 
-    monkeypatch.setattr(ckpt, "placements", on_dp)
+    ckpt.placements = on_dp
+
+
+def test_a_shard_on_the_wrong_mesh_dim_is_caught(dense_pp2_tp2):
+    """Planted: every tp shard labelled Shard(dim) on the dp mesh dim instead of tp (the same sizes here,
+    so the same local shapes: DCP itself cannot notice). Rank (dp 1, tp 0) then loads tp rank 1's rows."""
     with pytest.raises(AssertionError, match=r"^tok_embeddings\.weight: Tensor-likes are not close"):
-        assert_equal_to_reference(*resume_on(ParallelDims(dp=2, tp=2), False, dense_pp2_tp2), False)
+        assert_equal_to_reference(*resume_on(ParallelDims(dp=2, tp=2), False, dense_pp2_tp2,
+                                             plant=_tp_shards_placed_on_dp), False)

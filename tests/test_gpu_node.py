@@ -189,6 +189,17 @@ def test_a_gpu_tensor_made_in_the_caller_is_named_with_what_to_do():
         pack(len, (), {"weights": weights})
 
 
+def test_a_function_reaching_a_torch_config_module_travels_by_name():
+    """torch's config modules subclass ModuleType, which cloudpickle alone cannot pickle (notebook 12 hit it)."""
+    import pickle
+
+    import torch._dynamo.config
+
+    from labkit.launching.shipping import dumps
+
+    assert pickle.loads(dumps(torch._dynamo.config)) is torch._dynamo.config
+
+
 def test_the_ranks_magic_ships_only_the_names_its_cell_uses():
     from labkit.launching.magic import names_used
 

@@ -11,5 +11,9 @@
 - `plugin`: the pytest plugin (`--impl`, `--grade`).
 """
 from labkit.grading.switch import REPO_ROOT, current_impl, impl, refresh_changed
+from labkit.launching import zygote as _zygote
+
+# Ranks of a caller that grades import these: the zygote imports them once instead (the core names no grading module).
+_zygote.PRELOAD_IF_CALLER_HAS += ("labkit.grading", "labkit.grading.cases", "labkit.grading.diagnose")
 
 __all__ = ["REPO_ROOT", "current_impl", "impl", "refresh_changed"]

@@ -21,9 +21,11 @@ rank shows the learner's line, as it would in the kernel.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import linecache
 import pickle
+import sys
 
 from labkit.launching.failures import LaunchError
 
@@ -43,6 +45,9 @@ def _pickler_class():
             if isinstance(obj, types.CodeType):  # cloudpickle writes "<dynamic-code>": keep the cell's name
                 constructor, args = cloudpickle.cloudpickle._code_reduce(obj)
                 return constructor, tuple(obj.co_filename if a == "<dynamic-code>" else a for a in args)
+            if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType \
+                    and sys.modules.get(obj.__name__) is obj:  # torch's config modules: a ModuleType subclass
+                return importlib.import_module, (obj.__name__,)  # by name, as cloudpickle does plain modules
             if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
                 raise pickle.PicklingError(
                     f"it holds a {obj.device.type.upper()} tensor (shape {tuple(obj.shape)}): tensors on a GPU "

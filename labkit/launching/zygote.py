@@ -39,9 +39,9 @@ from labkit.launching.failures import LaunchError
 
 READY_TIMEOUT = 180.0  # a fresh interpreter importing torch on a loaded 2-core machine
 # Modules a rank would otherwise import for itself at every launch; imported once, here.
-PRELOAD = ("torch.distributed", "numpy", "labkit.grading", "labkit.grading.cases", "labkit.launching.magic",
-           "labkit.launching.rank_main", "cloudpickle")
-PRELOAD_IF_CALLER_HAS = ("pytest", "psutil", "nbformat")
+PRELOAD = ("torch.distributed", "numpy", "labkit.launching.magic", "labkit.launching.rank_main", "cloudpickle")
+# ... and these where the caller has imported them (the layers above the core add their own names).
+PRELOAD_IF_CALLER_HAS: tuple = ("pytest", "psutil", "nbformat")
 
 
 # --------------------------------------------------------------------------- messages
@@ -130,6 +130,8 @@ def _prepare() -> None:
     from labkit.launching.launcher import prewarm
 
     prewarm()
+    # The caller's names (LABKIT_ZYGOTE_PRELOAD): an import here only saves each rank the time; a
+    # failure is the rank's to report, so the zygote depends on none of them.
     wanted = list(PRELOAD) + os.environ.pop("LABKIT_ZYGOTE_PRELOAD", "").split(",")
     for name in filter(None, wanted):
         try:
