@@ -13,6 +13,7 @@ from labkit.launching.launcher import LaunchError, StubNotImplemented, launch, r
 from labkit.launching.magic import load_ipython_extension
 from labkit.launching.notebook import install_cell_refresh, install_ipython_display, needs_exercise, not_yet
 from labkit.mesh import Mesh
+from labkit.renames import install as install_renames, package_getattr as __getattr__  # noqa: F401 - old names
 from labkit.settings import quick
 
 __all__ = ["launch", "LaunchError", "StubNotImplemented", "rank_device", "Mesh", "quick",
@@ -20,3 +21,4 @@ __all__ = ["launch", "LaunchError", "StubNotImplemented", "rank_device", "Mesh",
 
 install_ipython_display()  # in a notebook: launch errors read as their report, not labkit's frames
 install_cell_refresh()  # in a notebook: every cell runs the exercise files as they are on disk
+install_renames()  # for one release: `import labkit.train_loop` names labkit.training.loop (labkit/renames.py)
