@@ -49,8 +49,8 @@ import os
 import sys
 
 # torch is imported inside the functions: a wrong command line fails in a fraction of a second.
-from labkit.apps.train_layout import (STRATEGIES, composed_dims, model_config, resolve_layout,  # noqa: F401 - public
-                                      resolve_mesh)
+from labkit.apps.train_layout import (STRATEGIES, composed_dims, model_config, resolve_composed,  # noqa: F401 - public
+                                      resolve_layout, resolve_mesh)
 from labkit.apps.train_ranks import composed_rank, strategy_step, train_config, train_rank  # noqa: F401 - public
 
 

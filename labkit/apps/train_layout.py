@@ -116,6 +116,12 @@ def resolve_layout(args, world: int | None) -> int:
     return args.dp * args.pp * args.cp * args.tp
 
 
+def resolve_composed(args, world: int | None) -> int:
+    """`resolve_layout` for the composed strategy (the name this had before the flags chose the strategy)."""
+    args.strategy = "composed"
+    return resolve_layout(args, world)
+
+
 def check_layout(args, world: int | None, config) -> None:
     """The refusals every strategy shares, each naming the flag and the fix."""
     product = args.dp * args.pp * args.cp * args.tp
