@@ -1,6 +1,6 @@
 # GENERATED from solutions/expert_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/12_experts.ipynb.
-# untouched-stub fingerprint: 0a9b55a4b10356d5
+# untouched-stub fingerprint: 64f66077e3d9b007
 """Expert parallelism (EP), and EP x DP (notebook 12_experts).
 
 The E experts of each MoE layer are split over the `ep` ranks of an EP group: rank r
@@ -40,6 +40,7 @@ from labkit.model import moe as moe_lib
 from labkit.grading import impl
 from labkit.measure.timeline import Timeline, or_null
 from labkit.mesh import Mesh
+from labkit.renames import renamed_in
 
 NOTEBOOK = "12_experts"
 
@@ -228,3 +229,6 @@ def build_ep_model(config, *, mesh: Mesh, seed: int = 0, dtype: torch.dtype | No
     if dtype is not None:
         model = model.to(dtype)
     return shard_experts(model, mesh=mesh, timeline=timeline)
+
+
+__getattr__ = renamed_in(__name__)  # old names fail naming their replacement, for one release

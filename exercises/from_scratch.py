@@ -1,6 +1,6 @@
 # GENERATED from solutions/from_scratch.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/00_setup.ipynb.
-# untouched-stub fingerprint: e25e9ab53c235a0c
+# untouched-stub fingerprint: 9b44e1b03f5b0890
 """A distributed job from scratch, without labkit (notebook 00_setup).
 
 The boilerplate every PyTorch distributed script has, in three short functions:
@@ -117,6 +117,17 @@ def main(argv=None) -> None:
         if not stub:
             raise
         raise SystemExit(stub[0].split("NotImplementedError: ")[-1])  # an unwritten stub: one line
+
+
+RENAMED = {"setup": "setup_rank", "worker": "rank_worker", "run": "spawn_job"}  # old names (labkit/renames.py lists them)
+
+
+def __getattr__(name: str):
+    """For one release, an old name fails naming its replacement (this file imports nothing of labkit)."""
+    if name in RENAMED:
+        raise AttributeError(f"from_scratch.{name} was renamed: use {RENAMED[name]} "
+                             "(renamed in the core's reorganisation; the old name goes in the next release)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 # GENERATED from solutions/fsdp.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/09_zero_fsdp.ipynb.
-# untouched-stub fingerprint: 91dedbe31e871151
+# untouched-stub fingerprint: 89ba68e2e4a25219
 """ZeRO-3 / FSDP by hand: parameters sharded per block, gathered just in time (notebook 09_zero_fsdp).
 
 ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients; ZeRO-3 shards the parameters
@@ -44,6 +44,7 @@ from torch import nn
 from labkit.parallel.flat import flatten, grads_or_zeros
 from labkit.measure.timeline import Timeline, or_null
 from labkit.parallel.sharding import local_shard, reduce_scatter_mean, shard_size
+from labkit.renames import renamed_in, renamed_method
 
 NOTEBOOK = "09_zero_fsdp"
 
@@ -124,6 +125,7 @@ class ZeRO3:
     reduce-scattered so far (the communication volume). `timeline`: a labkit Timeline that
     gets "F"/"B" spans per block (mb = block index) and "allgather" spans (issue to wait end).
     """
+    finish = renamed_method("ZeRO3.finish")  # an old name, for one release (labkit/renames.py)
 
     def __init__(self, model: nn.Module, blocks=None, *, group: dist.ProcessGroup | None = None,
                  prefetch: bool = True, timeline: Timeline | None = None):
@@ -235,3 +237,6 @@ def _outside(model, blocks):
     """The modules of `model` that are not inside any block."""
     inside = {id(m) for b in blocks for m in b.modules()}
     return [m for m in model.modules() if id(m) not in inside]
+
+
+__getattr__ = renamed_in(__name__)  # old names fail naming their replacement, for one release

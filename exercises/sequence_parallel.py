@@ -1,6 +1,6 @@
 # GENERATED from solutions/sequence_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
-# untouched-stub fingerprint: 95946269b6fb5188
+# untouched-stub fingerprint: f90329bf0384b16a
 """Megatron sequence parallelism (SP) on top of notebook 08's tensor parallelism (notebook 11_long_sequences).
 
 Notebook 08's TP block splits attention (by heads) and the MLP (by hidden units) over the t
@@ -28,6 +28,7 @@ from torch import nn
 
 from labkit.grading import impl
 from labkit.parallel.tp import check_divisible, tp_world
+from labkit.renames import renamed_in
 
 NOTEBOOK = "11_long_sequences"
 SEQ = 1  # activations are [batch, sequence, features]
@@ -190,3 +191,6 @@ class GatherThenLinear(torch.autograd.Function):
         grad_x = sum(g @ w for g, w in zip(grads, weights))
         grad_w = [g.flatten(0, -2).T @ full for g in grads]
         return (reduce_scatter_sequence(grad_x.contiguous(), group=ctx.group), None, *grad_w)
+
+
+__getattr__ = renamed_in(__name__)  # old names fail naming their replacement, for one release

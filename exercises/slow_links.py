@@ -1,6 +1,6 @@
 # GENERATED from solutions/slow_links.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/13_slow_links_and_failures.ipynb.
-# untouched-stub fingerprint: e8c90386b56c10b5
+# untouched-stub fingerprint: 5fe8961a5dd79b8e
 """Training over slow links (notebook 13_slow_links_and_failures): DiLoCo and PowerSGD.
 
 Two ways to send fewer bytes than data parallelism's one all-reduce of every gradient per step:
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.parallel.flat import allreduce_mean_, trainable as _trainable
+from labkit.renames import renamed_in, renamed_method
 
 NOTEBOOK = "13_slow_links_and_failures"
 
@@ -129,6 +130,7 @@ class PowerSGD:
     Attributes: ``residuals`` and ``transmitted`` (this rank's part P^ Q_i^T, or the vector
     itself) per trainable parameter, in the parameter's shape. Raises ValueError for rank < 1.
     """
+    reduce = renamed_method("PowerSGD.reduce")  # an old name, for one release (labkit/renames.py)
 
     def __init__(self, model: nn.Module, rank: int, *, group: dist.ProcessGroup | None = None, seed: int = 0):
         self.rank = _positive_int("rank r", rank, "PowerSGD sends rank-r factors; r=1 is the smallest, "
@@ -156,3 +158,6 @@ class PowerSGD:
         and ``self.transmitted`` (to fill), ``orthonormalize(p)``, ``allreduce_mean_(tensors, *, group)``
         (labkit.parallel.flat: one flat all-reduce, averaged, written back), ``dist.all_reduce(t, group=self.group)``."""
         raise NotImplementedError("exercise PowerSGD is not implemented yet: edit exercises/slow_links.py, see notebooks/13_slow_links_and_failures.ipynb")
+
+
+__getattr__ = renamed_in(__name__)  # old names fail naming their replacement, for one release

@@ -1,6 +1,6 @@
 # GENERATED from solutions/tensor_parallel.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/08_tensor_parallel.ipynb.
-# untouched-stub fingerprint: 016093a43db147ef
+# untouched-stub fingerprint: 69643f619f00549e
 """Tensor parallelism, Megatron-style (notebook 08_tensor_parallel).
 
 A linear layer y = x W^T + b can be cut across the ranks of a TP group in two ways:
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.parallel.tp import check_divisible, tp_world  # noqa: F401 (notebooks 08 and 11 use them from here)
+from labkit.renames import renamed_in
 
 NOTEBOOK = "08_tensor_parallel"
 
@@ -248,3 +249,6 @@ def tp_comm_per_layer(batch: int, seq: int, d_model: int, tp: int, bytes_per_ele
     size = batch * seq * d_model * bytes_per_elem
     per_allreduce = 2 * (tp - 1) / tp * size
     return dict(allreduces=4, activation_bytes=size, bytes_sent_per_rank=4 * per_allreduce)
+
+
+__getattr__ = renamed_in(__name__)  # old names fail naming their replacement, for one release

@@ -1,6 +1,6 @@
 # GENERATED from solutions/zero.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/09_zero_fsdp.ipynb.
-# untouched-stub fingerprint: efd05e9349414e66
+# untouched-stub fingerprint: 1583be3507a0653a
 """ZeRO stage 1 by hand: an optimizer with its state sharded over the ranks (notebook 09_zero_fsdp).
 
 Plain data parallelism keeps a full copy of the optimizer state on every rank: for Adam,
@@ -31,6 +31,7 @@ from labkit.parallel.flat import flatten, grads_or_zeros, write_back
 from labkit.parallel.optim import WrapperOptimizer
 from labkit.parallel.sharding import (all_gather_flat, local_shard, optimizer_state_bytes,  # noqa: F401
                                       reduce_scatter_mean, shard_size)
+from labkit.renames import renamed_in
 
 NOTEBOOK = "09_zero_fsdp"
 
@@ -129,3 +130,6 @@ class ZeroAdamW(ShardedOptimizer):
                  group: dist.ProcessGroup | None = None):
         super().__init__(params, torch.optim.AdamW, group=group, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay)
+
+
+__getattr__ = renamed_in(__name__)  # old names fail naming their replacement, for one release

@@ -17,6 +17,7 @@ from labkit.launching.launcher import LaunchError, StubNotImplemented, launch, r
 from labkit.launching.magic import load_ipython_extension
 from labkit.launching.notebook import install_cell_refresh, install_ipython_display, needs_exercise, not_yet
 from labkit.mesh import Mesh
+from labkit.renames import install as install_renames, package_getattr as __getattr__  # noqa: F401 - old names
 from labkit.settings import quick
 
 __all__ = ["launch", "LaunchError", "StubNotImplemented", "rank_device", "Mesh", "quick",
@@ -36,4 +37,5 @@ def _start_zygote_in_a_notebook() -> None:
         zygote.start_soon()
 
 
+install_renames()  # for one release: `import labkit.train_loop` names labkit.training.loop (labkit/renames.py)
 _start_zygote_in_a_notebook()

@@ -46,6 +46,8 @@ from __future__ import annotations
 import itertools
 import math
 
+from labkit.renames import renamed_attribute
+
 AXES = ("dp", "pp", "ep", "cp", "tp")  # outermost first
 LEVELS = ("node", "local")  # a cluster's two levels, outermost first (the other vocabulary)
 
@@ -59,6 +61,18 @@ class Mesh:
     is not a positive int, an axis is unknown, the sizes' product is not ``world_size``,
     ``rank`` is out of range, or they disagree with the initialised process group.
     """
+    # hybrid.Mesh's fields and properties before it became this class, for one release (labkit/renames.py)
+    is_first_stage = renamed_attribute("Mesh.is_first_stage")
+    is_last_stage = renamed_attribute("Mesh.is_last_stage")
+    dp_rank = renamed_attribute("Mesh.dp_rank")
+    pp_rank = renamed_attribute("Mesh.pp_rank")
+    dp = renamed_attribute("Mesh.dp")
+    pp = renamed_attribute("Mesh.pp")
+    dp_group = renamed_attribute("Mesh.dp_group")
+    pp_group = renamed_attribute("Mesh.pp_group")
+    dp_ranks = renamed_attribute("Mesh.dp_ranks")
+    pipeline_ranks = renamed_attribute("Mesh.pipeline_ranks")
+
 
     def __init__(self, world_size: int, *, rank: int | None = None, groups: bool = True,
                  combined=(), **sizes):

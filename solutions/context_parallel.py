@@ -17,6 +17,7 @@ import torch.distributed as dist
 from labkit.grading import impl
 from labkit.measure.timeline import Timeline, or_null
 from labkit.mesh import Mesh
+from labkit.renames import renamed_in, renamed_method
 
 NOTEBOOK = "11_long_sequences"
 
@@ -126,6 +127,7 @@ class ContextParallel(torch.nn.Module):
     The parameters are the model's own. ValueError when the mesh has no cp axis.
     `timeline`: a labkit Timeline that the ring attention records its spans into.
     """
+    allreduce_gradients = renamed_method("ContextParallel.allreduce_gradients")  # an old name, for one release (labkit/renames.py)
 
     def __init__(self, model, *, mesh: Mesh, split: str = "zigzag", timeline: Timeline | None = None):
         super().__init__()
@@ -164,3 +166,6 @@ class ContextParallel(torch.nn.Module):
         for p in self.model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self.group)
+
+
+__getattr__ = renamed_in(__name__)  # old names fail naming their replacement, for one release

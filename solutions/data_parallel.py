@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.parallel.flat import bucket_parameters, trainable as _trainable  # a tied Parameter is listed once
+from labkit.renames import renamed_in, renamed_method
 
 NOTEBOOK = "04_data_parallel"
 
@@ -155,6 +156,7 @@ class BucketedDataParallel(nn.Module):
     are reduced once, frozen parameters never. One backward per sync_gradients():
     a second backward before sync_gradients() raises RuntimeError.
     """
+    finish = renamed_method("BucketedDataParallel.finish")  # an old name, for one release (labkit/renames.py)
 
     def __init__(self, model: nn.Module, bucket_size_mb: float = 25.0, *, group: dist.ProcessGroup | None = None):
         super().__init__()
@@ -266,3 +268,6 @@ def check_replicas(model: nn.Module, *, group: dist.ProcessGroup | None = None) 
             f"replicas differ: {names[first]} on group ranks {ranks} differs from group rank 0 "
             f"({int(differs.sum())} of {len(names)} tensors differ). Call broadcast_parameters(model) "
             "after building the model, and average the gradients on every step.")
+
+
+__getattr__ = renamed_in(__name__)  # old names fail naming their replacement, for one release

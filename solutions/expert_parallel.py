@@ -37,6 +37,7 @@ from labkit.model import moe as moe_lib
 from labkit.grading import impl
 from labkit.measure.timeline import Timeline, or_null
 from labkit.mesh import Mesh
+from labkit.renames import renamed_in
 
 NOTEBOOK = "12_experts"
 
@@ -253,3 +254,6 @@ def build_ep_model(config, *, mesh: Mesh, seed: int = 0, dtype: torch.dtype | No
     if dtype is not None:
         model = model.to(dtype)
     return shard_experts(model, mesh=mesh, timeline=timeline)
+
+
+__getattr__ = renamed_in(__name__)  # old names fail naming their replacement, for one release

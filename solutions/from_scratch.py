@@ -142,5 +142,16 @@ def main(argv=None) -> None:
         raise SystemExit(stub[0].split("NotImplementedError: ")[-1])  # an unwritten stub: one line
 
 
+RENAMED = {"setup": "setup_rank", "worker": "rank_worker", "run": "spawn_job"}  # old names (labkit/renames.py lists them)
+
+
+def __getattr__(name: str):
+    """For one release, an old name fails naming its replacement (this file imports nothing of labkit)."""
+    if name in RENAMED:
+        raise AttributeError(f"from_scratch.{name} was renamed: use {RENAMED[name]} "
+                             "(renamed in the core's reorganisation; the old name goes in the next release)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 if __name__ == "__main__":
     main()

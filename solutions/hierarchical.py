@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.mesh import Mesh
+from labkit.renames import renamed_in
 
 NOTEBOOK = "03_allreduce"
 
@@ -111,3 +112,6 @@ def cost_model(nbytes: float, n_nodes: int, node_size: int, intra_bw: float, int
         2 * (m - 1) * (inter_latency + nbytes / (m * inter_bw))
     return {"flat": flat, "hierarchical": hier,
             "flat_network_steps": 2 * (n - 1), "hierarchical_network_steps": 2 * (m - 1)}
+
+
+__getattr__ = renamed_in(__name__)  # old names fail naming their replacement, for one release

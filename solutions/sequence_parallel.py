@@ -25,6 +25,7 @@ from torch import nn
 
 from labkit.grading import impl
 from labkit.parallel.tp import check_divisible, tp_world
+from labkit.renames import renamed_in
 
 NOTEBOOK = "11_long_sequences"
 SEQ = 1  # activations are [batch, sequence, features]
@@ -197,3 +198,6 @@ class GatherThenLinear(torch.autograd.Function):
         grad_x = sum(g @ w for g, w in zip(grads, weights))
         grad_w = [g.flatten(0, -2).T @ full for g in grads]
         return (reduce_scatter_sequence(grad_x.contiguous(), group=ctx.group), None, *grad_w)
+
+
+__getattr__ = renamed_in(__name__)  # old names fail naming their replacement, for one release

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.parallel.flat import allreduce_mean_, trainable as _trainable
+from labkit.renames import renamed_in, renamed_method
 
 NOTEBOOK = "13_slow_links_and_failures"
 
@@ -151,6 +152,7 @@ class PowerSGD:
     Attributes: ``residuals`` and ``transmitted`` (this rank's part P^ Q_i^T, or the vector
     itself) per trainable parameter, in the parameter's shape. Raises ValueError for rank < 1.
     """
+    reduce = renamed_method("PowerSGD.reduce")  # an old name, for one release (labkit/renames.py)
 
     def __init__(self, model: nn.Module, rank: int, *, group: dist.ProcessGroup | None = None, seed: int = 0):
         self.rank = _positive_int("rank r", rank, "PowerSGD sends rank-r factors; r=1 is the smallest, "
@@ -211,3 +213,6 @@ class PowerSGD:
                 self.residuals[i] = (m_of[i] - mine).view_as(p).clone()
                 p.grad.copy_((p_hat[i] @ self.qs[i].T).view_as(p))
         ### END SOLUTION
+
+
+__getattr__ = renamed_in(__name__)  # old names fail naming their replacement, for one release

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.parallel.tp import check_divisible, tp_world  # noqa: F401 (notebooks 08 and 11 use them from here)
+from labkit.renames import renamed_in
 
 NOTEBOOK = "08_tensor_parallel"
 
@@ -274,3 +275,6 @@ def tp_comm_per_layer(batch: int, seq: int, d_model: int, tp: int, bytes_per_ele
     size = batch * seq * d_model * bytes_per_elem
     per_allreduce = 2 * (tp - 1) / tp * size
     return dict(allreduces=4, activation_bytes=size, bytes_sent_per_rank=4 * per_allreduce)
+
+
+__getattr__ = renamed_in(__name__)  # old names fail naming their replacement, for one release

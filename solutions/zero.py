@@ -28,6 +28,7 @@ from labkit.parallel.flat import flatten, grads_or_zeros, write_back
 from labkit.parallel.optim import WrapperOptimizer
 from labkit.parallel.sharding import (all_gather_flat, local_shard, optimizer_state_bytes,  # noqa: F401
                                       reduce_scatter_mean, shard_size)
+from labkit.renames import renamed_in
 
 NOTEBOOK = "09_zero_fsdp"
 
@@ -147,3 +148,6 @@ class ZeroAdamW(ShardedOptimizer):
                  group: dist.ProcessGroup | None = None):
         super().__init__(params, torch.optim.AdamW, group=group, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay)
+
+
+__getattr__ = renamed_in(__name__)  # old names fail naming their replacement, for one release

@@ -190,3 +190,39 @@ def test_the_solution_check_catches_each_planted_violation(tmp_path):
                 "e reads the private core name cc._allowed_devices (line 4)",
                 "f imports exercises.zero", "import cycle: a -> b -> a"]
     assert sorted(found) == sorted(expected), found
+
+
+# -- no import cycle among labkit's modules ------------------------------------------------------
+def labkit_import_cycles(root: Path) -> list[str]:
+    """'import cycle: a -> b -> a' among root/labkit's modules, imports inside functions counted too (a lazy
+    import hides a cycle from Python, not from a reader). An import names the longest labkit module it
+    starts with: `from labkit.apps.rank_grid import draw_grid` is an edge to labkit.apps.rank_grid."""
+    lab = root / "labkit"
+    paths = {".".join(("labkit", *p.relative_to(lab).with_suffix("").parts)).removesuffix(".__init__"): p
+             for p in sorted(lab.rglob("*.py")) if "__pycache__" not in p.parts}
+    edges = {name: set() for name in paths}
+    for name, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                parts = target.split(".")
+                hit = next((".".join(parts[:k]) for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in paths), None)
+                if hit and hit != name:
+                    edges[name].add(hit)
+    return _cycles(edges)
+
+
+def test_labkit_has_no_import_cycle():
+    assert not labkit_import_cycles(LABKIT.parent), labkit_import_cycles(LABKIT.parent)
+
+
+def test_the_cycle_check_sees_a_lazy_import_cycle(tmp_path):
+    (tmp_path / "labkit" / "apps").mkdir(parents=True)
+    (tmp_path / "labkit" / "apps" / "figures.py").write_text("def main():\n    from labkit.apps.moves import draw\n")
+    (tmp_path / "labkit" / "apps" / "moves.py").write_text("from labkit.apps.figures import COLORS\n")
+    assert labkit_import_cycles(tmp_path) == ["import cycle: labkit.apps.figures -> labkit.apps.moves -> labkit.apps.figures"]

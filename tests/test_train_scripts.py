@@ -7,7 +7,9 @@ so must the single strategy, run in this process. Two more jobs start the ranks 
 with the variables Slurm's srun and MPICH's mpiexec (PBS) set, which is how those
 launchers hand a rank its identity. The composed strategy (notebook 14's layouts: --tp, --cp,
 --ep, --zero) runs forked, under torchrun and with mpiexec's variables; a bad layout stops before
-any rank starts.
+any rank starts, with one line naming the flag and the fix. Each axis flag alone (--dp 2, --pp 2, --tp 2,
+--cp 2, --zero 1 --dp 2; --ep 2 on tiny-moe; --dp 3, --pp 4) runs that many ranks, as the report and the
+summary line say (forked in this process: 1-2 s each).
 
 Every job runs in its own session and is killed, children included, on timeout.
 Cost: each job starts fresh interpreters that import torch: about 5-10 s per job on two
@@ -154,7 +156,8 @@ def test_train_wrong_process_count_says_what_to_change():
     env = _env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode != 0
-    assert "needs 4 processes" in proc.stderr and "started 2" in proc.stderr, proc.stderr[-2000:]
+    assert ("--dp 2 x --pp 2 x --cp 1 x --tp 1 needs 4 processes, but the launcher started 2: change --dp/--pp/--cp/--tp "
+            "so that their product is 2, or start 4 processes (torchrun --nproc-per-node 4)") in proc.stderr, proc.stderr[-2000:]
 
 
 # ---------------------------------------------------------------- the composed strategy (notebook 14)
@@ -205,14 +208,19 @@ def test_train_composed_with_mpiexec_variables_equals_single_process(reference, 
 
 
 @pytest.mark.parametrize("extra,env_world,words", [
-    (["--dp", "2", "--tp", "2"], "2", "= 4 ranks, but 2 are running"),
-    (["--tp", "3"], None, "tp=3 does not divide n_heads=4"),
-    (["--dp", "2", "--ep", "2"], None, "ep=2 on a dense model"),
-    (["--cp", "2", "--model", "tiny-moe"], None, "dropless"),
-    (["--strategy", "hybrid", "--tp", "2"], None, "belong to the composed strategy"),
-], ids=["product-not-world", "tp-heads", "ep-dense", "moe-drops-under-cp", "flags-of-another-strategy"])
-def test_train_composed_bad_layout_fails_before_any_rank(extra, env_world, words, monkeypatch, capsys):
-    """One line naming the fix, before any rank is started (in this process: it must not get as far as forking)."""
+    (["--dp", "2", "--tp", "2"], "2", "--dp 2 x --pp 1 x --cp 1 x --tp 2 needs 4 processes, but the launcher started 2"),
+    (["--tp", "3"], None, "--tp 3 does not divide n_heads=4"),
+    (["--dp", "2", "--ep", "2"], None, "--ep 2 on a dense model"),
+    (["--cp", "2", "--model", "tiny-moe"], None, "Add --capacity-factor 2 (n_experts / top_k: no token dropped"),
+    (["--strategy", "hybrid", "--tp", "2"], None, "--tp belong to the composed strategy"),
+    (["--strategy", "single", "--dp", "2"], None, "--strategy single does not run --dp 2: leave --strategy out"),
+    (["--strategy", "dp", "--pp", "2"], None, "--strategy dp does not run --pp 2: leave --strategy out"),
+    (["--pp", "5"], None, "--pp 5 is more stages than --model tiny's 4 layers"),
+], ids=["product-not-world", "tp-heads", "ep-dense", "moe-drops-under-cp", "flags-of-another-strategy",
+        "single-with-dp", "dp-with-pp", "pp-past-layers"])
+def test_train_bad_layout_fails_before_any_rank(extra, env_world, words, monkeypatch):
+    """One line naming the flag and the fix, before any rank is started (in this process: it must not get as far
+    as forking)."""
     monkeypatch.setenv("LABKIT_IMPL", "solutions")  # main(--impl) sets it; restored afterwards
     if env_world is not None:  # as torchrun would start it: the world size comes from the launcher
         monkeypatch.setenv("RANK", "0")
@@ -222,3 +230,82 @@ def test_train_composed_bad_layout_fails_before_any_rank(extra, env_world, words
     with pytest.raises(SystemExit) as stop:
         main([*extra, *COMMON])
     assert words in str(stop.value), str(stop.value)
+
+
+PROG = "python -m labkit.apps.train: "
+
+
+@pytest.mark.parametrize("extra,env_world,message", [
+    (["--dp", "3", "--batch-size", "6"], "2",
+     "--dp 3 x --pp 1 x --cp 1 x --tp 1 needs 3 processes, but the launcher started 2: change --dp/--pp/--cp/--tp so "
+     "that their product is 2, or start 3 processes (torchrun --nproc-per-node 3); --ep borrows its ranks from --dp "
+     "and is not in the product"),
+    (["--dp", "3"], None,
+     "--batch-size 8 does not split over --dp 3 x --microbatches 1 = 3 equal parts (each replica's rows, cut into "
+     "micro-batches): use --batch-size 6 or 9 (a multiple of 3), or change --dp or --microbatches"),
+    (["--dp", "2", "--pp", "2", "--microbatches", "3"], None,
+     "--batch-size 8 does not split over --dp 2 x --microbatches 3 = 6 equal parts (each replica's rows, cut into "
+     "micro-batches): use --batch-size 6 or 12 (a multiple of 6), or change --dp or --microbatches"),
+    (["--tp", "2", "--model", "tiny-moe"], None,
+     "--model tiny-moe with --capacity-factor 1.25 (the config's default) drops the tokens past an expert's capacity, "
+     "chosen per whole sequence; under --cp 1 --tp 2 no rank sees a whole sequence, so this run would drop other "
+     "tokens than the one-process run. Add --capacity-factor 2 (n_experts / top_k: no token dropped, as Megatron-Core "
+     "does with context or sequence parallelism)"),
+    (["--cp", "2", "--model", "tiny-moe", "--capacity-factor", "1.5"], None,
+     "--model tiny-moe with --capacity-factor 1.5 drops the tokens past an expert's capacity, "
+     "chosen per whole sequence; under --cp 2 --tp 1 no rank sees a whole sequence, so this run would drop other "
+     "tokens than the one-process run. Add --capacity-factor 2 (n_experts / top_k: no token dropped, as Megatron-Core "
+     "does with context or sequence parallelism)"),
+], ids=["world-not-product", "batch-not-dp", "batch-not-dp-x-microbatches", "moe-drops-under-tp", "moe-drops-under-cp"])
+def test_train_bad_input_is_one_line_naming_flag_and_fix(extra, env_world, message, monkeypatch):
+    """The exact line, for the strategies of notebooks 04-07 and the composed one alike, before any rank starts."""
+    monkeypatch.setenv("LABKIT_IMPL", "solutions")
+    if env_world is not None:
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", env_world)
+        monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr("labkit.launching.launcher.launch", lambda *a, **k: pytest.fail("a rank was started"))
+    with pytest.raises(SystemExit) as stop:
+        main([*extra, *COMMON])
+    assert str(stop.value) == PROG + message
+
+
+# ---------------------------------------------------------------- the flags choose the layout the ranks run
+def _layout(report):
+    return {k: report[k] for k in ("strategy", "world_size", "dp", "pp", "cp", "tp", "ep", "zero")}
+
+
+@pytest.mark.parametrize("extra,want", [
+    (["--dp", "2"], dict(strategy="dp", world_size=2, dp=2)),
+    (["--pp", "2"], dict(strategy="pp", world_size=2, pp=2)),
+    (["--tp", "2"], dict(strategy="composed", world_size=2, tp=2)),
+    (["--cp", "2"], dict(strategy="composed", world_size=2, cp=2)),
+    (["--zero", "1", "--dp", "2"], dict(strategy="composed", world_size=2, dp=2, zero=1)),
+], ids=["dp2", "pp2", "tp2", "cp2", "zero1-dp2"])
+def test_train_each_flag_alone_runs_its_layout_equal_to_one_process(extra, want, reference, tmp_path, monkeypatch):
+    """Every axis flag alone selects a multi-rank run: the report gives the world size and each axis as the
+    ranks' meshes ran them, and the run equals one process in float64."""
+    monkeypatch.setenv("LABKIT_IMPL", "solutions")
+    saved = tmp_path / "weights.pt"
+    report = main([*extra, *COMMON, "--save", str(saved)])
+    assert _layout(report) == {"dp": 1, "pp": 1, "cp": 1, "tp": 1, "ep": 1, "zero": 0, **want}
+    _check(report, saved, reference, want["strategy"], want["world_size"])
+
+
+# tiny runs: the layout is the question here, not the numbers (those are proved above)
+QUICK = ["--steps", "2", "--seq-len", "16", "--quiet", "--impl", "solutions"]
+
+
+@pytest.mark.parametrize("extra,want", [
+    (["--ep", "2", "--model", "tiny-moe", "--batch-size", "4"], dict(strategy="composed", world_size=2, dp=2, ep=2)),
+    (["--dp", "3", "--batch-size", "3"], dict(strategy="dp", world_size=3, dp=3)),
+    (["--pp", "4", "--batch-size", "4", "--microbatches", "4"], dict(strategy="pp", world_size=4, pp=4)),
+], ids=["ep2-tiny-moe", "dp3", "pp4"])
+def test_train_flag_alone_runs_that_many_ranks(extra, want, monkeypatch, capsys):
+    """--ep 2 borrows 2 data-parallel ranks; --dp 3 and --pp 4 run 3 and 4 ranks (tiny has 4 layers), and the
+    summary line says so."""
+    monkeypatch.setenv("LABKIT_IMPL", "solutions")
+    report = main([*extra, *QUICK])
+    assert _layout(report) == {"dp": 1, "pp": 1, "cp": 1, "tp": 1, "ep": 1, "zero": 0, **want}
+    axes = " ".join(f"{a}={report[a]}" for a in ("dp", "pp", "cp", "tp", "ep", "zero", "microbatches"))
+    assert f"{want['strategy']} on {want['world_size']} rank(s), {axes}, cpu: loss" in capsys.readouterr().out

@@ -16,7 +16,7 @@ import bisect
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
-from labkit.apps.collective_figures import COLORS, LETTERS, draw_grid
+from labkit.apps.rank_grid import COLORS, LETTERS, draw_grid
 
 
 def _contents(value, world_size):
