@@ -258,105 +258,26 @@ def test_sharded_optimizer_subgroup_of_4_ranks_global_ranks_differ_from_group_ra
 # --- awkward parameters in a subgroup: frozen, never used, used on one rank only; groups [1, 3], [0, 2] ---
 # One 4-rank launch (labkit.grading.cases). Group ranks differ from global ranks (global 3 is rank 1 of
 # [1, 3]), so a shard taken by global rank, or a collective on the default group, changes the result.
-# The frozen and the gradient-less parameters sit in the MIDDLE of the parameter list: leaving a None
-# gradient out of the flat gradient, or writing back into the frozen one, shifts every later parameter.
+# labkit.grading.awkward: the frozen and the gradient-less parameters sit in the MIDDLE of the parameter
+# list, so leaving a None gradient out, or writing back into the frozen one, shifts every later parameter.
 SUBGROUPS = ((1, 3), (0, 2))
 
 
-class Awkward(nn.Module):
-    """Parameters in order: a.weight, a.bias, gain (FROZEN), spare (never used: .grad None),
-    rare (used by group rank 0 only: None on the others), b.weight, b.bias; float64.
-    77 trainable elements: not a multiple of 2."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(5, 7)
-        self.gain = nn.Parameter(torch.rand(7) + 0.5, requires_grad=False)
-        self.spare = nn.Parameter(torch.randn(4))
-        self.rare = nn.Parameter(torch.rand(7) + 0.5)
-        self.b = nn.Linear(7, 3)
-        self.double()
-
-    def forward(self, x, use_rare):
-        h = torch.tanh(self.a(x)) * self.gain
-        return self.b(h * self.rare if use_rare else h).pow(2).mean()
-
-
-AWKWARD_HINT = ("Likely cause: the flat gradient and the flat parameters no longer line up. Flatten the "
-                "TRAINABLE parameters only (requires_grad=True), every one of them, a .grad of None counted as "
-                "zeros (grads_or_zeros), and write back into those same parameters; the average is over the "
-                "ranks of group= only")
-
-
-def awkward_reference(ranks, steps, rows=3):
-    """One process, torch.optim.AdamW, on the group's batches: the loss is the mean of its ranks' losses
-    (rank 0 of the group uses `rare`); a .grad of None counts as zeros (weight decay still moves it)."""
-    model = Awkward()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HYPER)
-    for x in awkward_batches(ranks, steps, rows):
-        sum(model(x[rows * i:rows * (i + 1)], i == 0) for i in range(len(ranks))).div(len(ranks)).backward()
-        for p in model.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad()
-    return model
-
-
-def awkward_batches(ranks, steps, rows=3):
-    g = torch.Generator().manual_seed(100 + ranks[0])  # each group its own data
-    return [torch.randn(rows * len(ranks), 5, generator=g, dtype=torch.float64) for _ in range(steps)]
-
-
-def train_awkward(rank, ranks, group, make_optimizer, what, steps=2, rows=3):
-    """Train Awkward on this rank's rows of the group's batches with `make_optimizer(model)`, under
-    watch_groups(group); then every parameter must equal awkward_reference and the frozen one be untouched.
-    Returns (model, optimizer)."""
-    from labkit.grading import diagnose
-
-    model = Awkward()
-    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    me = ranks.index(rank)
-    where = f"{what} on global rank {rank} (rank {me} of group {list(ranks)})"
-    try:
-        with diagnose.watch_groups(group, what):
-            opt = make_optimizer(model)
-            for x in awkward_batches(ranks, steps, rows):
-                model(x[rows * me:rows * (me + 1)], me == 0).backward()
-                opt.step()
-                opt.zero_grad()
-    except (RuntimeError, ValueError, IndexError) as error:  # a shape error: say first what went wrong before it
-        changed = diagnose.frozen_changes(frozen, model)
-        if changed:
-            raise AssertionError(f"{where}: {changed} (then step() raised {type(error).__name__}: {error})") from error
-        raise
-    changed = diagnose.frozen_changes(frozen, model)
-    assert changed is None, f"{where}: {changed}"
-    want = dict(awkward_reference(ranks, steps, rows).named_parameters())
-    got = {n: p.detach() for n, p in model.named_parameters()}
-    diagnose.assert_same_named(got, {n: p.detach() for n, p in want.items()}, "parameter",
-                               f"{where}, after {steps} steps against one process with AdamW on the group's "
-                               "batches", **F64, hint=AWKWARD_HINT)
-    return model, opt
-
-
 def _zero1_awkward(rank, ranks, group):
-    from labkit.grading import diagnose
+    from labkit.grading import awkward, diagnose
 
     zero = impl("zero")
-    model = Awkward()
+    model = awkward.Awkward()
     with diagnose.watch_groups(group, "ShardedOptimizer"):
         opt = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, group=group, **HYPER)
-    trainable = [p.detach() for p in model.parameters() if p.requires_grad]
-    s = math.ceil(77 / len(ranks))
-    wrong = diagnose.shard_mismatch(opt.shards[0], torch.cat([t.reshape(-1) for t in trainable] + [
-        torch.zeros(s * len(ranks) - 77, dtype=torch.float64)]), ranks.index(rank), rank, len(ranks),
-        "ShardedOptimizer.shards[0]")
-    assert wrong is None, f"{wrong} (the group's trainable parameters are a.weight, a.bias, spare, rare, b.weight, b.bias)"
-    train_awkward(rank, ranks, group,
+    n = len(ranks)
+    flat = torch.cat([model.trainable_flat(), torch.zeros(math.ceil(awkward.TRAINABLE / n) * n - awkward.TRAINABLE,
+                                                          dtype=torch.float64)])
+    wrong = diagnose.shard_mismatch(opt.shards[0], flat, ranks.index(rank), rank, n, "ShardedOptimizer.shards[0]")
+    assert wrong is None, f"{wrong} (the flat vector: the trainable parameters, in order, zero-padded)"
+    awkward.train(rank, ranks, group,
                   lambda m: zero.ShardedOptimizer(m.parameters(), torch.optim.AdamW, group=group, **HYPER),
-                  "ShardedOptimizer")
+                  "ShardedOptimizer", HYPER, F64)
 
 
 def _run_subgroup_cases(rank, world):
