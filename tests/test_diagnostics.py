@@ -79,6 +79,27 @@ def test_assert_same_named_names_the_first_differing_tensor_and_by_how_much():
     diagnose.assert_same_named(got, {**got}, "gradient")
 
 
+def test_shard_mismatch_names_the_piece_a_shard_holds_and_frozen_changes_the_parameter_that_moved():
+    flat = torch.arange(8.0)  # 2 pieces of 4
+    assert diagnose.shard_mismatch(flat[4:], flat, 1, 3, 2) is None
+    assert diagnose.shard_mismatch(flat[4:], flat, 0, 1, 2, "shards[0]") == (
+        "shards[0] on global rank 1 (rank 0 of its group of 2) holds piece 1, expected elements 0-3 of the flat, "
+        "padded vector (piece 0 of 2): its piece is the one of its GLOBAL rank: take the rank in the group, "
+        "dist.get_rank(group), not dist.get_rank()")
+    assert diagnose.shard_mismatch(flat[8:], flat, 1, 3, 2).startswith(
+        "the shard on global rank 3 (rank 1 of its group of 2) holds nothing, expected elements 4-7")
+    assert "holds no piece of the flat vector" in diagnose.shard_mismatch(flat[:4] + 1, flat, 0, 0, 2)
+    model = torch.nn.Linear(2, 1)
+    model.bias.requires_grad_(False)
+    before = {"bias": model.bias.detach().clone()}
+    assert diagnose.frozen_changes(before, model) is None
+    with torch.no_grad():
+        model.bias.add_(0.5)
+    assert diagnose.frozen_changes(before, model).startswith(
+        "frozen parameter 'bias' (requires_grad=False) changed: max abs diff 0.5, expected 0 (unchanged): "
+        "an optimizer must leave frozen parameters untouched")
+
+
 # --- ring all-reduce: the bitmask case names the first wrong chunk --------------------------
 
 

@@ -10,6 +10,9 @@ Two tools for grading messages:
 - Named tensors: `first_differences(got, want)` compares two {name: tensor} dicts (weights,
   gradients) in the reference's order, and `assert_same_named` fails with the first
   differing name, by how much, and how many others differ.
+- Shards and frozen parameters: `shard_mismatch` says which piece of a flat vector a rank's
+  shard holds (its global rank's instead of its group rank's, say); `frozen_changes` names a
+  frozen parameter that an optimizer moved.
 """
 from __future__ import annotations
 
@@ -138,8 +141,12 @@ def first_differences(got: dict, want: dict, rtol=None, atol=None) -> list:
     return out
 
 
-def assert_same_named(got: dict, want: dict, what: str = "tensor", where: str = "", rtol=None, atol=None):
-    """AssertionError naming the first differing `what` (by name, in want's order) and by how much."""
+def assert_same_named(got: dict, want: dict, what: str = "tensor", where: str = "", rtol=None, atol=None,
+                      hint: str = ""):
+    """AssertionError naming the first differing `what` (by name, in want's order) and by how much.
+
+    hint: the likely cause, appended to the message.
+    """
     differences = first_differences(got, want, rtol, atol)
     if not differences:
         return
@@ -147,7 +154,55 @@ def assert_same_named(got: dict, want: dict, what: str = "tensor", where: str = 
     listed = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
     prefix = f"{where}: " if where else ""
     raise AssertionError(f"{prefix}first differing {what}: {differences[0][1]}; "
-                         f"{len(names)} of {len(want)} differ ({listed})")
+                         f"{len(names)} of {len(want)} differ ({listed})" + (f". {hint}" if hint else ""))
+
+
+# --- shards and frozen parameters -------------------------------------------------------------
+
+def shard_mismatch(shard: torch.Tensor, flat: torch.Tensor, group_rank: int, global_rank: int,
+                   world_size: int, what: str = "the shard") -> str | None:
+    """None if `shard` is piece `group_rank` of the 1-D `flat` cut into `world_size` equal pieces;
+    else which piece it holds, in words, e.g. "the shard on global rank 3 (rank 1 of its group of
+    2) has 0 elements, expected 29 (elements 29-57 of the flat vector): its piece is the one of
+    its GLOBAL rank 3, ...". `flat` is the whole padded vector (length a multiple of world_size).
+    """
+    s = flat.numel() // world_size
+    lo, hi = group_rank * s, (group_rank + 1) * s
+    want = flat[lo:hi]
+    got = shard.detach().reshape(-1).to(flat.dtype)
+    if got.numel() == s and torch.equal(got, want):
+        return None
+    where = (f"{what} on global rank {global_rank} (rank {group_rank} of its group of {world_size})")
+    expected = f"elements {lo}-{hi - 1} of the flat, padded vector (piece {group_rank} of {world_size})"
+    by_global = flat[global_rank * s:(global_rank + 1) * s]
+    global_hint = ("its piece is the one of its GLOBAL rank: take the rank in the group, "
+                   "dist.get_rank(group), not dist.get_rank()")
+    if global_rank != group_rank and got.numel() == by_global.numel() and torch.equal(got, by_global):
+        return f"{where} holds {'nothing' if not s or not got.numel() else 'piece ' + str(global_rank)}, " \
+               f"expected {expected}: {global_hint}"
+    if got.numel() != s:
+        cause = global_hint if global_rank != group_rank and global_rank * s >= flat.numel() else \
+            f"a shard holds ceil(numel / N) = {s} elements, N the size of the group"
+        return f"{where} has {got.numel()} elements, expected {s} ({expected}): {cause}"
+    for k in range(world_size):
+        if torch.equal(got, flat[k * s:(k + 1) * s]):
+            return f"{where} holds piece {k}, expected {expected}: the piece index is the rank in the group"
+    return (f"{where} holds no piece of the flat vector, expected {expected}: flatten the TRAINABLE parameters "
+            "(requires_grad=True) in order, zero-padded to a multiple of the group's size")
+
+
+def frozen_changes(before: dict, model) -> str | None:
+    """None if every frozen parameter named in `before` ({name: value before}) is bit for bit unchanged
+    in `model` (a module, or a {name: tensor} dict); else the first that moved, in words."""
+    now = dict(model.named_parameters()) if hasattr(model, "named_parameters") else dict(model)
+    for name, old in before.items():
+        new = now[name].detach()
+        if not torch.equal(new, old):
+            diff = (new.double() - old.double()).abs().max().item()
+            return (f"frozen parameter {name!r} (requires_grad=False) changed: max abs diff {diff:.3g}, "
+                    f"expected 0 (unchanged): an optimizer must leave frozen parameters untouched; write back "
+                    "into the trainable parameters only (requires_grad=True), the ones that were flattened")
+    return None
 
 
 # --- collectives on the wrong group ---------------------------------------------------------

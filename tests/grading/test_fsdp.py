@@ -241,3 +241,96 @@ def _no_blocks(rank, world):
 def test_zero3_model_without_blocks_raises():
     (message,) = launch(_no_blocks, 1, timeout=TIMEOUT)
     assert message is not None and "no blocks to wrap" in message, message
+
+
+# --- awkward parameters in a subgroup (labkit.grading.awkward): groups [1, 3] and [0, 2] of 4 ranks ---
+# Block 1 holds a frozen parameter, then one never used (its .grad stays None), then the rest: leaving the
+# None gradient out of the flat gradient shifts every later one. Group ranks differ from global ranks, so
+# a shard taken by global rank, or a collective on the default group, changes the result.
+SUBGROUPS = ((1, 3), (0, 2))
+
+
+def _flat_shard_awkward(rank, ranks, group):
+    """FlatShard of block 1's trainable parameters (spare first, never used): shard, gather, reduced gradient."""
+    from labkit.grading import awkward, diagnose
+    from labkit.parallel.flat import flatten
+
+    fsdp = impl("fsdp")
+    model = awkward.Awkward()
+    params = [p for p in model.layers[1].parameters() if p.requires_grad]
+    names = [n for n, p in model.layers[1].named_parameters() if p.requires_grad]
+    original = [p.detach().clone() for p in params]
+    n, me = len(ranks), ranks.index(rank)
+    s = -(-sum(p.numel() for p in params) // n)
+    where = f"FlatShard on global rank {rank} (rank {me} of group {list(ranks)})"
+    with diagnose.watch_groups(group, "FlatShard"):
+        unit = fsdp.FlatShard(params, group=group, name="block 1")
+        wrong = diagnose.shard_mismatch(unit.shard, flatten(original, s * n), me, rank, n, "FlatShard.shard")
+        assert wrong is None, f"{wrong} (block 1's trainable parameters {names}, in order, zero-padded)"
+        unit.unshard()
+        diagnose.assert_same_named(dict(zip(names, (p.detach() for p in params))), dict(zip(names, original)),
+                                   "parameter", f"{where}, after unshard()", rtol=0, atol=0,
+                                   hint="Likely cause: the all-gather of every rank's shard into flat, in group order")
+        x = awkward.batches(ranks, 1)[0][3 * me:3 * (me + 1)]
+        model(x, True).backward()  # spare: no gradient on any rank
+        unit.reduce_grads()
+    # the group's mean gradient: every rank's own, in one process
+    ref = awkward.Awkward()
+    x = awkward.batches(ranks, 1)[0]
+    (sum(ref(x[3 * i:3 * (i + 1)], True) for i in range(n)) / n).backward()
+    mean = [q.grad if q.grad is not None else torch.zeros_like(q) for q in ref.layers[1].parameters() if q.requires_grad]
+    want = flatten(mean, s * n)[me * s:(me + 1) * s]
+    assert unit.shard.grad is not None, f"{where}: reduce_grads() left shard.grad None, expected this rank's shard " \
+                                        "of the group's mean gradient"
+    diff = diagnose.first_differences({"shard.grad": unit.shard.grad}, {"shard.grad": want}, **F64)
+    assert not diff, (f"{where}: reduce_grads() gave {diff[0][1]}, expected elements {me * s}-{(me + 1) * s - 1} of "
+                      f"the group's mean flat gradient of {names} ({names[0]} has no gradient on any rank). Likely "
+                      "cause: a .grad of None must count as zeros (grads_or_zeros), else every later gradient "
+                      "shifts; the mean is over the ranks of group= only")
+
+
+class _Zero3Step:
+    """ZeRO3 + AdamW over its shards, as one optimizer for labkit.grading.awkward.train."""
+
+    def __init__(self, model, group):
+        self.zero3 = impl("fsdp").ZeRO3(model, group=group)
+        self.opt = torch.optim.AdamW(self.zero3.shards(), **HYPER)
+
+    def step(self):
+        self.zero3.sync_gradients()
+        self.opt.step()
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+
+    def full_parameters(self):
+        return self.zero3.full_parameters()
+
+
+def _zero3_awkward(rank, ranks, group):
+    from labkit.grading import awkward
+
+    awkward.train(rank, ranks, group, lambda m: _Zero3Step(m, group), "ZeRO3", HYPER, F64, rare_everywhere=True)
+
+
+SUBGROUP_CASES = {"flat_shard_awkward_parameters_in_group": _flat_shard_awkward,
+                  "zero3_awkward_parameters_in_group": _zero3_awkward}
+
+
+def _run_subgroup_cases(rank, world):
+    groups = {ranks: torch.distributed.new_group(list(ranks)) for ranks in SUBGROUPS}  # collective: every rank
+    ranks = next(r for r in SUBGROUPS if rank in r)
+    return run_cases({case: functools.partial(body, rank, ranks, groups[ranks]) for case, body in SUBGROUP_CASES.items()})
+
+
+@pytest.mark.exercise("FlatShard")
+def test_flat_shard_gradless_parameter_first_in_a_subgroup_whose_ranks_are_not_global():
+    expect_case(launch_cases(_run_subgroup_cases, 4, timeout=TIMEOUT), "flat_shard_awkward_parameters_in_group",
+                "FlatShard of a block whose first trainable parameter gets no gradient, group=[1, 3] and "
+                "group=[0, 2] on 4 ranks")
+
+
+@pytest.mark.exercise("ZeRO3", needs=("FlatShard",))
+def test_zero3_frozen_and_gradless_parameters_in_a_subgroup_whose_ranks_are_not_global():
+    expect_case(launch_cases(_run_subgroup_cases, 4, timeout=TIMEOUT), "zero3_awkward_parameters_in_group",
+                "ZeRO3 with a frozen parameter and one never used in a block, group=[1, 3] and group=[0, 2] on 4 ranks")

@@ -1,64 +1,25 @@
 """Grading tests for notebook 15_at_scale: the configuration search (search).
 
 Run: pytest tests/grading/test_scale_search.py   (add --impl=solutions for the reference)
-The reference is brute force, written here independently of the learner's loops: every value
-of every field of the search space (dp, pp, cp, tp from 1 to the GPU count, every micro-batch
-size from 1 to the global batch, every ZeRO stage and recompute mode, every ep for a MoE),
-each layout predicted by labkit.scale.cost.predict, the ones check_layout refuses dropped, the
-ones that do not fit dropped, ranked by rank_key. About 5 s on 2 cores.
+The reference is brute force (labkit/grading/search_reference.py), written independently of the
+learner's loops: every value of every field of the search space (dp, pp, cp, tp from 1 to the GPU
+count, every micro-batch size from 1 to the global batch, every ZeRO stage and recompute mode,
+every ep for a MoE), each layout predicted by labkit.scale.cost.predict, the ones check_layout
+refuses dropped, the ones that do not fit dropped, ranked by rank_key. About 5 s on 2 cores.
 """
-import itertools
+import re
 
 import pytest
 
 from labkit.grading import impl
-from labkit.scale.cluster import load_cluster
-from labkit.scale.cost import predict, rank_key
-from labkit.scale.layout import RECOMPUTE, ZERO_STAGES, Layout, LayoutError
+from labkit.grading.search_reference import brute_force, explain
+from labkit.scale.cost import rank_key
+from labkit.scale.layout import LayoutError
 from labkit.scale.specs import LLAMA3, ModelSpec
 
 # 6.7B parameters, 8 experts of 8192: ZeRO-3's gathered layer (all experts) is what ep splits
 SMALL_MOE = ModelSpec("small-moe", d_model=2048, n_layers=16, n_heads=16, n_kv_heads=4, hidden_dim=8192,
                       vocab_size=32000, n_experts=8, top_k=2)
-
-
-def brute_force(model, cluster, global_batch, seq_len, n_gpus, top):
-    cluster = load_cluster(cluster)
-    sizes = range(1, n_gpus + 1)
-    eps = range(1, model.n_experts + 1) if model.n_experts else [1]
-    found = []
-    for dp, pp, cp, tp in itertools.product(sizes, repeat=4):
-        if dp * pp * cp * tp != n_gpus:
-            continue
-        for ep, mb, zero, rc in itertools.product(eps, range(1, global_batch + 1), ZERO_STAGES, RECOMPUTE):
-            try:
-                p = predict(model, Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, zero=zero, recompute=rc,
-                                          micro_batch=mb), cluster, global_batch, seq_len, n_gpus)
-            except LayoutError:
-                continue
-            if p.fits:
-                found.append(p)
-    return sorted(found, key=rank_key)[:top]
-
-
-def explain(got, want, everything) -> str:
-    """The first place where the learner's list differs from brute force's, in words
-    (`everything`: the learner's search with no limit on the results)."""
-    i = next(i for i, (g, w) in enumerate(zip(got + [None] * len(want), want)) if g is None or g.layout != w.layout)
-    w = want[i]
-    head = (f"search's result #{i + 1} should be {w.layout.short()} ({w.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
-            f"{w.peak_gib:.1f} GiB)")
-    if i >= len(got):
-        return head + f", but search returned only {len(got)} layouts"
-    g = got[i]
-    mine = f"; search returned {g.layout.short()} ({g.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {g.peak_gib:.1f} GiB)"
-    if not g.fits:
-        return head + mine + ", which does not fit the GPUs' memory (keep only p.fits)"
-    if w.layout in [p.layout for p in everything]:
-        return head + mine + f": search found it, but ranked it #{[p.layout for p in everything].index(w.layout) + 1} " \
-                             "(sort with rank_key)"
-    return head + mine + (": search never kept it; do your loops try every divisor of the GPUs for each axis, "
-                          "every micro-batch size, every ZeRO stage and recompute mode, every ep of a MoE?")
 
 
 CASES = {
@@ -92,19 +53,43 @@ def test_search_equals_brute_force(case):
 def test_search_returns_fitting_layouts_fastest_first():
     model, cluster, batch, seq, gpus = CASES["8b-on-16-h100"]
     got = impl("scale_search").search(model, cluster, batch, seq, gpus, top=8)
-    assert len(got) == 8 and all(p.fits for p in got)
-    assert got == sorted(got, key=rank_key)
-    assert all(p.layout.world_size == gpus for p in got)
+    assert len(got) == 8, f"search(..., top=8) returned {len(got)} layouts, expected 8 (the 8 best that fit)"
+    for p in got:
+        assert p.fits, (f"search returned {p.layout.short()}, which needs {p.peak_gib:.1f} GiB per GPU, more than "
+                        "the GPU's memory: keep only the predictions with p.fits")
+        assert p.layout.world_size == gpus, (f"search returned {p.layout.short()}, a layout of {p.layout.world_size} "
+                                             f"GPUs, expected {gpus}: dp * pp * cp * tp must equal n_gpus")
+    ranked = sorted(got, key=rank_key)
+    i = next((i for i, (a, b) in enumerate(zip(got, ranked)) if a != b), None)
+    assert i is None, (f"search's result #{i + 1} is {got[i].layout.short()} ({got[i].tokens_per_s_per_gpu:,.0f} "
+                       f"tokens/s/GPU), expected {ranked[i].layout.short()} ({ranked[i].tokens_per_s_per_gpu:,.0f} "
+                       "tokens/s/GPU) there: sort the fitting layouts with rank_key, fastest first")
+
+
+def expect_layout_error(args, pattern, what):
+    """search(*args) must raise LayoutError with a message matching `pattern`, else say in words what it did."""
+    try:
+        got = impl("scale_search").search(*args)
+    except LayoutError as err:
+        assert re.search(pattern, str(err)), (
+            f"search({what}) raised LayoutError({str(err)!r}), expected a message matching {pattern!r}: raise "
+            "no_layout_fits(model, cluster, n_gpus, smallest), smallest the least peak memory of every valid layout")
+        return
+    first = f" (first {got[0].layout.short()}, {got[0].peak_gib:.1f} GiB per GPU, fits={got[0].fits})" if got else ""
+    pytest.fail(f"search({what}) returned {len(got)} layouts{first}, expected LayoutError matching {pattern!r}: "
+                "when no layout fits the GPUs' memory, raise no_layout_fits(model, cluster, n_gpus, smallest) instead "
+                "of returning layouts that do not fit (or none)", pytrace=False)
 
 
 @pytest.mark.exercise("search")
 def test_search_model_too_big_says_how_many_gpus():
-    with pytest.raises(LayoutError, match=r"llama3-405b needs at least 80 GPUs of this kind"):
-        impl("scale_search").search(LLAMA3["405b"], "h100-sxm", 8, 8192, 8)
+    expect_layout_error((LLAMA3["405b"], "h100-sxm", 8, 8192, 8), r"llama3-405b needs at least 80 GPUs of this kind",
+                        "llama3-405b on 8 H100s")
 
 
 @pytest.mark.exercise("search")
 def test_search_nothing_fits_for_activations():
     """Enough GPUs for the model states, but not for a 70B's activations at this batch and length."""
-    with pytest.raises(LayoutError, match=r"no layout of llama3-70b on 16 GPUs .* fits; the least memory"):
-        impl("scale_search").search(LLAMA3["70b"], "h100-sxm", 16, 131072, 16)
+    expect_layout_error((LLAMA3["70b"], "h100-sxm", 16, 131072, 16),
+                        r"no layout of llama3-70b on 16 GPUs .* fits; the least memory",
+                        "llama3-70b on 16 H100s at 131,072 tokens")

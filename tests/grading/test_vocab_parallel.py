@@ -131,3 +131,38 @@ def test_vocab_not_divisible_by_tp_size_raises_value_error():
     if isinstance(info.value, NotImplementedError):
         raise info.value
     assert "ValueError" in str(info.value) and "vocab_size=9" in str(info.value), str(info.value)
+
+
+# --- on fake tensors: notebook 15's simulator runs this loss with no data -------------------------------
+
+def _on_fake_tensors(world=4, rank=1, n=64):
+    """The learner's loss and its backward under FakeTensorMode, in a fake world (labkit.scale.simulate):
+    the shapes must follow from the input shapes alone. Returns (loss shape, gradient shape)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+
+    from labkit.scale.simulate import fake_world
+
+    vp = impl("vocab_parallel")
+    with fake_world(world, rank), FakeTensorMode():
+        logits = torch.randn(n, V // world, dtype=torch.float64, requires_grad=True)
+        targets = torch.randint(0, V, (n,))
+        targets[::5] = -100
+        try:
+            loss = vp.vocab_parallel_cross_entropy(logits, targets)
+            loss.backward()
+        except (DynamicOutputShapeException, DataDependentOutputException) as error:
+            op = getattr(error, "func", None) or str(error).splitlines()[0]
+            pytest.fail(
+                f"vocab_parallel_cross_entropy cannot run on fake tensors (FakeTensorMode, as notebook 15's simulator "
+                f"runs it): it called {op}, whose output shape (or value) depends on the data. Expected shapes that "
+                "follow from the input shapes alone: no nonzero(), no boolean-mask indexing (x[mask]), no .item() or "
+                "bool() of a tensor. Use masks and torch.where instead: torch.where(mine, targets - start, 0), "
+                "gather, multiply by the mask, (per_token * valid).sum() / valid.sum()", pytrace=False)
+        return tuple(loss.shape), tuple(logits.grad.shape)
+
+
+@pytest.mark.exercise("VocabParallelCrossEntropy")
+def test_vocab_parallel_cross_entropy_runs_on_fake_tensors_no_data_dependent_shapes():
+    loss_shape, grad_shape = _on_fake_tensors()
+    assert loss_shape == (), f"on fake tensors the loss has shape {loss_shape}, expected () (a scalar mean)"
+    assert grad_shape == (64, V // 4), f"on fake tensors the logits' gradient has shape {grad_shape}, expected {(64, V // 4)}"

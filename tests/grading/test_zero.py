@@ -253,3 +253,45 @@ def test_sharded_optimizer_subgroup_of_4_ranks_global_ranks_differ_from_group_ra
     assert not torch.equal(params[0], params[1]), "the two groups trained on different data: they must differ"
 
 
+
+
+# --- awkward parameters in a subgroup: frozen, never used, used on one rank only; groups [1, 3], [0, 2] ---
+# One 4-rank launch (labkit.grading.cases). Group ranks differ from global ranks (global 3 is rank 1 of
+# [1, 3]), so a shard taken by global rank, or a collective on the default group, changes the result.
+# labkit.grading.awkward: the frozen and the gradient-less parameters sit in the MIDDLE of the parameter
+# list, so leaving a None gradient out, or writing back into the frozen one, shifts every later parameter.
+SUBGROUPS = ((1, 3), (0, 2))
+
+
+def _zero1_awkward(rank, ranks, group):
+    from labkit.grading import awkward, diagnose
+
+    zero = impl("zero")
+    model = awkward.Awkward()
+    with diagnose.watch_groups(group, "ShardedOptimizer"):
+        opt = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, group=group, **HYPER)
+    n = len(ranks)
+    flat = torch.cat([model.trainable_flat(), torch.zeros(math.ceil(awkward.TRAINABLE / n) * n - awkward.TRAINABLE,
+                                                          dtype=torch.float64)])
+    wrong = diagnose.shard_mismatch(opt.shards[0], flat, ranks.index(rank), rank, n, "ShardedOptimizer.shards[0]")
+    assert wrong is None, f"{wrong} (the flat vector: the trainable parameters, in order, zero-padded)"
+    awkward.train(rank, ranks, group,
+                  lambda m: zero.ShardedOptimizer(m.parameters(), torch.optim.AdamW, group=group, **HYPER),
+                  "ShardedOptimizer", HYPER, F64)
+
+
+def _run_subgroup_cases(rank, world):
+    from labkit.grading.cases import run_cases
+
+    groups = {ranks: torch.distributed.new_group(list(ranks)) for ranks in SUBGROUPS}  # collective: every rank
+    ranks = next(r for r in SUBGROUPS if rank in r)
+    return run_cases({"frozen_unused_and_rare_parameters_in_group": lambda: _zero1_awkward(rank, ranks, groups[ranks])})
+
+
+@pytest.mark.exercise("ShardedOptimizer")
+def test_sharded_optimizer_frozen_and_gradless_parameters_in_a_subgroup_whose_ranks_are_not_global():
+    from labkit.grading.cases import expect_case, launch_cases
+
+    expect_case(launch_cases(_run_subgroup_cases, 4, timeout=TIMEOUT), "frozen_unused_and_rare_parameters_in_group",
+                "ShardedOptimizer with a frozen parameter, one never used and one used on one rank only, "
+                "group=[1, 3] and group=[0, 2] on 4 ranks")

@@ -198,3 +198,49 @@ def test_zero2_bucket_size_not_positive_raises(size):
     (message,) = launch(_bad_bucket, 1, size, timeout=TIMEOUT)
     assert message is not None, f"bucket_size_mb={size} must raise ValueError"
     assert "bucket_size_mb must be positive" in message, message
+
+
+# --- awkward parameters in a subgroup (labkit.grading.awkward): groups [1, 3] and [0, 2] of 4 ranks ---
+# A frozen parameter, one never used and one used by the group's rank 0 only, all in the middle; group
+# ranks differ from global ranks, so a shard taken by global rank, or a collective on the default group,
+# changes the result (watch_groups names the collective before it runs).
+SUBGROUPS = ((1, 3), (0, 2))
+
+
+def _zero2_awkward(rank, ranks, group, bucket_mb):
+    from labkit.grading import awkward, diagnose
+    from labkit.parallel.flat import bucket_parameters, flatten, trainable
+
+    zero2 = impl("zero2")
+    model = awkward.Awkward()
+    with diagnose.watch_groups(group, "Zero2Optimizer"):
+        opt = zero2.Zero2Optimizer(model, torch.optim.AdamW, bucket_size_mb=bucket_mb, group=group, **HYPER)
+    n, me = len(ranks), ranks.index(rank)
+    for i, bucket in enumerate(bucket_parameters(trainable(model), bucket_mb)):
+        numel = sum(p.numel() for p in bucket)
+        flat = flatten([p.detach() for p in bucket], -(-numel // n) * n)
+        wrong = diagnose.shard_mismatch(opt.shards[i], flat, me, rank, n, f"Zero2Optimizer.shards[{i}]")
+        assert wrong is None, f"{wrong} (bucket {i}: its trainable parameters in reverse order, zero-padded)"
+    opt.remove_hooks()
+    awkward.train(rank, ranks, group,
+                  lambda m: zero2.Zero2Optimizer(m, torch.optim.AdamW, bucket_size_mb=bucket_mb, group=group, **HYPER),
+                  "Zero2Optimizer", HYPER, F64)
+
+
+SUBGROUP_CASES = {"awkward_parameters_in_group_one_bucket": 100.0,
+                  "awkward_parameters_in_group_bucket_per_parameter": 1e-6}
+
+
+def _run_subgroup_cases(rank, world):
+    groups = {ranks: dist.new_group(list(ranks)) for ranks in SUBGROUPS}  # collective: every rank, same order
+    ranks = next(r for r in SUBGROUPS if rank in r)
+    return run_cases({case: functools.partial(_zero2_awkward, rank, ranks, groups[ranks], mb)
+                      for case, mb in SUBGROUP_CASES.items()})
+
+
+@pytest.mark.exercise("Zero2Optimizer")
+@pytest.mark.parametrize("case", list(SUBGROUP_CASES))
+def test_zero2_frozen_and_gradless_parameters_in_a_subgroup_whose_ranks_are_not_global(case):
+    expect_case(launch_cases(_run_subgroup_cases, 4, timeout=TIMEOUT), case,
+                f"{case}: Zero2Optimizer with a frozen parameter, one never used and one used on one rank only, "
+                "group=[1, 3] and group=[0, 2] on 4 ranks")

@@ -1,0 +1,55 @@
+"""The configuration search's reference (notebook 15): brute force over every layout, and the first
+place where a search's list differs from it, in words.
+
+Written independently of the learner's loops: every value of every field of the search space (dp,
+pp, cp, tp from 1 to the GPU count, every micro-batch size from 1 to the global batch, every ZeRO
+stage and recompute mode, every ep for a MoE), each layout predicted by labkit.scale.cost.predict,
+the ones check_layout refuses dropped, the ones that do not fit dropped, ranked by rank_key. Used by
+tests/grading/test_scale_search.py and by notebook 15's check after the search exercise.
+"""
+from __future__ import annotations
+
+import itertools
+
+from labkit.scale.cluster import load_cluster
+from labkit.scale.cost import predict, rank_key
+from labkit.scale.layout import RECOMPUTE, ZERO_STAGES, Layout, LayoutError
+
+
+def brute_force(model, cluster, global_batch, seq_len, n_gpus, top):
+    cluster = load_cluster(cluster)
+    sizes = range(1, n_gpus + 1)
+    eps = range(1, model.n_experts + 1) if model.n_experts else [1]
+    found = []
+    for dp, pp, cp, tp in itertools.product(sizes, repeat=4):
+        if dp * pp * cp * tp != n_gpus:
+            continue
+        for ep, mb, zero, rc in itertools.product(eps, range(1, global_batch + 1), ZERO_STAGES, RECOMPUTE):
+            try:
+                p = predict(model, Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, zero=zero, recompute=rc,
+                                          micro_batch=mb), cluster, global_batch, seq_len, n_gpus)
+            except LayoutError:
+                continue
+            if p.fits:
+                found.append(p)
+    return sorted(found, key=rank_key)[:top]
+
+
+def explain(got, want, everything) -> str:
+    """The first place where the learner's list differs from brute force's, in words
+    (`everything`: the learner's search with no limit on the results)."""
+    i = next(i for i, (g, w) in enumerate(zip(got + [None] * len(want), want)) if g is None or g.layout != w.layout)
+    w = want[i]
+    head = (f"search's result #{i + 1} should be {w.layout.short()} ({w.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+            f"{w.peak_gib:.1f} GiB)")
+    if i >= len(got):
+        return head + f", but search returned only {len(got)} layouts"
+    g = got[i]
+    mine = f"; search returned {g.layout.short()} ({g.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {g.peak_gib:.1f} GiB)"
+    if not g.fits:
+        return head + mine + ", which does not fit the GPUs' memory (keep only p.fits)"
+    if w.layout in [p.layout for p in everything]:
+        return head + mine + f": search found it, but ranked it #{[p.layout for p in everything].index(w.layout) + 1} " \
+                             "(sort with rank_key)"
+    return head + mine + (": search never kept it; do your loops try every divisor of the GPUs for each axis, "
+                          "every micro-batch size, every ZeRO stage and recompute mode, every ep of a MoE?")
