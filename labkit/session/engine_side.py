@@ -42,7 +42,8 @@ def join(rank: int, world_size: int, backend: str, address: str, port: int, time
     from labkit.launching.rank_main import init_process_group
 
     init_process_group(backend, rank, world_size, rank, timeout)
-    _state.update(rank=rank, world_size=world_size, hooks=pickle.loads(hooks), count=0, stack_file=stack_file)
+    pickle.loads(hooks)  # imports the hooks' module, which registers them in labkit.launching.notebook
+    _state.update(rank=rank, world_size=world_size, stack_file=stack_file)
     return os.getpid()
 
 
@@ -76,12 +77,16 @@ def run_cell(source: str, filename: str, context: dict) -> dict:
     namespace.update(rank=rank, world_size=_state["world_size"])
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     try:
-        for hook in _state["hooks"]:  # e.g. the grading switch's refresh_changed: edits are seen
+        from labkit.launching.notebook import AFTER_CELL, BEFORE_CELL
+
+        for hook in BEFORE_CELL:  # e.g. the grading switch's refresh_changed: edits are seen
             changed = hook() or []
             if changed and rank == 0:
                 print(f"(labkit: reloaded {', '.join(m.replace('.', '/') + '.py' for m in changed)} "
                       "in the ranks, edited since the last cell)")
         value = _exec_with_last_expression(source, filename, namespace)
+        for hook in AFTER_CELL:  # note the lab modules the cell imported, so that a later edit is seen
+            hook()
     except BaseException as err:  # KeyboardInterrupt too: the engine stays, the kernel reports
         return {"rank": rank, "result": None, "error": _cell_traceback(err), "kind": type(err).__name__}
     finally:
