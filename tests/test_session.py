@@ -128,3 +128,38 @@ def test_kernel_shutdown_leaves_no_engine_and_no_controller(story):
         time.sleep(0.2)
     assert [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"] == []
 
+
+
+# --------------------------------------------------------------------------- bad input, each a clear error
+
+def _session_processes():
+    return [p for p in psutil.Process().children(recursive=True) if "ipyparallel" in " ".join(p.cmdline())]
+
+
+def test_a_cell_with_no_session_and_no_number_says_what_to_do():
+    from labkit.session.session import SessionError, run_on_session
+
+    with pytest.raises(SessionError, match=r"none is up: `%ranks start 4` first, or `%%ranks 4` for one cell"):
+        run_on_session("", "print(rank)")
+
+
+def test_nccl_with_more_ranks_than_gpus_is_refused_before_any_engine_starts():
+    from labkit.launching.failures import LaunchError
+    from labkit.session.session import ranks_line
+
+    with pytest.raises(LaunchError, match=r"backend='nccl' needs one GPU per rank: 2 ranks on this node, 0 GPU"):
+        ranks_line("start 2 --backend nccl")
+    assert _session_processes() == []
+
+
+def test_engines_that_do_not_come_up_in_time_name_the_launcher_and_leave_nothing():
+    from labkit.session.engines import EnginesDidNotStart
+    from labkit.session.session import Session
+
+    with pytest.raises(EnginesDidNotStart, match=r"the local launcher started \d of 2 engine\(s\) in 0.5 s") as info:
+        Session(2, "gloo", start_timeout=0.5).start()
+    assert "What the launcher printed:" in str(info.value) and "--start-timeout" in str(info.value)
+    deadline = time.monotonic() + 10
+    while _session_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _session_processes() == []
