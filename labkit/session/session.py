@@ -38,6 +38,9 @@ class Session:
             raise ValueError(f"the number of ranks must be an int >= 1; got {world_size!r}")
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
+        if launcher != "local":  # the engines' pids (stacks, hangs, deaths) and the address are local ones
+            raise ValueError(f"--launcher {launcher}: only the local launcher is built so far; on a cluster, "
+                             "use labkit.launch under srun/mpiexec/torchrun (README, On a GPU node and on a cluster)")
         self.world_size, self.launcher, self.start_timeout = world_size, launcher, start_timeout
         self.backend = choose_backend(backend, world_size)  # nccl with too few GPUs: refused here
         self.requested_backend = backend
