@@ -33,6 +33,9 @@ CELLS = [
     "%ranks restart",
     "%%ranks\nprint('back', rank)",
     "%ranks start 2",
+    "import threading\nthreading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # the stop button",
+    "%%ranks\nimport time\nkept = rank\ntime.sleep(120)",
+    "%%ranks\nprint('still up', kept)",
     "s = sess.current\nprint('PIDS', *s.pids.values(), s.engines.cluster.controller.pid)",
 ]
 
@@ -119,9 +122,18 @@ def test_a_second_start_is_refused(story):
     assert "a session is already up (a session of 2 rank(s)" in errors[16].traceback[0]
 
 
+def test_the_stop_button_interrupts_the_ranks_and_the_session_stays_up(story):
+    nb, texts, errors = story
+    report = "\n".join(errors[18].traceback)
+    assert errors[18].ename == "SessionInterrupted", report
+    assert "rank 0 was at your cell, line 3: time.sleep(120)" in report and "still up" in report
+    assert _seconds(nb.cells[18]) < 15
+    assert errors[19] is None and texts[19] == "[rank 0] still up 0\n[rank 1] still up 1\n"
+
+
 def test_kernel_shutdown_leaves_no_engine_and_no_controller(story):
     _, texts, _ = story
-    pids = [int(p) for p in texts[17].split()[1:]]
+    pids = [int(p) for p in texts[20].split()[1:]]
     assert len(pids) == 3
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):

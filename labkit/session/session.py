@@ -113,6 +113,12 @@ class Session:
 
 
 def _show(pending) -> None:
+    for ar in pending.values():  # the printed output travels apart from the result (iopub): wait for it
+        if ar.ready():
+            try:
+                ar.wait_for_output(timeout=5)
+            except Exception:
+                pass
     out = {r: ar.stdout for r, ar in pending.items() if ar.ready() or ar.stdout}
     err = {r: ar.stderr for r, ar in pending.items() if ar.ready() or ar.stderr}
     for line in report.grouped_lines(out):
