@@ -11,6 +11,9 @@ the variables the cell names are copied to the ranks by value (`labkit.launching
 ranks are fresh processes, see `labkit.launching.zygote`), and one that cannot travel is named
 before any rank starts. Errors and timeouts behave exactly as in `labkit.launch`. Assignments made
 in the cell stay in the ranks.
+
+Without a number, ``%%ranks [--targets 0,2]`` runs the cell on a session's persistent ranks, started
+with ``%ranks start 4`` (`labkit.session`): each rank keeps its variables from cell to cell.
 """
 from __future__ import annotations
 
@@ -66,6 +69,16 @@ def ranks(line: str, cell: str, user_ns: dict | None = None):
 
 def load_ipython_extension(ipython):
     def ranks_magic(line, cell):
+        if not line.split()[:1] or not line.split()[0].isdigit():  # no N: the cell runs on the session's ranks
+            from labkit.session.session import run_on_session
+
+            return run_on_session(line, cell)
         ranks(line, cell, ipython.user_ns)
 
+    def ranks_line_magic(line):  # %ranks start N | stop | restart: a session of persistent ranks
+        from labkit.session.session import ranks_line
+
+        print(ranks_line(line))
+
     ipython.register_magic_function(ranks_magic, magic_kind="cell", magic_name="ranks")
+    ipython.register_magic_function(ranks_line_magic, magic_kind="line", magic_name="ranks")
