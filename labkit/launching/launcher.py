@@ -23,6 +23,7 @@ import warnings
 from labkit.launching.failures import (LaunchError, LaunchInterrupted, OversubscriptionWarning,  # noqa: F401 - public
                        RankFailure, StubNotImplemented)
 from labkit.launching.forked import ForkLauncher
+from labkit.launching.zygote import prewarm  # noqa: F401 - the lab's one warm-up (the train app, the grading runner)
 from labkit.launching.cluster import run_as_scheduled_rank, scheduled_world
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -63,27 +64,6 @@ def _launch(fn, world_size, args, kwargs, backend="auto", timeout=120.0, idle_ti
     if idle_timeout is None and os.environ.get("LABKIT_IDLE_TIMEOUT"):
         idle_timeout = float(os.environ["LABKIT_IDLE_TIMEOUT"])
     return ForkLauncher(fn, world_size, args, kwargs, backend, float(timeout), idle_timeout, namespace_owner).run()
-
-
-_prewarmed = False
-
-
-def prewarm():
-    """Import, once, in this process what every forked rank would otherwise import for itself.
-
-    The first torch.optim optimizer a process builds imports torch._dynamo (seconds on a
-    laptop), and the first ``assert_close`` imports numpy's testing helpers. The zygote
-    (`labkit.launching.zygote`) does this once, so the ranks it forks inherit both for free; the
-    training entry point and the grading runner call it too. It runs no autograd and touches no GPU.
-    """
-    global _prewarmed
-    if not _prewarmed:
-        import torch
-        import torch._dynamo  # noqa: F401
-
-        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
-        torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
-        _prewarmed = True
 
 
 def rank_device():

@@ -127,8 +127,6 @@ def _prepare() -> None:
 
     import torch
 
-    from labkit.launching.launcher import prewarm
-
     prewarm()
     # The caller's names (LABKIT_ZYGOTE_PRELOAD): an import here only saves each rank the time; a
     # failure is the rank's to report, so the zygote depends on none of them.
@@ -139,6 +137,27 @@ def _prepare() -> None:
         except Exception:  # noqa: BLE001 - a rank that needs it will say why
             pass
     assert not torch.cuda.is_initialized(), "the zygote must never initialise CUDA"
+
+
+_prewarmed = False
+
+
+def prewarm():
+    """Import, once, in this process what every forked rank would otherwise import for itself.
+
+    The first torch.optim optimizer a process builds imports torch._dynamo (seconds on a
+    laptop), and the first ``assert_close`` imports numpy's testing helpers. The zygote does this
+    once, so the ranks it forks inherit both for free; the training entry point and the grading
+    runner call it too (`labkit.launching.launcher.prewarm`). It runs no autograd and touches no GPU.
+    """
+    global _prewarmed
+    if not _prewarmed:
+        import torch
+        import torch._dynamo  # noqa: F401
+
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+        torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
+        _prewarmed = True
 
 
 def _reap(children: dict, sock) -> None:
@@ -191,12 +210,10 @@ class Zygote:
     """The caller's handle on its zygote: start it, ask it to fork ranks, hear about their exits."""
 
     def __init__(self):
-        import labkit
-
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock = mine
         self.log = tempfile.TemporaryFile(prefix="labkit-zygote-")
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(labkit.__file__)))
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above labkit/
         env = dict(os.environ, LABKIT_ZYGOTE="1",
                    LABKIT_ZYGOTE_PRELOAD=",".join(m for m in PRELOAD_IF_CALLER_HAS if m in sys.modules))
         # The caller's path, this labkit first: the zygote imports the same code as its caller.
