@@ -51,7 +51,7 @@ def check_tests(gpu: bool, quick: bool) -> dict:
     import importlib.util
 
     cmd = [sys.executable, "-m", "pytest", "-q", "--impl=solutions", "-p", "no:cacheprovider", "--timeout", "240", "-rfE",
-           "tests", "-m", "not slow", "--deselect", "tests/test_browser.py", "--deselect", "tests/test_multihost.py"]
+           "tests", "-m", "not slow", "-p", "bench.pytest_failures_log", "--deselect", "tests/test_browser.py", "--deselect", "tests/test_multihost.py"]
     if importlib.util.find_spec("xdist"):
         cmd += ["-p", "xdist", "-n", str(min(12, os.cpu_count() or 1))]
     code, text, seconds = _run(cmd, 330 if quick else 1800, {"LABKIT_QUICK": "1"})
