@@ -42,6 +42,7 @@ def test_local_sample_has_all_2316_stories():
 
 
 def test_datasets_code_path_offline_reads_the_same_stories(tmp_path, monkeypatch):
+    pytest.importorskip("datasets", reason="the Hugging Face path needs `datasets` (pinned in pyproject; a GPU node may lack it)")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     stories = load_stories("datasets-local", cache_dir=tmp_path / "hf")
     assert stories == load_stories("local")
@@ -49,7 +50,7 @@ def test_datasets_code_path_offline_reads_the_same_stories(tmp_path, monkeypatch
 
 
 def test_hub_source_asks_datasets_for_roneneldan_tinystories_streams_max_stories_and_normalises(monkeypatch):
-    import datasets
+    datasets = pytest.importorskip("datasets", reason="the Hugging Face path needs `datasets` (pinned in pyproject)")
 
     calls, rows = [], ["Tom had a ball.\n\nHe played.  ", "Sue ran.", "Not asked for."]
 

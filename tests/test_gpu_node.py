@@ -233,23 +233,32 @@ import torch, torch.distributed as dist
 assert not hasattr(dist, "all_gather_single")      # the sitecustomize removed them
 import labkit
 from labkit.comm.traffic import count_traffic
+from labkit.grading.diagnose import watch_groups
 
 def gather_and_scatter(rank, world_size):
-    with count_traffic() as traffic:
+    group = dist.new_group([0, 1])  # rank 2 stays out: the default group would be the wrong one
+    if rank == 2:
+        return None
+    with count_traffic() as traffic, watch_groups(group, "the stand-ins"):
         out = torch.zeros(4)
-        dist.all_gather_single(out, torch.full((2,), float(rank)))
+        dist.all_gather_single(out, torch.full((2,), float(rank)), group=group)
         part = torch.zeros(2)
-        dist.reduce_scatter_single(part, torch.arange(4.0))
-    return out.tolist(), part.tolist(), dist.all_gather_single.labkit_fallback_for, traffic.by_op()
-print("RESULT", labkit.launch(gather_and_scatter, 2, timeout=120))
+        dist.reduce_scatter_single(part, torch.arange(4.0), group=group)
+    return (out.tolist(), part.tolist(), dist.all_gather_single.labkit_fallback_for, traffic.by_op(),
+            traffic.payload(op="all_gather_single"), traffic.payload(op="reduce_scatter_single"))
+print("RESULT", labkit.launch(gather_and_scatter, 3, timeout=120))
 """, {"PYTHONPATH": os.pathsep.join([OLD_TORCH, REPO])})
     assert out.returncode == 0, out.stderr[-3000:]
     result = eval(out.stdout.split("RESULT ", 1)[1])
-    for rank, (gathered, scattered, fallback, ops) in enumerate(result):
+    assert result[2] is None
+    for rank, (gathered, scattered, fallback, ops, gather_bytes, scatter_bytes) in enumerate(result[:2]):
         assert gathered == [0.0, 0.0, 1.0, 1.0]
         assert scattered == [2.0 * (2 * rank), 2.0 * (2 * rank + 1)]
         assert fallback == "all_gather_into_tensor"
         assert ops == {"all_gather_single": 1, "reduce_scatter_single": 1}  # seen once, by the name called
+        # the payloads read through the real signature (torch 2.11 showed 0 bytes and "the default
+        # group" while the stand-in took *args): the gathered output and the scattered input, 4 floats
+        assert (gather_bytes, scatter_bytes) == (16, 16)
 
 
 @pytest.mark.slow

@@ -17,11 +17,16 @@ FALLBACKS = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_sing
 
 
 def _calling(existing: str, missing: str):
+    import inspect
+
     import torch.distributed as dist
 
     def fallback(*args, **kwargs):
         return getattr(dist, existing)(*args, **kwargs)  # looked up per call: an intercepted op is seen
 
+    # The interception binds a call's arguments by the op's signature (its payload, its group): the
+    # stand-in must have the real one, not (*args, **kwargs), or every byte and group reads as None.
+    fallback.__signature__ = inspect.signature(getattr(dist, existing))
     fallback.__name__ = fallback.__qualname__ = missing
     fallback.__doc__ = f"labkit's stand-in for torch.distributed.{missing} (absent in this torch): calls {existing}."
     fallback.labkit_fallback_for = existing
