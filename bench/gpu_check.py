@@ -84,14 +84,25 @@ def check_notebooks(gpu: bool, quick: bool) -> dict:
         start = time.monotonic()
         try:
             NotebookClient(nb, timeout=600, kernel_name="python3",
-                           resources={"metadata": {"path": os.path.dirname(path)}}).execute()
+                           resources={"metadata": {"path": os.path.dirname(path)}}).execute()  # stops at the first error
             results[name] = {"ok": True, "seconds": round(time.monotonic() - start, 1)}
         except Exception as error:  # noqa: BLE001 - the row names the first failing cell
-            results[name] = {"ok": False, "seconds": round(time.monotonic() - start, 1),
-                             "error": str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__}
+            results[name] = {"ok": False, "seconds": round(time.monotonic() - start, 1), "error": _first_error(nb, error)}
     failed = [k for k, v in results.items() if not v["ok"]]
     return {"status": "PASS" if not failed else "FAIL", "summary": f"{len(results) - len(failed)}/{len(results)} ran to the end",
             "failed": failed, "notebooks": results}
+
+
+def _first_error(nb, error) -> str:
+    """'code cell N (first line): Ename: value' for the first cell that failed, else the exception's last line."""
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    for index, cell in enumerate(code_cells):
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "error":
+                first = (cell.source.strip().splitlines() or [""])[0][:80]
+                return f"code cell {index} ({first}): {output.get('ename')}: {output.get('evalue', '')[:300]}"
+    text = str(error).strip()
+    return text.splitlines()[-1][:300] if text else type(error).__name__
 
 
 def check_single(gpu: bool, quick: bool) -> dict:
