@@ -95,7 +95,7 @@ def refresh_changed() -> list[str]:
 
 def _stamp_new_modules() -> None:
     """Remember the source hash of lab modules imported since the last look (not through impl)."""
-    for name, module in list(sys.modules.items()):
+    for name, module in sys.modules.copy().items():  # one C call: a thread importing meanwhile cannot break it
         which, _, topic = name.partition(".")
         if which in IMPLEMENTATIONS and topic and "." not in topic and name not in _stamps:
             path = REPO_ROOT / which / f"{topic}.py"
