@@ -101,7 +101,7 @@ def _axes_of(kind, name, sizes):
     if kind == "gradient":
         cls = param_class(name)
         axes = live(SUMMED[cls])
-        return axes, (f"{cls}, summed over {'+'.join(axes)}" if axes else f"{cls}, summed over no axis here")
+        return axes, f"{cls}: due summed over {'+'.join(axes) if axes else 'no axis in this layout'}"
     if kind == "weight":
         axes = live(["tp"] if param_class(name) == "tp_shard" else [])
         return axes, (f"{param_class(name)}, updated from its gradient")
@@ -109,7 +109,9 @@ def _axes_of(kind, name, sizes):
              "attention": [("tp", "row-parallel wo, reduce-scattered"), ("cp", "the ring")],
              "feed_forward": [("tp", "row-parallel w2, reduce-scattered"), ("ep", "the all-to-all")]}
     parts = [(a, why) for a, why in parts.get(name.rsplit(".", 1)[-1], []) if sizes.get(a, 1) > 1]
-    return [a for a, _ in parts], ("; ".join(f"{a}: {why}" for a, why in parts) or "no collective of its own")
+    alone = "no collective of its own" + (": its input is the tokens this rank read (local_batch)"
+                                          if name == "tok_embeddings" else "")
+    return [a for a, _ in parts], ("; ".join(f"{a}: {why}" for a, why in parts) or alone)
 
 
 def _hint(got, want, axes, sizes):
