@@ -84,7 +84,8 @@ def test_an_activation_scaled_by_tp_is_named_at_its_layer_with_the_factor(refere
 def test_a_norm_gradient_not_summed_over_tp_is_named_in_backward_order(reference):
     message = divergence.first_divergence(run(ParallelDims(tp=2), norm_not_over_tp), reference)
     print(message)
-    assert message.startswith("first divergence: the gradient of norm (step 1's backward; sp_replica: due summed over tp)")
+    assert message.startswith("first divergence: "
+                              "the gradient of norm (step 1's backward; sp_replica: due summed over tp)")
 
 
 def mean_over_dp(stage, mesh):  # every gradient divided by dp before the sum: the replicas' mean, not their sum
@@ -97,5 +98,6 @@ def mean_over_dp(stage, mesh):  # every gradient divided by dp before the sum: t
 def test_a_mean_over_dp_where_a_sum_was_due_is_named_with_the_inverse_factor(reference):
     message = divergence.first_divergence(run(ParallelDims(dp=2), mean_over_dp), reference)
     print(message)
-    assert message.startswith("first divergence: the gradient of output (step 1's backward; tp_shard: due summed over dp)")
+    assert message.startswith("first divergence: "
+                              "the gradient of output (step 1's backward; tp_shard: due summed over dp)")
     assert "1/2 = the size of dp: a mean where a sum was due" in message

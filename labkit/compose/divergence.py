@@ -84,15 +84,16 @@ def reference_first_step(model, tokens, targets, **adamw) -> dict:
     acts, grads = {}, {}
     handles = [m.register_forward_hook(lambda mod, args, out, name=name: acts.__setitem__(name, out.detach().clone()))
                for name, m in _modules(model)]
-    handles += [p.register_post_accumulate_grad_hook(lambda p, name=name: grads.__setitem__(name, p.grad.detach().clone()))
-                for name, p in model.named_parameters()]
+    keep = lambda name: lambda p: grads.__setitem__(name, p.grad.detach().clone())  # noqa: E731
+    handles += [p.register_post_accumulate_grad_hook(keep(name)) for name, p in model.named_parameters()]
     opt = torch.optim.AdamW(model.parameters(), **{**ADAMW, **adamw})
     loss = model(tokens, targets)
     loss.backward()
     opt.step()
     for h in handles:
         h.remove()
-    return dict(loss=loss.item(), acts=acts, grads=grads, weights={n: p.detach().clone() for n, p in model.named_parameters()})
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return dict(loss=loss.item(), acts=acts, grads=grads, weights=weights)
 
 
 def _axes_of(kind, name, sizes):
