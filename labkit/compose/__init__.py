@@ -10,5 +10,7 @@ executor, ZeRO-1), so the solutions or the exercises do the work.
     step      ComposedOptimizer (gradient groups from the learner's placement table, plain AdamW
               or ZeRO-1/2/3 per group) and train_step (one 1F1B step, the global loss on every rank)
     state     the proof's tools: every parameter gathered back to its unsharded shape
+    divergence  where a composed step first parts from one process: activation, gradient or weight,
+              its module and mesh axis, by how much
     dcp       resharding checkpoints with torch.distributed.checkpoint
 """

@@ -16,11 +16,17 @@ from labkit.mesh import Mesh
 
 def full_state(stage, *, mesh: Mesh) -> dict:
     """{name: the full parameter} for the parameters this rank reports (see the module docstring)."""
+    return gather_full(((name, p.detach()) for name, p in stage.named_parameters()), mesh=mesh)
+
+
+def gather_full(named, *, mesh: Mesh) -> dict:
+    """`full_state` for any tensors shaped as the stage's parameters ((name, tensor) in the stage's
+    parameter order: the weights, or their gradients): tp shards all-gathered, one report each."""
     coords = mesh.coords()
     first_replica = coords["dp"] == 0 and coords["cp"] == 0 and coords["tp"] == 0
     out = {}
-    for name, p in stage.named_parameters():
-        kind, t = param_class(name), p.detach()
+    for name, t in named:
+        kind = param_class(name)
         if kind == "tp_shard" and mesh.size("tp") > 1:
             parts = [torch.empty_like(t) for _ in range(mesh.size("tp"))]
             dist.all_gather(parts, t.contiguous(), group=mesh.group("tp"))
