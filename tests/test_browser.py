@@ -117,7 +117,9 @@ def _shot(page, path: Path):
     try:
         cdp = page.context.new_cdp_session(page)
         try:
-            path.write_bytes(base64.b64decode(cdp.send("Page.captureScreenshot", {"format": "png"})["data"]))
+            # CDP's own default is no timeout: a headless Chromium that never answers held a CI run 10 minutes
+            shot = cdp.send("Page.captureScreenshot", {"format": "png"}, timeout=30_000)
+            path.write_bytes(base64.b64decode(shot["data"]))
         finally:
             cdp.detach()
     except Exception as err:  # a page closed under us, say
