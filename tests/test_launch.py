@@ -281,15 +281,20 @@ def test_hang_is_reported_with_stacks_and_killed(fn, stuck, where):
 
 # --------------------------------------------------------------------------- interrupt
 
-def test_keyboard_interrupt_kills_every_rank(tmp_path):
-    script = tmp_path / "interrupt.py"
-    pids = tmp_path / "pids"
-    script.write_text(textwrap.dedent(f"""
+def _sleeper_script(tmp_path) -> str:
+    """A script's start: `sleeper` writes its rank's pid to tmp_path/pids<rank>, then sleeps."""
+    return textwrap.dedent(f"""
         import os, time, labkit
         def sleeper(rank, world_size):
-            with open({str(pids)!r} + str(rank), "w") as f:
+            with open({str(tmp_path / "pids")!r} + str(rank), "w") as f:
                 f.write(str(os.getpid()))
             time.sleep(600)
+    """)
+
+
+def test_keyboard_interrupt_kills_every_rank(tmp_path):
+    script = tmp_path / "interrupt.py"
+    script.write_text(_sleeper_script(tmp_path) + textwrap.dedent("""
         try:
             labkit.launch(sleeper, 2, timeout=600)
         except KeyboardInterrupt as error:
@@ -445,14 +450,8 @@ def test_idle_timeout_names_a_hang_when_every_rank_sleeps_and_leaves_working_ran
 def test_a_killed_caller_leaves_neither_its_zygote_nor_its_ranks(tmp_path):
     """SIGKILL to the caller mid-launch: the zygote sees its socket close, kills the ranks and exits."""
     script = tmp_path / "killed.py"
-    pids = tmp_path / "pids"
-    script.write_text(textwrap.dedent(f"""
-        import os, time, labkit
+    script.write_text(_sleeper_script(tmp_path) + textwrap.dedent("""
         from labkit.launching import zygote
-        def sleeper(rank, world_size):
-            with open({str(pids)!r} + str(rank), "w") as f:
-                f.write(str(os.getpid()))
-            time.sleep(600)
         zygote.get()
         print("ZYGOTE", zygote.current_pid(), flush=True)
         labkit.launch(sleeper, 2, timeout=600)
