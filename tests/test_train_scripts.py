@@ -207,6 +207,19 @@ def test_train_composed_with_mpiexec_variables_equals_single_process(reference, 
     _check(_report(_run(jobs)[0]), saved, reference, "composed", 4)
 
 
+def _refusal(monkeypatch, extra, env_world) -> str:
+    """main(extra)'s SystemExit text; a rank started before it fails the test."""
+    monkeypatch.setenv("LABKIT_IMPL", "solutions")  # main(--impl) sets it; restored afterwards
+    if env_world is not None:  # as torchrun would start it: the world size comes from the launcher
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", env_world)
+        monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr("labkit.launching.launcher.launch", lambda *a, **k: pytest.fail("a rank was started"))
+    with pytest.raises(SystemExit) as stop:
+        main([*extra, *COMMON])
+    return str(stop.value)
+
+
 @pytest.mark.parametrize("extra,env_world,words", [
     (["--dp", "2", "--tp", "2"], "2", "--dp 2 x --pp 1 x --cp 1 x --tp 2 needs 4 processes, but the launcher started 2"),
     (["--tp", "3"], None, "--tp 3 does not divide n_heads=4"),
@@ -221,15 +234,8 @@ def test_train_composed_with_mpiexec_variables_equals_single_process(reference, 
 def test_train_bad_layout_fails_before_any_rank(extra, env_world, words, monkeypatch):
     """One line naming the flag and the fix, before any rank is started (in this process: it must not get as far
     as forking)."""
-    monkeypatch.setenv("LABKIT_IMPL", "solutions")  # main(--impl) sets it; restored afterwards
-    if env_world is not None:  # as torchrun would start it: the world size comes from the launcher
-        monkeypatch.setenv("RANK", "0")
-        monkeypatch.setenv("WORLD_SIZE", env_world)
-        monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr("labkit.launching.launcher.launch", lambda *a, **k: pytest.fail("a rank was started"))
-    with pytest.raises(SystemExit) as stop:
-        main([*extra, *COMMON])
-    assert words in str(stop.value), str(stop.value)
+    text = _refusal(monkeypatch, extra, env_world)
+    assert words in text, text
 
 
 PROG = "python -m labkit.apps.train: "
@@ -259,15 +265,7 @@ PROG = "python -m labkit.apps.train: "
 ], ids=["world-not-product", "batch-not-dp", "batch-not-dp-x-microbatches", "moe-drops-under-tp", "moe-drops-under-cp"])
 def test_train_bad_input_is_one_line_naming_flag_and_fix(extra, env_world, message, monkeypatch):
     """The exact line, for the strategies of notebooks 04-07 and the composed one alike, before any rank starts."""
-    monkeypatch.setenv("LABKIT_IMPL", "solutions")
-    if env_world is not None:
-        monkeypatch.setenv("RANK", "0")
-        monkeypatch.setenv("WORLD_SIZE", env_world)
-        monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr("labkit.launching.launcher.launch", lambda *a, **k: pytest.fail("a rank was started"))
-    with pytest.raises(SystemExit) as stop:
-        main([*extra, *COMMON])
-    assert str(stop.value) == PROG + message
+    assert _refusal(monkeypatch, extra, env_world) == PROG + message
 
 
 # ---------------------------------------------------------------- the flags choose the layout the ranks run
