@@ -42,6 +42,14 @@ READY_TIMEOUT = 180.0  # a fresh interpreter importing torch on a loaded 2-core 
 PRELOAD = ("torch.distributed", "numpy", "labkit.launching.magic", "labkit.launching.rank_main", "cloudpickle")
 # ... and these where the caller has imported them (the layers above the core add their own names).
 PRELOAD_IF_CALLER_HAS: tuple = ("pytest", "psutil", "nbformat")
+# ... and, at each launch, the modules of these packages that the caller has imported since its last
+# launch: a rank forked after the zygote imported them inherits them, where it would otherwise import
+# them itself (about a second per rank for labkit's layers and torch.distributed's, every launch).
+# Never the learner's code (exercises, solutions, notebook helpers): the rank imports those from disk,
+# so an edit is seen at the next launch. Never modules that may touch CUDA or start workers on import.
+PRELOAD_PACKAGES = ("labkit", "torch", "numpy")
+NEVER_PRELOAD = ("labkit.session", "torch._inductor", "torch.testing._internal", "torch.utils.cpp_extension",
+                 "torch.utils.benchmark", "torch.cuda")
 
 
 # --------------------------------------------------------------------------- messages
@@ -107,6 +115,7 @@ def serve(fd: int) -> None:
                 except (EOFError, OSError):
                     break  # the caller is gone
                 if kind == "launch":
+                    _import_quietly(request.get("preload", ()))
                     _fork_ranks(request, fds, children, sock, (wake_r, wake_w))
                 elif kind == "stop":
                     break
@@ -123,20 +132,32 @@ def serve(fd: int) -> None:
 def _prepare() -> None:
     """Import and warm up everything a rank needs, without autograd, CUDA or OpenMP's threads."""
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    prewarm()
+    # The caller's names (LABKIT_ZYGOTE_PRELOAD): an import here only saves each rank the time; a
+    # failure is the rank's to report, so the zygote depends on none of them.
+    _import_quietly(list(PRELOAD) + os.environ.pop("LABKIT_ZYGOTE_PRELOAD", "").split(","))
+
+
+def _import_quietly(names) -> None:
+    """Import what the ranks will need; a failure is the rank's to report, so the zygote depends on none."""
     import importlib
 
     import torch
 
-    prewarm()
-    # The caller's names (LABKIT_ZYGOTE_PRELOAD): an import here only saves each rank the time; a
-    # failure is the rank's to report, so the zygote depends on none of them.
-    wanted = list(PRELOAD) + os.environ.pop("LABKIT_ZYGOTE_PRELOAD", "").split(",")
-    for name in filter(None, wanted):
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - a rank that needs it will say why
-            pass
+    for name in filter(None, names):
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except BaseException:  # noqa: BLE001 - a rank that needs it will say why
+                pass
     assert not torch.cuda.is_initialized(), "the zygote must never initialise CUDA"
+
+
+def worth_preloading(name: str) -> bool:
+    """A module the zygote may import for the ranks: in `PRELOAD_PACKAGES`, not under `NEVER_PRELOAD`."""
+    def under(prefixes):
+        return any(name == p or name.startswith(p + ".") for p in prefixes)
+    return under(PRELOAD_PACKAGES) and not under(NEVER_PRELOAD)
 
 
 _prewarmed = False
@@ -227,6 +248,7 @@ class Zygote:
         self.pid = self.proc.pid
         self.ready = False
         self.exits: list = []  # exit reports that arrived while waiting for something else
+        self.preloaded: set = set()  # module names already sent to be imported there
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         if self.ready:
@@ -254,7 +276,9 @@ class Zygote:
 
     def fork(self, request: dict, fds: list) -> list[int]:
         """Ask for ``request['world_size']`` ranks; their pids, in rank order."""
-        send(self.sock, ("launch", request), fds)
+        new = [name for name in list(sys.modules) if name not in self.preloaded and worth_preloading(name)]
+        self.preloaded.update(new)
+        send(self.sock, ("launch", dict(request, preload=new)), fds)
         while True:
             kind, value = self.next_message(timeout=READY_TIMEOUT)
             if kind == "forked" and value[0] == request["launch_id"]:
