@@ -1,0 +1,192 @@
+"""HSDP's given parts (solutions/hsdp.py): the layout check, the closed forms against torch's own
+FSDP2 HSDP, and the grading checks of tests/grading/test_hsdp.py shown to catch planted mistakes.
+
+Mistakes are planted INSIDE the launched ranks (a wrong function handed to the grading case), never
+by monkeypatching this process: ranks are forked from the zygote, not from pytest.
+About 15 s on 2 cores.
+"""
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit.grading import impl
+from labkit.grading.cases import launch_timeout
+from labkit.launching.launcher import launch
+
+TIMEOUT = launch_timeout(60)
+
+
+# --- bad input: pure arithmetic, before any process --------------------------------------------
+
+@pytest.mark.parametrize("replicate,shard", [(3, 2), (2, 1), (1, 8)])
+def test_check_hsdp_refuses_a_product_that_is_not_the_data_parallel_size(replicate, shard):
+    with pytest.raises(ValueError) as error:
+        impl("hsdp").check_hsdp(4, replicate, shard)
+    message = str(error.value)
+    assert f"{replicate} x {shard} = {replicate * shard} ranks" in message
+    assert "data-parallel size is 4" in message and "choose replicate x shard among 4 x 1, 2 x 2, 1 x 4" in message
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
+def test_check_hsdp_refuses_sizes_that_are_not_positive_ints(bad):
+    with pytest.raises(ValueError, match="must be an int >= 1"):
+        impl("hsdp").check_hsdp(4, bad, 2)
+
+
+def test_check_hsdp_accepts_every_factorisation():
+    for shard in (1, 2, 3, 6):
+        assert impl("hsdp").check_hsdp(6, 6 // shard, shard) is None
+
+
+def test_closed_forms_add_up_to_a_flat_all_reduce():
+    """2 (S-1)/S P + 2 (R-1)/(R S) P = 2 (W-1)/W P: HSDP moves a flat all-reduce's bytes, split by level."""
+    for replicate, shard in ((2, 2), (4, 8), (3, 1), (1, 5)):
+        forms = impl("hsdp").wire_bytes_per_level(840, replicate=replicate, shard=shard)
+        w = replicate * shard
+        assert forms["shard"] + forms["replica"] == 2 * Fraction(w - 1, w) * 840
+        assert forms["replica"] == 2 * Fraction(replicate - 1, replicate) * Fraction(840, shard)
+
+
+# --- torch's own HSDP against the same closed forms (ZeRO-3 inside the node) -------------------
+
+def _fsdp2_bytes(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from labkit.comm.traffic import count_traffic
+    from labkit.model import build_model
+
+    replicate, shard = 2, 2
+    model = build_model("tiny", seed=0).double()
+    # FSDP2 pads each parameter's dim 0 to a multiple of S; the tiny model needs none, so P is exact
+    assert all(p.shape[0] % shard == 0 for p in model.parameters())
+    param_bytes = sum(p.numel() * 8 for p in model.parameters())
+    block_bytes = sum(p.numel() * 8 for p in model.layers.parameters())
+    mesh = init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(rank))
+    with count_traffic(groups={"shard": mesh.get_group("dp_shard"), "replica": mesh.get_group("dp_replicate")}) as t:
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+    got = {"shard": t.wire(group="shard"), "replica": t.wire(group="replica"), "other": t.wire() - t.wire(group="shard")
+           - t.wire(group="replica")}
+    # blocks are gathered in forward and again in backward, the root once (kept from forward to backward)
+    forms = impl("hsdp").wire_bytes_per_level(param_bytes, replicate=replicate, shard=shard,
+                                              gathered_bytes=param_bytes + block_bytes)
+    return got, {**forms, "other": 0}, t.by_op()
+
+
+def test_fsdp2_hsdp_on_a_2d_device_mesh_moves_the_closed_form_bytes_per_level():
+    for got, want, ops in launch(_fsdp2_bytes, 4, timeout=TIMEOUT):
+        assert got == want, (got, want, ops)
+
+
+# --- the grading checks catch planted mistakes -------------------------------------------------
+
+def sync_over_the_shard_group_only(flat, *, shard_group, replica_group):
+    """Wrong: forgets the all-reduce across replicas (each node trains on its own mean)."""
+    from labkit.parallel.sharding import reduce_scatter_mean
+    return reduce_scatter_mean(flat, group=shard_group)
+
+
+def sync_whole_gradient_across_replicas(flat, *, shard_group, replica_group):
+    """Right values, wrong bytes: all-reduces the WHOLE gradient across the network, then scatters."""
+    from labkit.parallel.sharding import reduce_scatter_mean
+    total = flat.clone()
+    dist.all_reduce(total, group=replica_group)
+    return reduce_scatter_mean(total.div_(dist.get_world_size(replica_group)), group=shard_group)
+
+
+def optimizer_gathering_over_the_world(model, sg, rg):
+    """Right parameters (replica 0's shards come first), wrong bytes: the all-gather crosses the nodes."""
+    from labkit.parallel.flat import write_back
+    from labkit.parallel.sharding import all_gather_flat
+
+    class Wrong(impl("hsdp").HSDPOptimizer):
+        @torch.no_grad()
+        def update_parameters(self):
+            self.optimizer.step()
+            write_back(all_gather_flat(self.shard.detach()), self.params)
+
+    import test_hsdp as graded
+    return Wrong(model.parameters(), torch.optim.AdamW, shard_group=sg, replica_group=rg, **graded.HYPER)
+
+
+def _planted(rank, world):
+    import test_hsdp as graded  # tests/grading/test_hsdp.py, on the ranks' path as in the caller's
+
+    def failure(fn, **kwargs):
+        try:
+            fn(rank, **kwargs)
+        except AssertionError as error:
+            return str(error)
+        return None
+
+    out = {
+        "shard_only": failure(graded._sync_values, layout="2x2", sync=sync_over_the_shard_group_only),
+        "whole_values": failure(graded._sync_values, layout="2x2", sync=sync_whole_gradient_across_replicas),
+        "whole_bytes": failure(graded._sync_bytes, layout="2x2", sync=sync_whole_gradient_across_replicas),
+        "world_gather_values": failure(graded._train, layout="2x2", make=graded.odd_mlp, steps=2,
+                                       optimizer=optimizer_gathering_over_the_world),
+        "world_gather_bytes": failure(graded._step_bytes, layout="2x2", optimizer=optimizer_gathering_over_the_world),
+        "shard_only_trains": failure(graded._train, layout="2x2", make=graded.odd_mlp, steps=2,
+                                     optimizer=lambda m, sg, rg: _with_sync(m, sg, rg, sync_over_the_shard_group_only)),
+    }
+    try:
+        impl("hsdp").hsdp_mesh(3, 2)
+        out["mesh"] = None
+    except ValueError as error:
+        out["mesh"] = str(error)
+    return out
+
+
+def _with_sync(model, sg, rg, sync):
+    class Wrong(impl("hsdp").HSDPOptimizer):
+        @torch.no_grad()
+        def sync_gradients(self):
+            from labkit.parallel.flat import flatten, grads_or_zeros
+            flat = flatten(grads_or_zeros(self.params), self.shard.numel() * self.n_shards)
+            self.shard.grad = sync(flat, shard_group=self.shard_group, replica_group=self.replica_group)
+            self.mark_synced()
+
+    import test_hsdp as graded
+    return Wrong(model.parameters(), torch.optim.AdamW, shard_group=sg, replica_group=rg, **graded.HYPER)
+
+
+@pytest.fixture(scope="module")
+def planted(request):
+    import sys
+    from pathlib import Path
+
+    grading = str(Path(__file__).parent / "grading")
+    if grading not in sys.path:  # the ranks import tests/grading/test_hsdp.py by name, from the caller's path
+        sys.path.insert(0, grading)
+    return launch(_planted, 4, timeout=TIMEOUT)
+
+
+def test_sync_over_the_shard_group_only_is_named(planted):
+    for rank, out in enumerate(planted):
+        assert "only (missing" in out["shard_only"] and "divided by 2" in out["shard_only"], out["shard_only"]
+        assert out["shard_only_trains"] and "first differing parameter" in out["shard_only_trains"]
+
+
+def test_whole_gradient_across_replicas_has_right_values_but_fails_the_bytes(planted):
+    for out in planted:
+        assert out["whole_values"] is None  # the values alone cannot see it ...
+        assert "closed form" in out["whole_bytes"], out["whole_bytes"]  # ... the bytes per level do
+
+
+def test_optimizer_gathering_over_the_world_fails_the_bytes(planted):
+    for out in planted:
+        assert out["world_gather_values"] is None  # right parameters ...
+        assert "closed form" in out["world_gather_bytes"], out["world_gather_bytes"]  # ... bytes across nodes
+
+
+def test_hsdp_mesh_refuses_before_creating_any_group(planted):
+    for out in planted:
+        assert out["mesh"] and "choose replicate x shard among 4 x 1, 2 x 2, 1 x 4" in out["mesh"]
