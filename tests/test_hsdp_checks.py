@@ -3,6 +3,7 @@ FSDP2 HSDP, and the grading checks of tests/grading/test_hsdp.py shown to catch 
 
 Mistakes are planted INSIDE the launched ranks (a wrong function handed to the grading case), never
 by monkeypatching this process: ranks are forked from the zygote, not from pytest.
+The cost model's HSDP term (labkit.scale.traffic.hsdp_traffic) against the same closed forms.
 About 15 s on 2 cores.
 """
 from fractions import Fraction
@@ -190,3 +191,39 @@ def test_optimizer_gathering_over_the_world_fails_the_bytes(planted):
 def test_hsdp_mesh_refuses_before_creating_any_group(planted):
     for out in planted:
         assert out["mesh"] and "choose replicate x shard among 4 x 1, 2 x 2, 1 x 4" in out["mesh"]
+
+
+# --- the cost model's HSDP term (labkit.scale.traffic.hsdp_traffic) ----------------------------
+
+def test_cost_model_hsdp_zero12_form_is_the_one_the_lab_measures():
+    """value_bytes=8 (float64), ZeRO-1/2 in the node: the bytes tests/grading/test_hsdp.py counts."""
+    from labkit.scale.cluster import load_cluster
+    from labkit.scale.traffic import hsdp_traffic
+
+    h100 = load_cluster("h100-sxm")
+    for replicate, shard in ((2, 2), (4, 8), (3, 1), (1, 4)):
+        params = 840 * shard  # a multiple of S: no padding
+        got = hsdp_traffic(params, replicate, shard, h100, zero="zero1", value_bytes=8)
+        forms = impl("hsdp").wire_bytes_per_level(8 * params, replicate=replicate, shard=shard)
+        assert got["shard"]["bytes"] == pytest.approx(float(forms["shard"]), rel=1e-12)
+        assert got["replica"]["bytes"] == pytest.approx(float(forms["replica"]), rel=1e-12)
+
+
+def test_cost_model_hsdp_zero3_levels_and_bytes():
+    from labkit.scale.cluster import load_cluster
+    from labkit.scale.traffic import hsdp_traffic, ring_time
+
+    h100 = load_cluster("h100-sxm")  # 8 GPUs per node
+    P, R, S = 8e9, 16, 8
+    got = hsdp_traffic(P, R, S, h100)
+    # FSDP2 as torchtitan: bf16 parameters gathered twice, fp32 gradients reduce-scattered, in the node;
+    # the fp32 gradient shard (1/S) all-reduced across the nodes
+    assert got["shard"]["level"] == "node" and got["replica"]["level"] == "network"
+    assert got["shard"]["bytes"] == pytest.approx((S - 1) / S * (2 + 2 + 4) * P, rel=1e-12)
+    assert got["replica"]["bytes"] == pytest.approx(2 * (R - 1) / R * 4 * P / S, rel=1e-12)
+    assert got["replica"]["seconds"] == pytest.approx(ring_time("all_reduce", 4 * P / S, R, *h100.link("network"))[1])
+    # a shard group wider than a node (or spread by tp inside it) pays the network
+    assert hsdp_traffic(P, R, S, h100, shard_stride=2)["shard"]["level"] == "network"
+    # one replica: nothing crosses the replica group; the whole dp group then fits in a node
+    one = hsdp_traffic(P, 1, S, h100)
+    assert one["replica"]["bytes"] == 0 and one["replica"]["level"] == "node"
