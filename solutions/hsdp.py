@@ -47,8 +47,9 @@ root, kept from forward to backward, is gathered once.) Against the W ranks toge
     ZeRO-1/2 or FSDP over W 2 (W-1)/W x P (ZeRO-3: + (W-1)/W x P_blocks), all spanning the nodes
 
 HSDP's two levels add up to the same total, 2 (S-1)/S P + 2 (R-1)/(R S) P = 2 (W-1)/W P, but
-only 2 (R-1)/R x P/S of it crosses the network: S times less than a flat collective's share,
-and with R-1 network steps instead of W-1. The price: optimizer state is divided by S, not W.
+only 2 (R-1)/R x P/S of it crosses the network: (R-1)/(W-1) of what a flat collective puts in
+a group spanning the nodes (about 1/S), and in 2(R-1) ring steps instead of 2(W-1). The price:
+optimizer state is divided by S, not W.
 `wire_bytes_per_level` gives these forms; tests/grading/test_hsdp.py counts them with
 `labkit.comm.traffic.count_traffic` and checks them EQUAL.
 """

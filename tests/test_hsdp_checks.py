@@ -143,6 +143,16 @@ def _planted(rank, world):
         out["mesh"] = None
     except ValueError as error:
         out["mesh"] = str(error)
+    layer, world = torch.nn.Linear(2, 2), dist.group.WORLD
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    for case, params in (("two_groups", [{"params": [layer.weight]}, {"params": [layer.bias]}]),
+                         ("all_frozen", frozen.parameters()),
+                         ("mixed_dtypes", [layer.weight, torch.nn.Parameter(torch.ones(2, dtype=torch.float64))])):
+        try:
+            impl("hsdp").HSDPOptimizer(params, shard_group=world, replica_group=world, lr=1e-3)
+            out[case] = None
+        except ValueError as error:
+            out[case] = str(error)
     return out
 
 
@@ -227,3 +237,10 @@ def test_cost_model_hsdp_zero3_levels_and_bytes():
     # one replica: nothing crosses the replica group; the whole dp group then fits in a node
     one = hsdp_traffic(P, 1, S, h100)
     assert one["replica"]["bytes"] == 0 and one["replica"]["level"] == "node"
+
+
+def test_hsdp_optimizer_refuses_what_it_cannot_shard(planted):
+    for out in planted:
+        assert "one parameter group, got 2" in out["two_groups"], out["two_groups"]
+        assert "no parameter that requires grad" in out["all_frozen"], out["all_frozen"]
+        assert "one dtype" in out["mixed_dtypes"], out["mixed_dtypes"]
