@@ -1,6 +1,6 @@
 # GENERATED from solutions/hsdp.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/10_scaling_out.ipynb.
-# untouched-stub fingerprint: d14efa3207d7f5af
+# untouched-stub fingerprint: 70864a624a3a3bda
 """HSDP by hand: shard inside a node, replicate across nodes (notebook 10_scaling_out).
 
 ZeRO/FSDP (notebook 09) shards the model states over EVERY data-parallel rank: each step's
@@ -44,7 +44,9 @@ the trainable parameters' bytes after zero-padding to a multiple of S, s = P / S
     replica group, across nodes    2 (R-1)/R x P/S  all-reduce  2 (R-1)/R x P/S  all-reduce
 
 (FSDP2 frees each block's parameters after its forward and gathers them again in backward: the
-root, kept from forward to backward, is gathered once.) Against the W ranks together:
+root, kept from forward to backward, is gathered once. Notebook 09's ZeRO3 over the shard group,
+plus one all-reduce of its shards' gradients across the replicas, is that HSDP: tests/test_hsdp_checks.py
+shows it moves FSDP2's bytes exactly.) Against the W ranks together:
 
     DDP over W              2 (W-1)/W x P     all of it in a group that spans the nodes
     ZeRO-1/2 or FSDP over W 2 (W-1)/W x P (ZeRO-3: + (W-1)/W x P_blocks), all spanning the nodes
