@@ -18,6 +18,9 @@ Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch =
          per step (all-reduce; ZeRO-1/2: reduce-scatter + all-gather of the parameters, the same
          bytes). ZeRO-3: all-gather bf16 parameters in forward and again in backward, reduce-scatter
          fp32 gradients (FSDP2 as torchtitan: 2 + 2 + 4 bytes per parameter)
+    hsdp `hsdp_traffic`: dp split into R replicas x S shards (torchtitan's dp_replicate x dp_shard);
+         the dp terms above inside the shard group, plus an all-reduce of the 1/S gradient shard
+         (fp32 under ZeRO-3) across the replicas: 2 (R-1)/R x 4 P/S, on the network
 """
 from __future__ import annotations
 
@@ -82,4 +85,43 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
             add("dp", "reduce_scatter", 4 * axis_params, ranks, 1)
         else:
             add("dp", "all_reduce", BF16 * axis_params, ranks, 1)
+    return out
+
+
+def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: str = "zero3",
+                 shard_stride: int = 1, value_bytes: int = BF16, grad_bytes: int = 4) -> dict:
+    """HSDP's data-parallel traffic by link level: {"shard": {...}, "replica": {...}}, each
+    {"bytes": sent per GPU per step, "seconds": alpha-beta time, "count": collectives, "level": link}.
+
+    params: the parameters each GPU's data-parallel group reduces (P); the W = replicate x shard
+    data-parallel ranks are R replicas of S shards (solutions/hsdp.py, notebook 10). Shard group:
+    S ranks `shard_stride` apart (the product of the axes inside dp_shard: tp, cp), on NVLink when
+    S x shard_stride <= gpus_per_node, else the network; replica group: across nodes, the network
+    (unless the whole dp group fits in a node). Per step, per GPU:
+        zero="zero3" (FSDP2's HSDP): shard  all-gather value_bytes P twice (forward, backward)
+                                            + reduce-scatter grad_bytes P: (S-1)/S x (2 value + grad) P
+                                     replica all-reduce of grad_bytes P / S: 2 (R-1)/R x grad_bytes P/S
+        otherwise (ZeRO-1/2 in the node, HSDPOptimizer): shard  reduce-scatter + all-gather of
+                                     value_bytes P: 2 (S-1)/S x value P; replica 2 (R-1)/R x value P/S
+    The two levels of the ZeRO-1/2 form add up to a flat all-reduce's 2 (W-1)/W x value P.
+    """
+    node = shard * shard_stride <= cluster.gpus_per_node
+    levels = {"shard": "node" if node else "network",
+              "replica": "node" if replicate * shard * shard_stride <= cluster.gpus_per_node else "network"}
+    out = {name: {"bytes": 0.0, "seconds": 0.0, "count": 0, "level": level} for name, level in levels.items()}
+
+    def add(name, kind, nbytes, n, count):
+        sent, secs = ring_time(kind, nbytes, n, *cluster.link(levels[name]))
+        if sent:
+            out[name]["bytes"] += sent * count
+            out[name]["seconds"] += secs * count
+            out[name]["count"] += count
+
+    reduced = grad_bytes if zero == "zero3" else value_bytes
+    if zero == "zero3":
+        add("shard", "all_gather", value_bytes * params, shard, 2)
+    else:
+        add("shard", "all_gather", value_bytes * params, shard, 1)
+    add("shard", "reduce_scatter", reduced * params, shard, 1)
+    add("replica", "all_reduce", reduced * params / shard, replicate, 1)
     return out
