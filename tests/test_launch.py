@@ -474,3 +474,37 @@ def test_a_killed_caller_leaves_neither_its_zygote_nor_its_ranks(tmp_path):
     while alive() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive(), f"left behind after the caller was killed: {alive()}"
+
+
+# --------------------------------------------------------------------------- what a rank inherits
+
+def _which_are_imported(rank, world_size, names):
+    import sys
+
+    return {name: name in sys.modules for name in names}
+
+
+def test_a_rank_inherits_the_callers_labkit_modules_but_imports_the_learners_code_itself(tmp_path, monkeypatch):
+    """The zygote imports the caller's labkit/torch modules before forking (a second per rank saved at
+    every launch), never a module of the learner's: an edit to it must be seen at the next launch."""
+    import importlib
+
+    import torch.utils.benchmark  # noqa: F401 (never preloaded: it may start workers)
+
+    import labkit.compose.divergence  # noqa: F401 (the caller has it: the rank must start with it)
+
+    (tmp_path / "learner_code_probe.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    learner = importlib.import_module("learner_code_probe")
+    names = ["labkit.compose.divergence", "learner_code_probe", "torch.utils.benchmark"]
+    first = labkit.launch(_which_are_imported, 2, names)[0]
+    assert first == {"labkit.compose.divergence": True, "learner_code_probe": False,
+                     "torch.utils.benchmark": False}, first
+    (tmp_path / "learner_code_probe.py").write_text("VALUE = 2\n")
+
+    def edited(rank, world_size):
+        import learner_code_probe
+
+        return learner_code_probe.VALUE
+
+    assert learner.VALUE == 1 and labkit.launch(edited, 2) == [2, 2]
