@@ -152,3 +152,29 @@ def test_bytes_per_call_equal_the_closed_form(c, method, results):
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_a_planted_mistake_is_caught(mistake, results):
     assert all(per_rank[("planted", mistake)] for per_rank in results(4)), f"{mistake}: not caught"
+
+
+@pytest.mark.parametrize("c", [2, 4])
+@pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
+def test_the_cost_models_cp_bytes_equal_what_a_rank_sent(c, method, results):
+    """labkit.scale.traffic.cp_attention_bytes (sent per rank: collectives' wire bytes, isend payloads; the shape
+    agreement left out) equals the measured call."""
+    from labkit.scale.traffic import cp_attention_bytes
+
+    for rank, per_rank in enumerate(results(c)):
+        got, _ = per_rank[("bytes", method)]
+        sent = sum(wire for op, (_, _, wire) in got.items() if op.endswith("_single")) + \
+            got.get("isend", (0, 0, 0))[1]
+        X = 2 * 4 * 8 * 4 * 8  # B H n hd x 8 bytes: full_qkv(8c) cut to one rank, n = 8 positions
+        assert sent == sum(cp_attention_bytes(method, c, X, X).values()), (rank, got)
+
+
+def test_the_cost_models_cp_bytes_refuse_an_unknown_method_and_a_local_not_dividing_cp():
+    from labkit.scale.traffic import cp_attention_bytes
+
+    with pytest.raises(ValueError, match="choose one of ring, allgather, ulysses, hybrid"):
+        cp_attention_bytes("tree", 4, 1, 1)
+    with pytest.raises(ValueError, match="local=3 must divide cp=4"):
+        cp_attention_bytes("hybrid", 4, 1, 1, local=3)
+    assert cp_attention_bytes("hybrid", 4, 8, 8, local=4) == cp_attention_bytes("ulysses", 4, 8, 8)  # one node
+    assert cp_attention_bytes("hybrid", 4, 8, 8, local=1) == {"all_to_all": 0, "p2p": cp_attention_bytes("ring", 4, 8, 8)["p2p"]}
