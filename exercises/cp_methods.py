@@ -1,6 +1,6 @@
 # GENERATED from solutions/cp_methods.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/11_long_sequences.ipynb.
-# untouched-stub fingerprint: b07c6398bb94df42
+# untouched-stub fingerprint: 2e08b9e4b5d52e42
 """Context parallelism three more ways: all-gather K/V, Ulysses all-to-all, and the hybrid (notebook 11_long_sequences).
 
 Every method takes this rank's pieces of the sequence, q, k, v [B, H, n, hd] (``take(x, SPLITS[split](s, c,
@@ -32,9 +32,10 @@ per rank over the cp group (payload 40 c bytes, wire 40 (c-1)), left out of the 
 
 Which is an exercise: `seq_to_heads` and `heads_to_seq`, Ulysses' two all-to-alls, are yours: notebook 12's
 all-to-all, now swapping which dimension is sharded, and the whole method is those two swaps around ordinary
-attention. The all-gather method and the hybrid are given (graded by tests/test_cp_methods.py): the first is an
-all-gather and a mask you have already met (notebook 11's positions, notebook 08's gather/reduce-scatter pair),
-the second composes your Ulysses swaps with the ring of notebook 11.
+attention. The all-gather method and the hybrid are given: the first is an all-gather and a mask you have already
+met (notebook 11's positions, notebook 08's gather/reduce-scatter pair; tested in tests/test_cp_given_methods.py),
+the second composes your Ulysses swaps with the ring of notebook 11 (graded with your swaps in
+tests/grading/test_cp_methods.py).
 
 GQA: the lab's model has as many K/V heads as query heads (labkit/model/llama.py has no n_kv_heads). With GQA
 (n_kv < H K/V heads), the all-gather moves n_kv/H as many bytes (Llama 3's reason for it: 8 K/V heads of 128);
