@@ -50,8 +50,6 @@ from labkit.mesh import Mesh
 
 NOTEBOOK = "11_long_sequences"
 
-METHODS = ("ring", "allgather", "ulysses", "hybrid")
-
 
 def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
