@@ -7,6 +7,8 @@ placement, not the learner's) equals the single process's. Layouts of one world 
     2 ranks   every axis alone: dp, pp, cp, tp, and ep (borrowed from dp, on the MoE model)
     4 ranks   every pair of axes (the ep pairs on the MoE model), and ZeRO-1/2/3 composed with them
     8 ranks   3-axis layouts: dp x pp x tp, tp x cp x pp, dp x cp x tp, ep x pp x tp (MoE), with ZeRO
+    cp methods  2 cp x 2 tp by all-gather K/V and by Ulysses (4 ranks), 4 cp x 2 tp by the hybrid (8 ranks:
+              all-to-all inside pairs of cp ranks, a ring across the 2 pairs); the ring is cp's default above
     16 ranks  dp x pp x cp x tp (dense, ZeRO-1), and all five at once (MoE)
 Runs on the solutions (the learner's own are graded by tests/grading/test_placement.py).
 
@@ -57,9 +59,10 @@ LAYOUTS = {
         L(True, dp=4, ep=2), L(True, dp=2, ep=2, pp=2, microbatches=2), L(True, dp=2, ep=2, cp=2),
         L(True, dp=2, ep=2, tp=2),
         L(dp=2, tp=2, zero=1), L(dp=2, pp=2, zero=2, microbatches=2), L(dp=2, cp=2, zero=3),
-        L(True, dp=2, ep=2, tp=2, zero=1), L(dp=4, zero=3, microbatches=2)],
+        L(True, dp=2, ep=2, tp=2, zero=1), L(dp=4, zero=3, microbatches=2),
+        L(cp=2, tp=2, cp_method="allgather"), L(cp=2, tp=2, cp_method="ulysses")],
     8: [L(dp=2, pp=2, tp=2, microbatches=2), L(pp=2, cp=2, tp=2, microbatches=2), L(dp=2, cp=2, tp=2, zero=2),
-        L(True, dp=2, ep=2, pp=2, tp=2, microbatches=2, zero=3)],
+        L(True, dp=2, ep=2, pp=2, tp=2, microbatches=2, zero=3), L(cp=4, tp=2, cp_method="hybrid")],
     16: [L(dp=2, pp=2, cp=2, tp=2, microbatches=2, zero=1), L(True, dp=2, ep=2, pp=2, cp=2, tp=2, microbatches=2)],
 }
 
@@ -82,7 +85,7 @@ def run_layouts(rank, world_size, layouts):
         try:
             dims.check(cfg, batch=BATCH, seq_len=SEQ, world_size=world_size)
             mesh = dims.build_mesh(world_size)
-            stage = parallelize(build_model(cfg, seed=0).double(), mesh=mesh)
+            stage = parallelize(build_model(cfg, seed=0).double(), mesh=mesh, cp_method=dims.cp_method)
             opt = ComposedOptimizer(stage, mesh=mesh, zero=dims.zero)
             X, Y = batches(cfg)
             losses = [train_step(stage, opt, X[k], Y[k], mesh=mesh, microbatches=dims.microbatches) for k in range(K)]
@@ -186,6 +189,13 @@ BAD = [  # (what the issue names, dims, model, batch, seq_len, world, words the 
     ("ep not tiling dp", ParallelDims(dp=1, ep=2, tp=2), True, 8, 16, 2, "does not divide dp=1"),
     ("a MoE that can drop tokens under cp", ParallelDims(cp=2), "drops", 8, 16, 2, "dropless"),
     ("ZeRO stage 4", ParallelDims(dp=2, zero=4), False, 8, 16, 2, "zero=4"),
+    ("an unknown CP method", ParallelDims(cp=2, cp_method="tree"), False, 8, 16, 2,
+     "cp_method='tree' is not a context-parallel method: choose one of ring, allgather, ulysses, hybrid"),
+    ("heads not divisible by cp for Ulysses", ParallelDims(cp=4, tp=2, cp_method="ulysses"), False, 8, 16, 8,
+     "gives each of 4 ranks heads/4 whole heads, but each tp rank holds 2"),
+    ("heads not divisible by the hybrid's all-to-all", ParallelDims(cp=4, tp=4, cp_method="hybrid"), False, 8, 32,
+     16, "gives each of 2 ranks heads/2 whole heads, but each tp rank holds 1"),
+    ("the hybrid with one node", ParallelDims(cp=2, cp_method="hybrid"), False, 8, 16, 2, "use 'ulysses' or 'ring'"),
 ]
 
 

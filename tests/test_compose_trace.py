@@ -60,6 +60,42 @@ def test_every_call_of_a_step_lands_on_its_axes_and_the_bytes_equal_the_formula(
         assert payload == formula, (coords, payload, formula)
 
 
+METHODS = [ParallelDims(cp=2, tp=2, cp_method=method) for method in ("allgather", "ulysses")]
+
+
+def _one_step_per_method(rank, world):
+    from labkit.compose.model import parallelize
+    from labkit.compose.step import ComposedOptimizer, train_step
+    out = []
+    for dims in METHODS:
+        mesh = dims.build_mesh(world)
+        model = build_model(_config(), seed=0).double()
+        stage = parallelize(model, mesh=mesh, cp_method=dims.cp_method)
+        opt = ComposedOptimizer(stage, mesh=mesh)
+        tokens = torch.randint(0, 128, (8, 17), generator=torch.Generator().manual_seed(0))
+        with intercept(AxisSpans(mesh)) as spans:
+            train_step(stage, opt, tokens[:, :-1], tokens[:, 1:], mesh=mesh, microbatches=1)
+        out.append((spans.ops_by_axes()[("cp",)], spans.payload_by_axes(),
+                    bytes_by_axes(model, dims, mesh.coords(), batch=8, seq_len=16, element=8)))
+    return out
+
+
+def test_the_cp_methods_calls_and_bytes_per_axis_equal_the_formula(monkeypatch):
+    """All-gather K/V and Ulysses in a 2 cp x 2 tp step: their calls on cp, and every axis's bytes, as the formula."""
+    monkeypatch.setenv("LABKIT_IMPL", "solutions")
+    for per_method in launch(_one_step_per_method, 4, timeout=240):
+        layers = 4
+        for dims, (cp_ops, payload, formula) in zip(METHODS, per_method):
+            want = {"all_gather": layers, "all_reduce": 1, **({"all_gather_single": layers, "reduce_scatter_single": layers}
+                    if dims.cp_method == "allgather" else {"all_to_all_single": 8 * layers})}
+            assert cp_ops == want, (dims.cp_method, cp_ops)
+            assert payload == formula, (dims.cp_method, payload, formula)
+    import pytest
+    with pytest.raises(ValueError, match="hybrid's all-to-all and ring run on sub-groups"):
+        bytes_by_axes(build_model(_config()), ParallelDims(cp=4, tp=2, cp_method="hybrid"),
+                      {"dp": 0, "pp": 0, "ep": 0, "cp": 0, "tp": 0}, batch=8, seq_len=16, element=8)
+
+
 def test_parameters_per_rank_tile_the_moe_model_exactly():
     # pure arithmetic: over the ranks of one data-parallel replica (dp = cp = 0), the tp shards, the experts and
     # the stages of params_by_axes add up to the whole model, each replicated class counted once per tp rank

@@ -165,7 +165,10 @@ def test_train_wrong_process_count_says_what_to_change():
     (["--dp", "2", "--tp", "2"], 4),
     (["--pp", "2", "--cp", "2", "--tp", "2", "--zero", "1"], 8),
     (["--dp", "2", "--zero", "3"], 2),
-], ids=["dp2-tp2", "pp2-cp2-tp2-zero1", "dp2-zero3"])
+    (["--cp", "2", "--cp-method", "allgather"], 2),
+    (["--cp", "2", "--tp", "2", "--cp-method", "ulysses"], 4),
+    (["--cp", "4", "--cp-method", "hybrid"], 4),
+], ids=["dp2-tp2", "pp2-cp2-tp2-zero1", "dp2-zero3", "cp2-allgather", "cp2-tp2-ulysses", "cp4-hybrid"])
 def test_train_composed_forked_equals_train_loop(extra, world, reference, tmp_path, monkeypatch):
     """Any layout, forked: the same AdamW (no decay on norms), warm-up + cosine and global-norm clipping as the
     loop, so the weights equal one process's in float64."""
@@ -229,8 +232,13 @@ def _refusal(monkeypatch, extra, env_world) -> str:
     (["--strategy", "single", "--dp", "2"], None, "--strategy single does not run --dp 2: leave --strategy out"),
     (["--strategy", "dp", "--pp", "2"], None, "--strategy dp does not run --pp 2: leave --strategy out"),
     (["--pp", "5"], None, "--pp 5 is more stages than --model tiny's 4 layers"),
+    (["--cp", "4", "--tp", "2", "--cp-method", "ulysses"], None,
+     "--cp-method ulysses: its all-to-all gives each of 4 ranks heads/4 whole heads, but each tp rank holds 2"),
+    (["--cp", "2", "--cp-method", "hybrid"], None, "--cp-method hybrid with --cp 2"),
+    (["--dp", "2", "--cp-method", "ulysses"], None, "--cp-method ulysses chooses how attention crosses the "
+     "context-parallel ranks, but there are none (--cp 1): add --cp 2 or more"),
 ], ids=["product-not-world", "tp-heads", "ep-dense", "moe-drops-under-cp", "flags-of-another-strategy",
-        "single-with-dp", "dp-with-pp", "pp-past-layers"])
+        "single-with-dp", "dp-with-pp", "pp-past-layers", "ulysses-heads", "hybrid-one-node", "cp-method-without-cp"])
 def test_train_bad_layout_fails_before_any_rank(extra, env_world, words, monkeypatch):
     """One line naming the flag and the fix, before any rank is started (in this process: it must not get as far
     as forking)."""

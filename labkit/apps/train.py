@@ -24,6 +24,10 @@ and any layout of notebook 14 (chosen by --tp, --cp, --ep or --zero, or --strate
     python -m labkit.apps.train --dp 2 --pp 2 --tp 2                       # forks 8 ranks
     python -m labkit.apps.train --dp 2 --ep 2 --cp 2 --model tiny-moe --capacity-factor 2
     torchrun --nproc-per-node 8 -m labkit.apps.train --pp 2 --cp 2 --tp 2 --zero 1
+    python -m labkit.apps.train --cp 4 --cp-method hybrid                 # all-to-all in pairs, ring across
+--cp-method chooses how attention crosses the --cp ranks (solutions/cp_methods.py, notebook 11): ring (default),
+allgather (Llama 3's K/V all-gather), ulysses (all-to-all; heads per --tp rank must divide by --cp) or hybrid
+(all-to-all inside pairs of cp ranks, ring across the pairs; --cp 4, 6, 8...).
 Every strategy trains the same model on the same global batches with the same AdamW,
 learning-rate schedule and gradient clipping as `labkit.training.loop`, so its losses and
 final weights equal the single-process run's (up to float rounding; tests/test_train_scripts.py).
@@ -63,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (pp, hybrid, composed)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (composed)")
     p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (composed)")
+    p.add_argument("--cp-method", default=None, choices=("ring", "allgather", "ulysses", "hybrid"),
+                   help="how attention crosses the --cp ranks (composed; default ring)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks, borrowed from dp (composed, MoE)")
     p.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stage (composed)")
     p.add_argument("--microbatches", type=int, default=None, help="per pipeline; default 2 x pp")
@@ -119,7 +125,7 @@ def report(results, args) -> tuple[dict, dict]:
     return {
         "strategy": args.strategy, "world_size": world_size,
         **{a: layouts[0][a] for a in ("dp", "pp", "cp", "tp", "ep")}, "zero": args.zero,
-        "microbatches": args.microbatches, "model": args.model, "steps": args.steps,
+        "microbatches": args.microbatches, "cp_method": args.cp_method or "ring", "model": args.model, "steps": args.steps,
         "global_batch_tokens": args.batch_size * args.seq_len,
         "first_loss": losses[0], "final_loss": losses[-1],
         "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / world_size, "mfu": fraction,
@@ -135,6 +141,7 @@ def summary(out: dict) -> str:
 
     mfu_text = "n/a (no known peak FLOP/s for this device)" if out["mfu"] is None else f"{out['mfu']:.1%}"
     layout = " ".join(f"{a}={out[a]}" for a in ("dp", "pp", "cp", "tp", "ep", "zero", "microbatches"))
+    layout += f" cp_method={out['cp_method']}" if out.get("cp_method", "ring") != "ring" else ""
     return (f"{out['strategy']} on {out['world_size']} rank(s), {layout}, {out['device']}: loss "
             f"{out['first_loss']:.4f} -> {out['final_loss']:.4f}; {format_rate(out['tokens_per_s'])} "
             f"({format_rate(out['tokens_per_s_per_device'])} per device), MFU {mfu_text}")

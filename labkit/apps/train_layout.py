@@ -2,7 +2,8 @@
 the command line's own flags, before any rank starts (`python -m labkit.apps.train`).
 
     --dp N / --pp N alone          dp / pp (notebooks 04, 06); both: hybrid (notebook 07)
-    any of --tp --cp --ep --zero   composed (notebook 14's layouts, labkit.compose)
+    any of --tp --cp --ep --zero   composed (notebook 14's layouts, labkit.compose); --cp-method ring|allgather|
+                                   ulysses|hybrid: how attention crosses the --cp ranks (default ring)
     nothing                        single (one process: the reference)
 
 An explicit --strategy that cannot run a given flag is refused, never silently given size 1.
@@ -18,7 +19,7 @@ COMPOSED_FLAGS = ("tp", "cp", "ep", "zero")
 # labkit.compose's messages name its arguments; the app's name its flags
 FLAGS = {"dp": "--dp", "pp": "--pp", "cp": "--cp", "tp": "--tp", "ep": "--ep", "zero": "--zero",
          "microbatches": "--microbatches", "batch": "--batch-size", "seq_len": "--seq-len",
-         "capacity_factor": "--capacity-factor"}
+         "capacity_factor": "--capacity-factor", "cp_method": "--cp-method"}
 
 
 def refuse(message: str):
@@ -28,7 +29,7 @@ def refuse(message: str):
 
 def as_flags(message: str) -> str:
     """A labkit.compose message with its argument names as the app's flags: 'tp=3' -> '--tp 3'."""
-    return re.sub(r"\b(" + "|".join(FLAGS) + r")=([^\s,:;)]+)", lambda m: f"{FLAGS[m[1]]} {m[2]}", message)
+    return re.sub(r"\b(" + "|".join(FLAGS) + r")=([^\s,:;)]+)", lambda m: f"{FLAGS[m[1]]} {m[2].strip(chr(39))}", message)
 
 
 def choose_strategy(args) -> str:
@@ -85,7 +86,7 @@ def composed_dims(args):
     from labkit.compose.dims import ParallelDims
 
     return ParallelDims(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, ep=args.ep, zero=args.zero,
-                        microbatches=args.microbatches)
+                        microbatches=args.microbatches, cp_method=args.cp_method or "ring")
 
 
 def resolve_layout(args, world: int | None) -> int:
@@ -107,6 +108,9 @@ def resolve_layout(args, world: int | None) -> int:
         args.cp, args.tp, args.ep, args.zero = 1, 1, 1, 0
     if args.microbatches is None:
         args.microbatches = 2 * args.pp if args.pp > 1 else 1
+    if args.cp_method is not None and args.cp < 2:
+        refuse(f"--cp-method {args.cp_method} chooses how attention crosses the context-parallel ranks, but there are "
+               f"none (--cp {args.cp}): add --cp 2 or more, or leave --cp-method out")
     check_layout(args, world, model_config(args))
     if args.strategy == "composed":  # the rest of labkit.compose's checks (heads, sequence pieces, experts)
         try:

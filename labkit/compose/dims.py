@@ -20,11 +20,17 @@ from dataclasses import asdict, dataclass
 from labkit.mesh import AXES, Mesh
 
 ZERO_STAGES = (0, 1, 2, 3)
+# How attention crosses the cp ranks (solutions/cp_methods.py): the ring, Llama 3's all-gather of K/V, Ulysses'
+# all-to-alls, or Megatron's "a2a+p2p" hybrid: all-to-all inside groups of HYBRID_LOCAL cp ranks (a node in the
+# lab's small runs; on a cluster, the node's share of cp), the ring across them.
+CP_METHODS = ("ring", "allgather", "ulysses", "hybrid")
+HYBRID_LOCAL = 2
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """dp (data-parallel ranks, ep's included), pp, cp, tp, ep (borrowed from dp), ZeRO stage, micro-batches."""
+    """dp (data-parallel ranks, ep's included), pp, cp, tp, ep (borrowed from dp), ZeRO stage, micro-batches,
+    and how attention crosses the cp ranks (`CP_METHODS`)."""
     dp: int = 1
     pp: int = 1
     cp: int = 1
@@ -32,6 +38,7 @@ class ParallelDims:
     ep: int = 1
     zero: int = 0
     microbatches: int = 1
+    cp_method: str = "ring"
 
     @property
     def world_size(self) -> int:
@@ -44,6 +51,7 @@ class ParallelDims:
     def short(self) -> str:
         axes = " ".join(f"{a}{getattr(self, a)}" for a in ("dp", "pp", "cp", "tp", "ep") if getattr(self, a) > 1)
         extra = (f" zero{self.zero}" if self.zero else "") + (f" m{self.microbatches}" if self.microbatches > 1 else "")
+        extra += f" {self.cp_method}" if self.cp_method != "ring" else ""
         return (axes or "single") + extra
 
     def as_dict(self) -> dict:
@@ -71,6 +79,7 @@ class ParallelDims:
                     ok = [t for t in range(1, n + 1) if n % t == 0 and t <= 16]
                     raise ValueError(f"tp={self.tp} does not divide {what}={n}: every TP rank holds the same share "
                                      f"of the heads, the MLP's hidden units and the vocabulary; choose tp among {ok}")
+        self.check_cp_method(c.n_heads // self.tp)
         if self.pp > c.n_layers:
             raise ValueError(f"pp={self.pp} is more stages than the model's n_layers={c.n_layers}: every stage needs "
                              f"a layer; use pp <= {c.n_layers}")
@@ -101,6 +110,21 @@ class ParallelDims:
                     f"sequence in position order; with cp={self.cp}, tp={self.tp} no rank sees a whole sequence. "
                     f"Use a dropless MoE: capacity_factor >= n_experts / top_k = {c.n_experts / c.top_k:g} "
                     "(as Megatron-Core does with context or sequence parallelism)")
+
+    def check_cp_method(self, heads_per_tp: int) -> None:
+        """ValueError for an unknown cp_method, or heads that its all-to-all cannot split (Ulysses, hybrid)."""
+        if self.cp_method not in CP_METHODS:
+            raise ValueError(f"cp_method={self.cp_method!r} is not a context-parallel method: choose one of "
+                             f"{', '.join(CP_METHODS)}")
+        if self.cp_method == "hybrid" and self.cp > 1 and (self.cp % HYBRID_LOCAL or self.cp == HYBRID_LOCAL):
+            raise ValueError(f"cp_method='hybrid' with cp={self.cp}: the all-to-all runs inside groups of "
+                             f"{HYBRID_LOCAL} cp ranks and the ring across them, so cp must be a multiple of "
+                             f"{HYBRID_LOCAL} above it (4, 6, 8...); for cp={self.cp} use 'ulysses' or 'ring'")
+        a2a = {"ulysses": self.cp, "hybrid": HYBRID_LOCAL}.get(self.cp_method, 1)
+        if self.cp > 1 and heads_per_tp % a2a:
+            raise ValueError(f"cp_method={self.cp_method!r}: its all-to-all gives each of {a2a} ranks heads/{a2a} "
+                             f"whole heads, but each tp rank holds {heads_per_tp} (n_heads / tp): choose cp so that "
+                             f"{heads_per_tp} heads split, or cp_method='ring' or 'allgather' (no heads constraint)")
 
     def build_mesh(self, world_size: int | None = None, *, rank: int | None = None) -> Mesh:
         """This rank's Mesh, with every group the composed step asks for created (collective)."""

@@ -8,8 +8,9 @@
          the embedding and head by the vocabulary (VocabParallelEmbedding, vocab-parallel
          cross-entropy), with Megatron-SP between the TP regions: gather_sequence in,
          scatter_sequence out, so norms, residuals and the MoE see s / (cp tp) positions
-    cp   attention as the learner's ring over the mesh's cp axis, on the zigzag pieces, with
-         rotary embeddings at the pieces' global positions
+    cp   attention over the mesh's cp axis on the zigzag pieces, with rotary embeddings at the pieces'
+         global positions, by `cp_method`: the learner's ring (default), or solutions/cp_methods.py's
+         all-gather of K/V, Ulysses all-to-all (the learner's two swaps) or the a2a+p2p hybrid
     ep   each MoE layer the learner's EPMoE over the mesh's ep axis (dispatch, compute, combine)
     dp   nothing in the model: the data-parallel ranks read other rows, and their gradients are
          summed by `labkit.compose.step` over the groups the learner's placement table names
@@ -31,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.compose.dims import live_axes
+from labkit.compose.dims import HYBRID_LOCAL, live_axes
 from labkit.grading import impl
 from labkit.mesh import Mesh
 from labkit.model import causal_attention, check_tokens, split_layers
@@ -72,9 +73,12 @@ def _copy(module: nn.Module) -> nn.Module:
 
 # -------------------------------------------------------------------------- the layers
 class ComposedAttention(nn.Module):
-    """Attention with its heads over tp (SP around it) and its sequence over cp (the ring)."""
+    """Attention with its heads over tp (SP around it) and its sequence over cp (by `cp_method`).
 
-    def __init__(self, attention: nn.Module, *, mesh: Mesh, timeline=None):
+    cp_method: "ring", "allgather", "ulysses" or "hybrid" (`labkit.compose.dims.CP_METHODS`); the hybrid
+    needs `levels`, the cp axis as nodes (solutions/cp_methods.CPLevels, built once per stage: collective)."""
+
+    def __init__(self, attention: nn.Module, *, mesh: Mesh, timeline=None, cp_method: str = "ring", levels=None):
         super().__init__()
         tpm, group = impl("tensor_parallel"), mesh.group("tp")
         self.wq, self.wk, self.wv = (tpm.ColumnParallelLinear(w, group=group)
@@ -82,6 +86,7 @@ class ComposedAttention(nn.Module):
         self.wo = tpm.RowParallelLinear(attention.wo, group=group)
         self.local_heads = attention.n_heads // mesh.size("tp")
         self.mesh, self.group, self.timeline = mesh, group, timeline
+        self.cp_method, self.levels = cp_method, levels
 
     def forward(self, x, rope, pos, seq_len: int):
         sp, cp = impl("sequence_parallel"), impl("context_parallel")
@@ -90,7 +95,11 @@ class ComposedAttention(nn.Module):
         heads = lambda w: F.linear(h, w.weight).view(B, n, self.local_heads, -1).transpose(1, 2)  # noqa: E731
         q, k, v = heads(self.wq), heads(self.wk), heads(self.wv)
         q, k = cp.rotate(q, rope, pos), cp.rotate(k, rope, pos)  # at the pieces' global positions
-        if self.mesh.size("cp") > 1:
+        if self.mesh.size("cp") > 1 and self.cp_method != "ring":
+            methods, where = impl("cp_methods"), {"levels": self.levels} if self.cp_method == "hybrid" else {"mesh": self.mesh}
+            attend = getattr(methods, f"{self.cp_method}_attention")
+            y = attend(q, k, v, split="zigzag", mask="causal", seq_len=seq_len, **where)
+        elif self.mesh.size("cp") > 1:
             ring = impl("ring_attention").ring_attention
             extra = {} if self.timeline is None else {"timeline": self.timeline}
             y = ring(q, k, v, mesh=self.mesh, split="zigzag", mask="causal", seq_len=seq_len, **extra)
@@ -151,10 +160,11 @@ def aux_share(routing, *, group, seq_len: int, global_batch: int, coef: float) -
 
 
 class ComposedBlock(nn.Module):
-    def __init__(self, block: nn.Module, *, mesh: Mesh, layer: int, timeline=None):
+    def __init__(self, block: nn.Module, *, mesh: Mesh, layer: int, timeline=None, cp_method="ring", levels=None):
         super().__init__()
         self.attention_norm, self.ffn_norm = _copy(block.attention_norm), _copy(block.ffn_norm)
-        self.attention = ComposedAttention(block.attention, mesh=mesh, timeline=timeline)
+        self.attention = ComposedAttention(block.attention, mesh=mesh, timeline=timeline, cp_method=cp_method,
+                                           levels=levels)
         self.is_moe = isinstance(block.feed_forward, moe_lib.MoE)
         if self.is_moe:
             extra = {} if timeline is None else {"timeline": timeline}
@@ -187,9 +197,12 @@ class ComposedStage(nn.Module):
     GLOBAL batch's shape before each step (`labkit.compose.step.train_step` does).
     """
 
-    def __init__(self, model: nn.Module, *, mesh: Mesh, timeline=None):
+    def __init__(self, model: nn.Module, *, mesh: Mesh, timeline=None, cp_method: str = "ring"):
         super().__init__()
         cfg = model.config
+        levels = None
+        if cp_method == "hybrid" and mesh.size("cp") > 1:  # its groups, made once (collective over the world)
+            levels = impl("cp_methods").CPLevels(mesh, local=HYBRID_LOCAL)
         self.config, self.mesh, self.timeline = cfg, mesh, timeline
         self.stage, self.n_stages = mesh.coord("pp"), mesh.size("pp")
         self.is_first, self.is_last = mesh.is_first("pp"), mesh.is_last("pp")
@@ -198,8 +211,8 @@ class ComposedStage(nn.Module):
         if self.is_first:
             self.tok_embeddings = impl("vocab_parallel").VocabParallelEmbedding(model.tok_embeddings, group=self.tp_group)
         ids = split_layers(cfg.n_layers, self.n_stages)[self.stage]
-        self.layers = nn.ModuleDict({str(i): ComposedBlock(model.layers[i], mesh=mesh, layer=i, timeline=timeline)
-                                     for i in ids})
+        self.layers = nn.ModuleDict({str(i): ComposedBlock(model.layers[i], mesh=mesh, layer=i, timeline=timeline,
+                                                           cp_method=cp_method, levels=levels) for i in ids})
         if self.is_last:
             self.norm = _copy(model.norm)
             self.output = impl("tensor_parallel").ColumnParallelLinear(model.output, group=self.tp_group)
@@ -241,6 +254,7 @@ class ComposedStage(nn.Module):
         return ce * targets.numel() / (self.global_batch * self.seq_len)  # mean over b s/cp -> share of B s
 
 
-def parallelize(model: nn.Module, *, mesh: Mesh, timeline=None) -> ComposedStage:
-    """This rank's `ComposedStage` of `model` (left unchanged) on `mesh` (see the module docstring)."""
-    return ComposedStage(model, mesh=mesh, timeline=timeline)
+def parallelize(model: nn.Module, *, mesh: Mesh, timeline=None, cp_method: str = "ring") -> ComposedStage:
+    """This rank's `ComposedStage` of `model` (left unchanged) on `mesh` (see the module docstring);
+    `cp_method` as `ParallelDims.cp_method` (checked there, before any process work)."""
+    return ComposedStage(model, mesh=mesh, timeline=timeline, cp_method=cp_method)

@@ -133,8 +133,11 @@ def bytes_by_axes(model, dims, coords: dict, *, batch: int, seq_len: int, elemen
       tp  per micro-batch and layer: 2 SP all-gathers + 2 reduce-scatters forward (attention, MLP) and the
           same backward, each of [b, s/cp, d]; the embedding's reduce-scatter and the head's all-gather,
           forward and backward; the vocab-parallel cross-entropy's 3 all-reduces of [b, s/cp] (max, sum, target)
-      cp  per micro-batch and layer: the ring's c - 1 k/v exchanges forward, c - 1 k/v and c dK/dV backward
-          (each an isend + an irecv of [2, b, h/tp, s/cp, hd]), and one all-gather of the 5 shape integers
+      cp  per micro-batch and layer, with kv = [2, b, h/tp, s/cp, hd] (K and V of this rank's pieces) and one
+          all-gather of the 5 shape integers, by `dims.cp_method`: the ring's c - 1 k/v exchanges forward, c - 1
+          k/v and c dK/dV backward (each an isend + an irecv of kv); all-gather: one all-gather of c kv forward,
+          one reduce-scatter of c kv backward; Ulysses: 8 all-to-alls of kv / 2 (q, k, v, out and their
+          gradients). The hybrid's groups are no mesh axis (pairs inside cp): refused
       pp  per micro-batch, each activation [b, s/(cp tp), d] sent forward and its gradient back
       dp  the gradient sum: one all-reduce of each group's flat gradients (`params_by_axes`), and the loss
           report: one all-reduce of a scalar over every live axis
@@ -163,8 +166,11 @@ def bytes_by_axes(model, dims, coords: dict, *, batch: int, seq_len: int, elemen
         add(("tp",), m * (calls * big + 3 * last * b * (seq_len // cp) * loss_elem))
     if cp > 1:
         kv = 2 * b * (cfg.n_heads // tp) * (seq_len // cp) * (cfg.d_model // cfg.n_heads) * element
-        exchanges = (cp - 1) + (cp - 1) + cp
-        add(("cp",), m * layers * (2 * exchanges * kv + cp * 5 * 8))
+        per_layer = {"ring": 2 * ((cp - 1) + (cp - 1) + cp) * kv, "allgather": 2 * cp * kv, "ulysses": 8 * kv // 2}
+        if dims.cp_method not in per_layer:
+            raise ValueError(f"bytes_by_axes: cp_method={dims.cp_method!r} is not covered (the hybrid's all-to-all "
+                             "and ring run on sub-groups of cp that are no mesh axis); use ring, allgather or ulysses")
+        add(("cp",), m * layers * (per_layer[dims.cp_method] + cp * 5 * 8))
     if pp > 1:
         act = b * (seq_len // cp // tp) * cfg.d_model * element
         add(("pp",), m * 2 * act * ((not first) + (not last)))

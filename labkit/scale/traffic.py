@@ -11,7 +11,8 @@ Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch =
     tp   with SP, per block: forward 2 all-gathers + 2 reduce-scatters of A, backward the same
          (without SP: 2 all-reduces each way, the same bytes); full recompute repeats forward's
     cp   ring attention: forward passes its K and V (2 x 2 T d_kv bytes) cp-1 times around the
-         ring, backward passes K, V and their gradients (twice that)
+         ring, backward passes K, V and their gradients (twice that); the other methods' bytes per
+         layer (all-gather, Ulysses, the hybrid) are `cp_attention_bytes`, not yet in `axis_traffic`
     ep   dispatch and combine all-to-alls of top_k x T tokens of d (bf16), forward and backward
     pp   each micro-batch's activation forward and its gradient backward: A/(tp if SP) each way
     dp   plain DP / ZeRO-1 / ZeRO-2: the gradients (the states' gradient bytes), reduced once
@@ -124,4 +125,42 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
         add("shard", "all_gather", value_bytes * params, shard, 1)
     add("shard", "reduce_scatter", reduced * params, shard, 1)
     add("replica", "all_reduce", reduced * params / shard, replicate, 1)
+    return out
+
+
+CP_METHODS = ("ring", "allgather", "ulysses", "hybrid")
+
+
+def cp_attention_bytes(method: str, cp: int, q_bytes: float, kv_bytes: float, local: int = 1) -> dict:
+    """Bytes ONE rank sends for one attention layer, forward and backward, by context-parallel method and pattern.
+
+    q_bytes: this rank's q (= its output, its dq, its dout) before any swap, b (s/cp) H hd x value bytes;
+    kv_bytes: its k (= v, dk, dv), the same with the K/V heads (fewer under GQA). The lab's code
+    (solutions/ring_attention.py, solutions/cp_methods.py), as labkit.comm counts it (a collective's wire bytes,
+    a point-to-point message's payload), the shape agreement of a few int64 left out:
+        ring        {"p2p": 2 kv (3cp - 2)}: K,V sent cp-1 times forward, cp-1 times backward, dK,dV cp times
+                    (the last hop brings them home; `axis_traffic` above counts 3 (cp-1), without that hop)
+        allgather   {"all_gather": 2 kv (cp-1), "reduce_scatter": 2 kv (cp-1)}: K,V gathered, dK,dV scattered
+        ulysses     {"all_to_all": 4 (q + kv) (cp-1)/cp}: q, k, v in and out back forward; dout in, dq, dk, dv
+                    back backward (needs the heads, and the K/V heads, divisible by cp)
+        hybrid      {"all_to_all": 4 (q + kv) (l-1)/l, "p2p": 2 kv (3o - 2) if o > 1}: Ulysses inside groups of
+                    l = `local` cp ranks (a node), the ring across o = cp/l groups on K,V blocks of l x the
+                    positions and 1/l of the heads (the same bytes as before the swap)
+    """
+    if method not in CP_METHODS:
+        raise ValueError(f"method={method!r} is not a context-parallel method: choose one of {', '.join(CP_METHODS)}")
+    if cp < 1 or local < 1 or cp % local:
+        raise ValueError(f"local={local} must divide cp={cp} (groups of local cp ranks, a ring across them)")
+    if cp == 1:
+        return {}
+    if method == "ring":
+        return {"p2p": 2 * kv_bytes * (3 * cp - 2)}
+    if method == "allgather":
+        return {"all_gather": 2 * kv_bytes * (cp - 1), "reduce_scatter": 2 * kv_bytes * (cp - 1)}
+    if method == "ulysses":
+        return {"all_to_all": 4 * (q_bytes + kv_bytes) * (cp - 1) / cp}
+    nodes = cp // local
+    out = {"all_to_all": 4 * (q_bytes + kv_bytes) * (local - 1) / local}
+    if nodes > 1:
+        out["p2p"] = 2 * kv_bytes * (3 * nodes - 2)
     return out
