@@ -36,14 +36,15 @@ def edge_tokens(world, n=40, seed=0):
     return torch.cat([edges, torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed))])
 
 
-def check_embedding(rank, world):
+def check_embedding(rank, world, group=None):
     vp = impl("vocab_parallel")
+    rank, world = _in_group(rank, world, group)
     torch.manual_seed(0)
     full = nn.Embedding(V, 6).double()
     tokens = edge_tokens(world).view(4, -1)
     dy = torch.randn(*tokens.shape, 6, dtype=torch.float64)
     full(tokens).backward(dy)
-    layer = vp.VocabParallelEmbedding(full, group=None)
+    layer = vp.VocabParallelEmbedding(full, group=group)
     k = V // world
     assert layer.weight.shape == (k, 6), (f"weight has shape {tuple(layer.weight.shape)}, expected {(k, 6)}: "
                                           f"rows [rank*k, (rank+1)*k) of the full weight, k = V // TP size")
@@ -54,8 +55,9 @@ def check_embedding(rank, world):
                                msg=lambda m: f"weight gradient (rows of this rank's block) on rank {rank}: {m}")
 
 
-def check_cross_entropy(rank, world, scale=3.0, offset=0.0, ignore=False):
+def check_cross_entropy(rank, world, scale=3.0, offset=0.0, ignore=False, group=None):
     vp = impl("vocab_parallel")
+    rank, world = _in_group(rank, world, group)
     torch.manual_seed(1)
     targets = edge_tokens(world)
     if ignore:
@@ -64,12 +66,33 @@ def check_cross_entropy(rank, world, scale=3.0, offset=0.0, ignore=False):
     want = F.cross_entropy(logits, targets)
     want.backward()
     local = block(logits.detach(), rank, world, -1).clone().requires_grad_()
-    got = vp.vocab_parallel_cross_entropy(local, targets)
+    got = vp.vocab_parallel_cross_entropy(local, targets, group=group)
     assert got.dim() == 0, f"the loss must be a scalar (the mean over tokens), got shape {tuple(got.shape)}"
     torch.testing.assert_close(got, want.detach(), msg=lambda m: f"loss on rank {rank}: {m}")
     got.backward()
     torch.testing.assert_close(local.grad, block(logits.grad, rank, world, -1),
                                msg=lambda m: f"gradient of this rank's logits on rank {rank}: {m}")
+
+
+def _in_group(rank, world, group):
+    """(rank, size) in `group`: the block a rank owns is its GROUP rank's, and only the group sums."""
+    import torch.distributed as dist
+
+    return (rank, world) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+# Two TP groups of 4 ranks, {0, 2} and {1, 3}: a group rank is not the global rank (rank 2 owns block 1),
+# and a collective over the default group would add the other group's terms. Made by every rank, in order.
+SPLIT = ([0, 2], [1, 3])
+
+
+def in_split_groups(check):
+    def run(rank, world):
+        import torch.distributed as dist
+
+        groups = [dist.new_group(ranks) for ranks in SPLIT]
+        return check(rank, world, group=groups[rank % 2])
+    return run
 
 
 def check_whole_model(rank, world):
@@ -103,10 +126,15 @@ CASES = {
         lambda r, w: check_cross_entropy(r, w, scale=30.0, offset=1e4),
     ("VocabParallelCrossEntropy", "whole tiny model, every matrix sharded"): check_whole_model,
 }
+SPLIT_CASES = {  # on 4 ranks only: the group's rank, not the global one; the group's sum, not the world's
+    ("VocabParallelEmbedding", "tp groups {0,2} and {1,3}"): in_split_groups(check_embedding),
+    ("VocabParallelCrossEntropy", "tp groups {0,2} and {1,3}"): in_split_groups(check_cross_entropy),
+}
 
 
 def run_all(rank, world):
-    return run_cases({key: (lambda check=check: check(rank, world)) for key, check in CASES.items()})
+    cases = {**CASES, **SPLIT_CASES} if world == 4 else CASES
+    return run_cases({key: (lambda check=check: check(rank, world)) for key, check in cases.items()})
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
@@ -120,6 +148,12 @@ def _not_divisible(rank, world):
     vp = impl("vocab_parallel")
     vp.VocabParallelEmbedding(nn.Embedding(4 * world, 3))(torch.zeros(1, dtype=torch.long))  # divides: works
     vp.VocabParallelEmbedding(nn.Embedding(4 * world + 1, 3))
+
+
+@pytest.mark.parametrize("key", [pytest.param(key, marks=pytest.mark.exercise(key[0]), id=key[1])
+                                 for key in SPLIT_CASES])
+def test_vocab_parallel_uses_its_group_rank_and_sums_over_its_group_only(key):
+    expect_case(launch_cases(run_all, 4, timeout=TIMEOUT), key, f"{key[0]} on 4 ranks: {key[1]}")
 
 
 @pytest.mark.exercise("VocabParallelEmbedding")
