@@ -73,8 +73,11 @@ class PendingAllToAll:
         return out, work, time.perf_counter()
 
     def wait(self, work, t_issue, kind):
+        t_wait = time.perf_counter()
         work.wait()
-        self.timeline.record(kind, t_issue, time.perf_counter(), stage=self.layer, mb=self.half)
+        t_done = time.perf_counter()
+        self.timeline.record(kind, t_issue, t_done, stage=self.layer, mb=self.half)
+        self.timeline.record("wait", t_wait, t_done, stage=self.layer, mb=self.half)  # what the rank sat waiting
 
 
 class _Start(torch.autograd.Function):
@@ -115,7 +118,8 @@ def start_all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, *, grou
     the gradient goes back the same way, asynchronously: issued when it reaches the finish,
     waited for when autograd reaches the start. Collective over `group`: every rank issues its
     all-to-alls in the same order. The timeline gets a span `kind` (issue to end of wait) with
-    stage=layer, mb=half, and `kind + "_grad"` for the backward's.
+    stage=layer, mb=half, and `kind + "_grad"` for the backward's; and a "wait" span (same stage,
+    mb and end) for the time the rank sat in its wait().
     """
     pending = PendingAllToAll(out_splits, in_splits, group, or_null(timeline), kind, layer, half)
     return _Start.apply(x, pending), pending

@@ -35,9 +35,9 @@ S/N: (N - 1) (alpha + S / (N beta)), the all-gather's formula. Per layer and dir
 four all-to-alls two can hide, each exposed max(0, t_a2a - t_compute_other_half); the other
 two (A's dispatch, B's combine) have nothing of the other half to hide behind: t_a2a each.
 On the timeline (spans "dispatch", "combine", "dispatch_grad", "combine_grad" from issue to
-end of wait, stage = layer, mb = half; "F"/"B" per half), an all-to-all's exposed part is the
-time it ends after the other half's compute that ran inside it and after the last rank
-issued it: `a2a_exposures`; `check_two_batch` sets it against the prediction.
+end of wait, stage = layer, mb = half; "F"/"B" per half; "wait" for the time in wait()), an
+all-to-all's exposed part is the time its rank sat waiting for it after the last rank issued
+it: `a2a_exposures`; `check_two_batch` sets it against the prediction.
 
 **Measured costs (notebook 06, bench/pipeline.py).** On a shared CPU the ideal bubble
 (p-1)/(m+p-1) assumes free messages and no work between computes. `pipeline_costs` reads
@@ -236,9 +236,11 @@ def a2a_exposures(spans) -> list[dict]:
 
     rank, kind, layer (stage), half (mb); hideable: a compute span ("F" or "B") of the same
     rank and layer ran between its issue and its end (the other half's experts);
-    exposed_s: the time it ends after the later of that compute's end (none: its issue) and
-    the LAST rank's issue of the same all-to-all (a collective cannot finish before every rank
-    joined it: a late peer is load imbalance, not the all-to-all's cost).
+    exposed_s: the time the rank sat in its wait() (its "wait" span: same rank, stage, mb and
+    end) after the LAST rank issued the same all-to-all (a collective cannot finish before every
+    rank joined it: waiting for a late peer is load imbalance, not the all-to-all's cost).
+    The wait, not "the end of the compute before it": on a shared CPU the rank itself can stall
+    for milliseconds between two calls, and that is no time spent on the all-to-all.
     """
     a2a = [s for s in spans if s.kind in A2A_KINDS]
     if not a2a:
@@ -248,14 +250,18 @@ def a2a_exposures(spans) -> list[dict]:
     for s in a2a:
         key = (s.kind, s.stage, s.mb)
         last_issue[key] = max(last_issue.get(key, s.start), s.start)
+    waits = {(w.rank, w.stage, w.mb, w.end): w for w in spans if w.kind == "wait"}
     compute = [s for s in spans if s.kind in ("F", "B")]
     out = []
     for s in sorted(a2a, key=lambda s: (s.rank, s.start)):
-        inside = [c.end for c in compute if c.rank == s.rank and c.stage == s.stage and c.start >= s.start
+        wait = waits.get((s.rank, s.stage, s.mb, s.end))
+        if wait is None:
+            raise ValueError(f"the {s.kind} span of layer {s.stage}, half {s.mb} on rank {s.rank} has no 'wait' span "
+                             "ending with it: record the spans with solutions/moe_overlap.py's start_all_to_all")
+        inside = [c for c in compute if c.rank == s.rank and c.stage == s.stage and c.start >= s.start
                   and c.end <= s.end]
-        ready = max([last_issue[s.kind, s.stage, s.mb], s.start] + inside)
         out.append(dict(rank=s.rank, kind=s.kind, layer=s.stage, half=s.mb, hideable=bool(inside),
-                        exposed_s=max(0.0, s.end - ready)))
+                        exposed_s=max(0.0, s.end - max(wait.start, last_issue[s.kind, s.stage, s.mb]))))
     return out
 
 

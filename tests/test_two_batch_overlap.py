@@ -126,28 +126,34 @@ def _two_batch_timeline(overlap=True):
     span the other half's experts; without, every all-to-all is waited for before the next compute.
     """
     S = lambda kind, a, b, rank, mb: Span(kind, a, b, rank, stage=0, mb=mb)  # noqa: E731
+
+    def A(kind, issue, wait, end, rank, mb):  # an all-to-all issued at `issue`, waited for from `wait` to `end`
+        return [S(kind, issue, end, rank, mb), S("wait", wait, end, rank, mb)]
     if overlap:
-        return [S("dispatch", 0, 1.25, 0, 0), S("dispatch", 0, 1.75, 0, 1), S("F", 1.25, 1.75, 0, 0),
-                S("combine", 1.75, 3.0, 0, 0), S("F", 1.75, 2.25, 0, 1), S("combine", 2.25, 3.5, 0, 1),
-                S("dispatch", 0.25, 1.25, 1, 0), S("dispatch", 0.25, 1.75, 1, 1), S("F", 1.25, 1.75, 1, 0),
-                S("combine", 2.0, 3.0, 1, 0), S("F", 2.0, 2.5, 1, 1), S("combine", 2.5, 3.5, 1, 1)]
-    return [S("dispatch", 0, 1.25, 0, 0), S("F", 1.25, 1.75, 0, 0), S("combine", 1.75, 3.0, 0, 0),
-            S("dispatch", 3.0, 4.25, 0, 1), S("F", 4.25, 4.75, 0, 1), S("combine", 4.75, 6.0, 0, 1),
-            S("dispatch", 0.25, 1.25, 1, 0), S("F", 1.25, 1.75, 1, 0), S("combine", 2.0, 3.0, 1, 0),
-            S("dispatch", 3.25, 4.25, 1, 1), S("F", 4.25, 4.75, 1, 1), S("combine", 5.0, 6.0, 1, 1)]
+        return [*A("dispatch", 0, 0, 1.25, 0, 0), *A("dispatch", 0, 1.75, 1.75, 0, 1), S("F", 1.25, 1.75, 0, 0),
+                *A("combine", 1.75, 2.25, 3.0, 0, 0), S("F", 1.75, 2.25, 0, 1), *A("combine", 2.25, 3.0, 3.5, 0, 1),
+                *A("dispatch", 0.25, 0.25, 1.25, 1, 0), *A("dispatch", 0.25, 1.75, 1.75, 1, 1),
+                S("F", 1.25, 1.75, 1, 0), *A("combine", 2.0, 2.5, 3.0, 1, 0), S("F", 2.0, 2.5, 1, 1),
+                *A("combine", 2.5, 3.0, 3.5, 1, 1)]
+    return [*A("dispatch", 0, 0, 1.25, 0, 0), S("F", 1.25, 1.75, 0, 0), *A("combine", 1.75, 1.75, 3.0, 0, 0),
+            *A("dispatch", 3.0, 3.0, 4.25, 0, 1), S("F", 4.25, 4.75, 0, 1), *A("combine", 4.75, 4.75, 6.0, 0, 1),
+            *A("dispatch", 0.25, 0.25, 1.25, 1, 0), S("F", 1.25, 1.75, 1, 0), *A("combine", 2.0, 2.0, 3.0, 1, 0),
+            *A("dispatch", 3.25, 3.25, 4.25, 1, 1), S("F", 4.25, 4.75, 1, 1), *A("combine", 5.0, 5.0, 6.0, 1, 1)]
 
 
 def test_a2a_exposures_exact():
     rows = {(r["rank"], r["kind"], r["half"]): (r["hideable"], r["exposed_s"]) for r in a2a_exposures(_two_batch_timeline())}
-    # rank 0: A's dispatch ends 1.25, the last issue 0.25: 1.0 exposed (nothing to hide behind); B's dispatch ends
-    # 1.75 = A's experts' end: 0; A's combine: last issue 2.0 (rank 1), B's experts end 2.25 (rank 0): 3.0 - 2.25
+    # rank 0: A's dispatch waited from 0 to 1.25, the last issue 0.25: 1.0 exposed (nothing to hide behind); B's
+    # dispatch was done when its wait began: 0; A's combine waited from 2.25 (after B's experts) to 3.0: 0.75
     assert rows[0, "dispatch", 0] == (False, 1.0) and rows[0, "dispatch", 1] == (True, 0.0)
-    assert rows[0, "combine", 0] == (True, 0.75) and rows[0, "combine", 1] == (False, 1.0)
-    # rank 1: its own issue is the last; A's combine [2.0, 3.0] spans B's experts [2.0, 2.5]: 0.5
+    assert rows[0, "combine", 0] == (True, 0.75) and rows[0, "combine", 1] == (False, 0.5)
+    # rank 1: A's combine [2.0, 3.0] spans B's experts [2.0, 2.5], waited from 2.5: 0.5
     assert rows[1, "combine", 0] == (True, 0.5) and rows[1, "dispatch", 1] == (True, 0.0)
     # counting a late peer's delay (a planted mistake) would give rank 0's A dispatch 1.25, not 1.0
     with pytest.raises(ValueError, match="TwoBatchEPMoE"):
         a2a_exposures([Span("F", 0, 1, 0, stage=0, mb=0)])
+    with pytest.raises(ValueError, match="no 'wait' span"):
+        a2a_exposures([s for s in _two_batch_timeline() if s.kind != "wait"])
 
 
 def test_two_batch_prediction_closed_forms():
@@ -166,7 +172,7 @@ def test_check_two_batch_verdicts_and_a_sequential_run():
     pred = two_batch_overlap(1.0, 0.5)
     ok = check_two_batch(pred, _two_batch_timeline())
     assert ok["measured_exposed_s"] == 0.25 and ok["n"] == 4 and ok["agree"]  # median of 0, 0.75, 0, 0.5
-    assert ok["ends_exposed_s"] == 1.0
+    assert ok["ends_exposed_s"] == 0.75  # median of 1.0, 0.5, 1.0, 0.5 (B's combines waited from 3.0 only)
     # planted: the schedule run sequentially has no hideable all-to-all at all
     with pytest.raises(ValueError, match="overlapped"):
         check_two_batch(pred, _two_batch_timeline(overlap=False))
