@@ -1,6 +1,6 @@
 # GENERATED from solutions/moe_overlap.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/12_experts.ipynb.
-# untouched-stub fingerprint: 271e13ad9a8710c8
+# untouched-stub fingerprint: 8a08a52d8dea020c
 """The all-to-all hidden behind compute: expert parallelism's two-micro-batch overlap (notebook 12_experts).
 
 `expert_parallel.EPMoE` runs dispatch, compute, combine one after the other, so its four
@@ -17,9 +17,9 @@ seen by labkit.comm's interception like every op):
               wait B's dispatch; compute B's experts        <- A's combine in flight
               issue B's combine
               wait A's combine, unpermute A; wait B's combine, unpermute B
-    backward  the mirror image (autograd runs the later-created node first among the ready ones):
-              B's combine gradient flies while ... A's combine gradient behind B's expert backward,
-              B's dispatch gradient behind A's expert backward
+    backward  the mirror image, from autograd's own order (among the nodes ready to run, the one
+              created last runs first): A's combine gradient flies during B's expert backward,
+              B's dispatch gradient during A's
 
 Of the four all-to-alls of a layer's forward, two can hide (B's dispatch behind A's experts,
 A's combine behind B's); A's dispatch and B's combine have no expert compute of the other half

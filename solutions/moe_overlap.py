@@ -14,9 +14,9 @@ seen by labkit.comm's interception like every op):
               wait B's dispatch; compute B's experts        <- A's combine in flight
               issue B's combine
               wait A's combine, unpermute A; wait B's combine, unpermute B
-    backward  the mirror image (autograd runs the later-created node first among the ready ones):
-              B's combine gradient flies while ... A's combine gradient behind B's expert backward,
-              B's dispatch gradient behind A's expert backward
+    backward  the mirror image, from autograd's own order (among the nodes ready to run, the one
+              created last runs first): A's combine gradient flies during B's expert backward,
+              B's dispatch gradient during A's
 
 Of the four all-to-alls of a layer's forward, two can hide (B's dispatch behind A's experts,
 A's combine behind B's); A's dispatch and B's combine have no expert compute of the other half
