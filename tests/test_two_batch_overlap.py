@@ -185,7 +185,7 @@ def test_check_two_batch_verdicts_and_a_sequential_run():
 
 # ------------------------------------------------------------------ the measurement on real ranks, shaped link
 
-SLOW = 0.05  # every collective of the shaped link lasts at least 50 ms from its call
+SLOW = 0.1  # every collective of the shaped link lasts 100 ms, one at a time
 
 
 class SleepyExpert(torch.nn.Module):
@@ -228,27 +228,28 @@ def shaped_link_run(rank, world, experts_s, overlap_link=True):
 
 
 def test_exposure_on_a_shaped_link_matches_the_prediction():
-    """Known lengths: the link 50 ms, a half's experts at least 100 ms (layer 0) or 10 ms (layer 1).
+    """Known lengths: the link 100 ms per all-to-all, a half's experts at least 200 ms (layer 0) or 20 ms (layer 1).
 
-    Predicted per hideable all-to-all: layer 0 max(0, 50 - 100) = 0, layer 1 max(0, 50 - 10) = 40 ms.
-    Margins, in time the machine would have to lose: layer 0's hideable waits start at least 100 ms after
-    their issue (the sleeps), 50 ms after the emulated transfer ended; the ends (A's dispatch, B's combine) are
-    waited for right after the next issue, so their exposure is close to the 50 ms (checked: > 25 ms).
+    Predicted per hideable all-to-all: layer 0 max(0, 100 - 200) = 0, layer 1 max(0, 100 - 20) = 80 ms; the
+    ends (A's dispatch, B's combine) 100 ms. Margins, in time the machine would have to lose for a wrong verdict:
+    layer 0's hideable waits begin at least 100 ms after their transfer ended (the sleeps); the ends are waited
+    for from right after the next issue, and fall under 50 ms only if a rank issues 50 ms after its peer (the
+    counts' exchange just before puts them in step); the agreement margin is half an all-to-all, 50 ms.
     """
-    spans = _launch_plain(shaped_link_run, [0.1, 0.01])
+    spans = _launch_plain(shaped_link_run, [0.2, 0.02])
     by_layer = {i: [s for s in spans if s.stage == i] for i in (0, 1)}
     rows = a2a_exposures(spans)
     hidden = [r["exposed_s"] for r in rows if r["layer"] == 0 and r["hideable"]]
     ends = [r["exposed_s"] for r in rows if not r["hideable"]]
     assert len(hidden) == 4 and max(hidden) < SLOW / 2, hidden   # 2 ranks x (B's dispatch, A's combine)
     assert len(ends) == 8 and min(ends) > SLOW / 2, ends          # 2 ranks x 2 layers x (A's dispatch, B's combine)
-    assert check_two_batch(two_batch_overlap(SLOW, 0.1), by_layer[0])["agree"]
-    partly = check_two_batch(two_batch_overlap(SLOW, 0.01), by_layer[1])
-    assert partly["predicted_exposed_s"] == pytest.approx(0.04) and partly["agree"], partly
+    assert check_two_batch(two_batch_overlap(SLOW, 0.2), by_layer[0])["agree"]
+    partly = check_two_batch(two_batch_overlap(SLOW, 0.02), by_layer[1])
+    assert partly["predicted_exposed_s"] == pytest.approx(0.08) and partly["agree"], partly
     # planted: the link sleeping at the call (no overlap mode) takes the time before the compute, where no wait
-    # sees it: the hideable waits measure ~0 in layer 1 too, and the prediction of 40 ms no longer agrees
-    blind = _launch_plain(shaped_link_run, [0.1, 0.01], False)
-    assert not check_two_batch(two_batch_overlap(SLOW, 0.01), [s for s in blind if s.stage == 1])["agree"]
+    # sees it: the hideable waits measure ~0 in layer 1 too, and the prediction of 80 ms no longer agrees
+    blind = _launch_plain(shaped_link_run, [0.2, 0.02], False)
+    assert not check_two_batch(two_batch_overlap(SLOW, 0.02), [s for s in blind if s.stage == 1])["agree"]
 
 
 def _launch_plain(fn, *args):
