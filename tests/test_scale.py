@@ -147,6 +147,23 @@ def test_tp_bytes_per_step_follow_megatron_sp():
     assert p.traffic["tp"]["bytes"] == pytest.approx(spec.n_layers * n_micro * 2 * 4 * (tp - 1) / tp * act)
 
 
+def test_pp_bytes_per_step_are_v_times_more_when_interleaved():
+    """Per micro-batch, a middle rank sends its activation forward and its gradient back: 2 A/tp (SP) bytes,
+    v times with v virtual stages per rank (each micro-batch goes round the ranks v times; Narayanan et al.
+    2021, section 2.2.2). Without the factor v the interleaved count would equal 1F1B's."""
+    spec = LLAMA3["8b"]
+    n_micro, tp, mb, seq = 8, 2, 1, 8192
+    act = 2 * mb * seq * spec.d_model / tp
+    plain = predict(spec, Layout(dp=2, pp=4, tp=tp, zero="zero1", micro_batch=mb), H100, 2 * n_micro, seq)
+    assert plain.traffic["pp"]["bytes"] == pytest.approx(2 * n_micro * act, rel=1e-12)
+    assert plain.traffic["pp"]["count"] == 2 * n_micro
+    for v in (2, 4):
+        inter = predict(spec, Layout(dp=2, pp=4, tp=tp, zero="zero1", micro_batch=mb, schedule="interleaved",
+                                     virtual_stages=v), H100, 2 * n_micro, seq)
+        assert inter.traffic["pp"]["bytes"] == pytest.approx(v * 2 * n_micro * act, rel=1e-12)
+        assert inter.traffic["pp"]["count"] == v * 2 * n_micro
+
+
 def test_tp_across_nodes_costs_more_than_inside():
     """The same TP 8 group on nodes of 8 GPUs (NVLink) and of 4 (half of it over the NIC)."""
     spec, layout = LLAMA3["70b"], Layout(dp=32, tp=8, recompute="full", micro_batch=4)

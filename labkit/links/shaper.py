@@ -22,7 +22,11 @@ calls: the *_single/_tensor forms, all_to_all_single, point-to-point, batch_isen
 It is a hook of `labkit.comm.intercept`: only calls looked up on the `torch.distributed`
 module at call time (`dist.all_reduce(...)`, as the lab's code and torch's DDP communication
 hooks write it) go through the link; DDP's own C++ reducer, torch's internal helpers and an op
-bound at import time do not. `async_op=True` calls sleep at once.
+bound at import time do not. `async_op=True` calls sleep at once, unless the link is made with
+``overlap=True``: then the link carries one transfer at a time (each starts when the previous one
+ends, or at its call), an async call returns at once, and its Work's ``wait()`` sleeps until its
+transfer's end; a blocking call sleeps until its own. Compute issued in between overlaps the
+emulated transfer as it would a real one (solutions/moe_overlap.py's tests).
 """
 from __future__ import annotations
 
@@ -61,6 +65,26 @@ def fit_alpha_beta(wire: list, seconds: list) -> tuple[float, float]:
     return alpha, 1.0 / inv_beta
 
 
+class DelayedWork:
+    """A Work whose wait() also sleeps until `deadline` (a perf_counter reading): an emulated transfer in flight."""
+
+    def __init__(self, work, deadline: float):
+        self._work, self.deadline = work, deadline
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        left = self.deadline - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        return result
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed() and time.perf_counter() >= self.deadline
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
 class SlowLink(Hook):
     """Context manager: inside it, this process's collectives (see module docstring) are slowed and counted.
 
@@ -68,19 +92,23 @@ class SlowLink(Hook):
     an infinitely fast link that only counts), latency in seconds (>= 0). ``sleep=False``
     counts bytes and emulated seconds without sleeping. Counters: ``calls``, ``payload_bytes``,
     ``wire_bytes``, ``seconds`` (emulated time added) and ``by_op`` {op: calls}; ``reset()``.
+    ``overlap=True``: transfers queue on the link one at a time; an ``async_op=True`` call returns
+    at once and its Work's wait() sleeps until its transfer ends (default False: every call sleeps
+    its own delay at once).
     Not re-entrant: one SlowLink active per process at a time (it composes with other hooks,
     e.g. `labkit.comm.traffic.count_traffic`).
     """
 
     _active = None
 
-    def __init__(self, bandwidth: float, latency: float = 0.0, sleep: bool = True):
+    def __init__(self, bandwidth: float, latency: float = 0.0, sleep: bool = True, overlap: bool = False):
         if not bandwidth > 0:
             raise ValueError(f"bandwidth must be > 0 bytes/s (float('inf') for no limit); got {bandwidth!r}")
         if not latency >= 0:
             raise ValueError(f"latency must be >= 0 seconds; got {latency!r}")
-        self.bandwidth, self.latency, self.sleep = float(bandwidth), float(latency), sleep
+        self.bandwidth, self.latency, self.sleep, self.overlap = float(bandwidth), float(latency), sleep, overlap
         self._block = None
+        self._free_at = 0.0  # overlap mode: when the link's last queued transfer ends (perf_counter)
         self.reset()
 
     def reset(self) -> None:
@@ -95,6 +123,12 @@ class SlowLink(Hook):
         self.wire_bytes += wire
         self.seconds += delay
         if self.sleep and delay > 0:
+            if self.overlap:  # one transfer at a time: this one starts when the link is free
+                self._free_at = max(time.perf_counter(), self._free_at) + delay
+                if call.arguments.get("async_op") and result is not None:
+                    return DelayedWork(result, self._free_at)  # the wait pays what is left
+                time.sleep(max(0.0, self._free_at - time.perf_counter()))
+                return None
             time.sleep(delay)
 
     def __enter__(self) -> "SlowLink":

@@ -5,6 +5,7 @@
     zero3_prefetch(layer_params, n_ranks, tokens, flop_rate, alpha, beta)
     pipeline_costs(spans); bubble_with_costs(schedule, spans)   # a measured step, its own costs
     prefetch_exposures(spans); check_prefetch(prediction, spans)  # ZeRO-3's gathers on a timeline
+    two_batch_overlap(a2a_s, compute_s); a2a_exposures(spans); check_two_batch(prediction, spans)  # EP's all-to-all
 
 Two cases from the lab:
 
@@ -25,6 +26,18 @@ unit's "allgather" from issue to the end of its wait, and each block's "F"), the
 of block i's gather is the time it ends after block i-1's forward (and after the last rank
 issued it): `prefetch_exposures`;
 `check_prefetch` sets it against the prediction.
+
+**Expert parallelism's two-micro-batch overlap (notebook 12).** solutions/moe_overlap.py
+cuts a rank's batch in halves A and B and issues each all-to-all asynchronously: B's dispatch
+flies while A's experts compute, A's combine while B's experts compute (backward: the mirror
+image). A pairwise all-to-all of a rank's S input bytes over N ranks sends N - 1 messages of
+S/N: (N - 1) (alpha + S / (N beta)), the all-gather's formula. Per layer and direction, of the
+four all-to-alls two can hide, each exposed max(0, t_a2a - t_compute_other_half); the other
+two (A's dispatch, B's combine) have nothing of the other half to hide behind: t_a2a each.
+On the timeline (spans "dispatch", "combine", "dispatch_grad", "combine_grad" from issue to
+end of wait, stage = layer, mb = half; "F"/"B" per half; "wait" for the time in wait()), an
+all-to-all's exposed part is the time its rank sat waiting for it after the last rank issued
+it: `a2a_exposures`; `check_two_batch` sets it against the prediction.
 
 **Measured costs (notebook 06, bench/pipeline.py).** On a shared CPU the ideal bubble
 (p-1)/(m+p-1) assumes free messages and no work between computes. `pipeline_costs` reads
@@ -191,3 +204,83 @@ def check_prefetch(prediction: dict, spans) -> dict:
     return dict(measured_exposed_s=measured, predicted_exposed_s=prediction["exposed_s"], margin_s=margin,
                 predicted_hidden=prediction["hidden"], measured_hidden=measured <= margin, n=len(exposures),
                 agree=abs(measured - prediction["exposed_s"]) <= margin)
+
+
+A2A_KINDS = ("dispatch", "combine", "dispatch_grad", "combine_grad")
+
+
+def all_to_all_seconds(nbytes: float, n_ranks: int, alpha: float, beta: float) -> float:
+    """Pairwise all-to-all of a rank's nbytes input over n_ranks (N-1 messages of nbytes/N): (N-1) (alpha + nbytes / (N beta))."""
+    return all_gather_seconds(nbytes, n_ranks, alpha, beta)
+
+
+def two_batch_overlap(a2a_s: float, compute_s: float) -> dict:
+    """One MoE layer's forward (or backward) under the two-micro-batch overlap, predicted.
+
+    a2a_s: one half's all-to-all (dispatch or combine: the same rows, both ways); compute_s:
+    one half's experts. hideable_exposed_s = max(0, a2a_s - compute_s): B's dispatch behind A's
+    experts, A's combine behind B's; hidden: it is 0; layer_exposed_s = 2 a2a_s (A's dispatch,
+    B's combine: nothing to hide behind) + 2 hideable_exposed_s; sequential_s = 4 a2a_s, what
+    the same halves expose without overlap (EPMoE on the whole batch: 2 all-to-alls of twice
+    the rows, the same bytes).
+    """
+    if a2a_s < 0 or compute_s < 0:
+        raise ValueError(f"need a2a_s >= 0 and compute_s >= 0 seconds, got {a2a_s}, {compute_s}")
+    hideable = max(0.0, a2a_s - compute_s)
+    return dict(a2a_s=a2a_s, compute_s=compute_s, hideable_exposed_s=hideable, hidden=hideable == 0.0,
+                layer_exposed_s=2 * a2a_s + 2 * hideable, sequential_s=4 * a2a_s)
+
+
+def a2a_exposures(spans) -> list[dict]:
+    """Every all-to-all of a two-batch step, measured: one dict per span of kind in A2A_KINDS.
+
+    rank, kind, layer (stage), half (mb); hideable: a compute span ("F" or "B") of the same
+    rank and layer ran between its issue and its end (the other half's experts);
+    exposed_s: the time the rank sat in its wait() (its "wait" span: same rank, stage, mb and
+    end) after the LAST rank issued the same all-to-all (a collective cannot finish before every
+    rank joined it: waiting for a late peer is load imbalance, not the all-to-all's cost).
+    The wait, not "the end of the compute before it": on a shared CPU the rank itself can stall
+    for milliseconds between two calls, and that is no time spent on the all-to-all.
+    """
+    a2a = [s for s in spans if s.kind in A2A_KINDS]
+    if not a2a:
+        raise ValueError("no all-to-all spans: pass the spans of a step of solutions/moe_overlap.py's "
+                         f"TwoBatchEPMoE recorded on a Timeline (kinds {A2A_KINDS}, stage = layer, mb = half)")
+    last_issue = {}
+    for s in a2a:
+        key = (s.kind, s.stage, s.mb)
+        last_issue[key] = max(last_issue.get(key, s.start), s.start)
+    waits = {(w.rank, w.stage, w.mb, w.end): w for w in spans if w.kind == "wait"}
+    compute = [s for s in spans if s.kind in ("F", "B")]
+    out = []
+    for s in sorted(a2a, key=lambda s: (s.rank, s.start)):
+        wait = waits.get((s.rank, s.stage, s.mb, s.end))
+        if wait is None:
+            raise ValueError(f"the {s.kind} span of layer {s.stage}, half {s.mb} on rank {s.rank} has no 'wait' span "
+                             "ending with it: record the spans with solutions/moe_overlap.py's start_all_to_all")
+        inside = [c for c in compute if c.rank == s.rank and c.stage == s.stage and c.start >= s.start
+                  and c.end <= s.end]
+        out.append(dict(rank=s.rank, kind=s.kind, layer=s.stage, half=s.mb, hideable=bool(inside),
+                        exposed_s=max(0.0, s.end - max(wait.start, last_issue[s.kind, s.stage, s.mb]))))
+    return out
+
+
+def check_two_batch(prediction: dict, spans, backward: bool = False) -> dict:
+    """Set `two_batch_overlap`'s prediction against the hideable all-to-alls measured on ``spans``.
+
+    Forward all-to-alls ("dispatch", "combine"), or the backward's with backward=True.
+    measured_exposed_s: the median exposure of the hideable ones; ends_exposed_s: the median of
+    the others (predicted: a2a_s each); margin_s: half the predicted all-to-all, as
+    `check_prefetch` (the alpha-beta fit itself moves by about that much between runs on a
+    few shared cores); agree: the hideable median is within the margin of the prediction.
+    """
+    kinds = ("dispatch_grad", "combine_grad") if backward else ("dispatch", "combine")
+    rows = [r for r in a2a_exposures(spans) if r["kind"] in kinds]
+    hideable = [r["exposed_s"] for r in rows if r["hideable"]]
+    ends = [r["exposed_s"] for r in rows if not r["hideable"]]
+    if not hideable:
+        raise ValueError(f"no {'/'.join(kinds)} span had the other half's compute inside it: was the step overlapped?")
+    measured, margin = median(hideable), prediction["a2a_s"] / 2
+    return dict(measured_exposed_s=measured, predicted_exposed_s=prediction["hideable_exposed_s"], margin_s=margin,
+                ends_exposed_s=median(ends) if ends else 0.0, n=len(hideable), predicted_hidden=prediction["hidden"],
+                measured_hidden=measured <= margin, agree=abs(measured - prediction["hideable_exposed_s"]) <= margin)

@@ -14,7 +14,10 @@ Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch =
          ring, backward passes K, V and their gradients (twice that); the other methods' bytes per
          layer (all-gather, Ulysses, the hybrid) are `cp_attention_bytes`, not yet in `axis_traffic`
     ep   dispatch and combine all-to-alls of top_k x T tokens of d (bf16), forward and backward
-    pp   each micro-batch's activation forward and its gradient backward: A/(tp if SP) each way
+    pp   each micro-batch's activation forward and its gradient backward: A/(tp if SP) each way,
+         v times with an interleaved schedule of v virtual stages per rank (each micro-batch goes
+         round the ranks v times: "the amount of communication also increases by v", Narayanan
+         et al. 2021, arXiv 2104.04473, section 2.2.2)
     dp   plain DP / ZeRO-1 / ZeRO-2: the gradients (the states' gradient bytes), reduced once
          per step (all-reduce; ZeRO-1/2: reduce-scatter + all-gather of the parameters, the same
          bytes). ZeRO-3: all-gather bf16 parameters in forward and again in backward, reduce-scatter
@@ -78,7 +81,8 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         tokens = BF16 * m.top_k * mb * s * m.d_model / (layout.tp if layout.sequence_parallel else 1)
         add("ep", "all_to_all", tokens, layout.ep, 2 * 2 * L * n_micro)
     if layout.pp > 1:
-        add("pp", "send", act / (layout.tp if layout.sequence_parallel else 1), 2, 2 * n_micro)
+        v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+        add("pp", "send", act / (layout.tp if layout.sequence_parallel else 1), 2, 2 * n_micro * v)
     n_dp = layout.dp * layout.cp
     for axis_params, ranks in ((params_per_gpu["dense"], n_dp), (params_per_gpu["experts"], n_dp // layout.ep)):
         if layout.zero == "zero3":
