@@ -508,3 +508,18 @@ def test_a_rank_inherits_the_callers_labkit_modules_but_imports_the_learners_cod
         return learner_code_probe.VALUE
 
     assert learner.VALUE == 1 and labkit.launch(edited, 2) == [2, 2]
+
+
+def _group_by_position(rank, world_size):
+    from labkit.parallel.sharding import all_gather_flat
+
+    all_gather_flat(torch.ones(2), None)  # the group passed by position: the topology is keyword-only
+
+
+def test_a_group_passed_by_position_gets_a_hint_below_the_traceback():
+    with pytest.raises(LaunchError) as info:
+        labkit.launch(_group_by_position, 2)
+    text = str(info.value)
+    assert "takes 1 positional argument but 2 were given" in text, text
+    assert "hint: all_gather_flat() was given 2 positional arguments and takes 1" in text, text
+    assert "name it (group=..., groups=..., mesh=...)" in text, text

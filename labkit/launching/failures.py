@@ -8,6 +8,7 @@ texts kept in ``error.failures``.
 """
 from __future__ import annotations
 
+import re
 import signal
 from dataclasses import dataclass
 
@@ -58,6 +59,22 @@ GLOO_ABORTS = {
     "op.preamble.length <= op.nbytes": "a recv buffer is smaller than what its peer sent: make the "
                                        "sizes match on both sides",
 }
+
+
+# Python's own words for a call with too many positional arguments: in the lab, most often a group or a
+# mesh passed by position to a function that takes the topology by keyword only (CONTRIBUTING's Conventions).
+_TOO_MANY_POSITIONAL = re.compile(r"^(\S+)\(\) takes (\d+) positional arguments? but (\d+) (?:were|was) given")
+
+
+def explain(error: BaseException) -> str:
+    """A line of advice for an error whose cause the lab knows, else ''. Added below the traceback, so it
+    adds no frame to it (the reports read the traceback for the learner's own line)."""
+    found = _TOO_MANY_POSITIONAL.match(str(error)) if isinstance(error, TypeError) else None
+    if found:
+        return (f"hint: {found.group(1)}() was given {found.group(3)} positional arguments and takes "
+                f"{found.group(2)}. The lab's functions take the topology by keyword only: if one of them "
+                "is a group, groups or a mesh, name it (group=..., groups=..., mesh=...).")
+    return ""
 
 
 def is_consequence(failure: RankFailure) -> bool:

@@ -29,7 +29,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 
 from labkit.launching import shipping
-from labkit.launching.failures import RankFailure, one_line
+from labkit.launching.failures import RankFailure, explain, one_line
 
 NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"  # CPU tensors (grading cases, counters) work beside nccl
 
@@ -121,6 +121,7 @@ def rank_main(rank: int, request: dict, result_fd: int, out_fd: int, err_fd: int
             while tb is not None and tb.tb_frame.f_code.co_filename in _OWN_FILES:
                 tb = tb.tb_next  # the learner's frames only, not the launcher's
             details = "".join(traceback.format_exception(type(error), error, tb or error.__traceback__))
+            details += explain(error)
             failure = RankFailure(rank, "exception", one_line(error), details,
                                   time.time(), isinstance(error, NotImplementedError))
             try:
