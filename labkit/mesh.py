@@ -38,6 +38,22 @@ of one node are neighbours), ``group("local")`` is this rank's node and ``group(
 ranks with its local index on every node. (Physical levels are not a parallelism: they get
 their own names instead of borrowing dp/tp.)
 
+**Folded axes** (notebook 14's composition; torchtitan's ``ParallelDims.build_mesh``). Besides the grid's
+axes, a mesh answers for names that are slices of the SAME grid:
+``batch``        the data-parallel ranks (different rows): torchtitan's "batch", dp_replicate x dp_shard;
+``dp_replicate`` / ``dp_shard``  HSDP's split of the data ranks (``dp_replicate=R``: replicas outermost,
+                 shards inside), torchtitan's names; without HSDP dp_replicate has size 1;
+``efsdp``        the ranks that hold the SAME experts among those EP is folded over (torchtitan's name).
+``Mesh(world, dp=D, pp=P, cp=C, tp=T, ep=E, ep_over=("dp", "cp"))`` folds EP over data and context ranks
+as torchtitan does: the ranks of the folded axes (dp_shard, cp, tp among ``ep_over``) are flattened in
+grid order and reshaped into (efsdp, ep), ep innermost, so world_size = D P C T and ep is NOT a grid
+axis. Without ``ep_over``, ``ep`` is a grid axis of its own (world_size = D P E C T): EP borrowing from
+the data ranks, ``ep_over == ("dp",)``, the batch ranks ``("dp", "ep")``. Internally every name is a
+product of "atoms": the grid's axes, one of them split in two where ep (or HSDP) cuts it; a group is
+the ranks that differ only along its names' atoms, so two names for the same ranks share one group.
+ep must therefore be a divisor of the innermost folded axis, or that axis times a divisor of the next
+(ValueError otherwise: with power-of-two sizes it always is).
+
 Notebook 07's learner builds the 2-D (dp, pp) groups by hand (`solutions/hybrid.make_mesh`)
 and hands them to a ``Mesh(..., groups=False)`` with `Mesh.add_group`, which checks them.
 """
@@ -50,6 +66,35 @@ from labkit.renames import renamed_attribute
 
 AXES = ("dp", "pp", "ep", "cp", "tp")  # outermost first
 LEVELS = ("node", "local")  # a cluster's two levels, outermost first (the other vocabulary)
+FOLDED = ("batch", "dp_replicate", "dp_shard", "efsdp")  # names of grid slices beside AXES (see above)
+FOLDABLE = ("dp", "cp", "tp")  # the axes EP may be folded over: each rank holds different tokens there
+
+
+def fold_ep(folded: list, ep: int) -> tuple[list, int | None]:
+    """Which atoms make ep: `folded` [(atom, size)] in grid order; returns (ep's atoms, innermost first
+    taken whole, and at most one split), and the size of ep's part of the split atom (None: no split).
+    ValueError naming the fix when ep does not divide the folded ranks or cuts across an axis."""
+    folded = [({"dp.s": "dp_shard"}.get(a, a), n) for a, n in folded]  # the user's names in messages
+    total = math.prod(n for _, n in folded)
+    if ep < 1 or total % ep:
+        raise ValueError(f"ep={ep} does not divide the {total} ranks it is folded over "
+                         f"({' x '.join(f'{a}={n}' for a, n in folded) or 'none'}): choose ep among the "
+                         f"divisors of {total}, or fold it over more axes")
+    atoms, rest = [], ep
+    for atom, n in reversed(folded):
+        if rest == 1:
+            break
+        if rest % n == 0:
+            atoms.insert(0, {"dp_shard": "dp.s"}.get(atom, atom))
+            rest //= n
+        elif n % rest == 0:
+            atoms.insert(0, {"dp_shard": "dp.s"}.get(atom, atom))
+            return atoms, rest
+        else:
+            raise ValueError(f"ep={ep} cuts across the folded axes {[a for a, _ in folded]} (sizes "
+                             f"{[n for _, n in folded]}): ep must divide the innermost folded axis, or be it times "
+                             "a divisor of the next one (ep innermost, as torchtitan reshapes); change ep or a size")
+    return atoms, None
 
 
 class Mesh:
@@ -75,7 +120,7 @@ class Mesh:
 
 
     def __init__(self, world_size: int, *, rank: int | None = None, groups: bool = True,
-                 combined=(), **sizes):
+                 combined=(), ep_over=None, dp_replicate: int = 1, **sizes):
         import torch.distributed as dist
 
         self.axes = LEVELS if set(sizes) & set(LEVELS) else AXES
@@ -83,14 +128,29 @@ class Mesh:
         if unknown:
             raise ValueError(f"unknown mesh axis {unknown}: the axes are {AXES}, or {LEVELS} for a "
                              "cluster's levels (not both in one mesh)")
-        for axis, size in sizes.items():
+        for axis, size in {**sizes, "dp_replicate": dp_replicate}.items():
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{axis}={size!r}: every axis size must be an int >= 1")
         self.sizes = {axis: sizes.get(axis, 1) for axis in self.axes}
-        product = math.prod(self.sizes.values())
+        grid = dict(self.sizes)
+        if ep_over is not None or dp_replicate > 1:
+            if self.axes != AXES:
+                raise ValueError("ep_over= and dp_replicate= are for the parallelism axes, not a cluster's levels")
+        if ep_over is not None:
+            ep_over = (ep_over,) if isinstance(ep_over, str) else tuple(ep_over)
+            if not ep_over or len(set(ep_over)) != len(ep_over) or set(ep_over) - set(FOLDABLE):
+                raise ValueError(f"ep_over={ep_over!r}: name the axes EP is folded over, among {FOLDABLE} "
+                                 "(the ranks that hold different tokens), such as ('dp', 'cp')")
+            ep_over = tuple(a for a in FOLDABLE if a in ep_over)
+            grid["ep"] = 1  # folded: ep is a slice of the folded axes, not an axis of the grid
+        if grid.get("dp", 1) % dp_replicate:
+            raise ValueError(f"dp_replicate={dp_replicate} does not divide the mesh's dp={grid['dp']}: "
+                             "HSDP splits the data-parallel ranks into replicas x shards")
+        product = math.prod(grid.values())
         if world_size != product:
-            shape = " x ".join(f"{a}={s}" for a, s in self.sizes.items() if s > 1 or a in sizes) or "1"
-            raise ValueError(f"the mesh {shape} holds {product} ranks but world_size={world_size}: "
+            shape = " x ".join(f"{a}={s}" for a, s in grid.items() if s > 1 or a in sizes) or "1"
+            folded = f" (ep={self.sizes['ep']} folded over {ep_over}: not in the product)" if ep_over else ""
+            raise ValueError(f"the mesh {shape} holds {product} ranks but world_size={world_size}{folded}: "
                              "choose axis sizes whose product is the number of ranks")
         initialised = dist.is_available() and dist.is_initialized()
         if initialised:
@@ -107,57 +167,122 @@ class Mesh:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r} is not in range({world_size})")
         self.world_size, self.rank = world_size, rank
-        # row-major strides of the grid: the layout is plain integer arithmetic, so that it works the
-        # same under torch's FakeTensorMode (labkit.scale simulates a rank with fake tensors)
-        self._strides = {a: math.prod(list(self.sizes.values())[i + 1:]) for i, a in enumerate(self.axes)}
-        axis_sets = [(a,) for a in self.axes] + [self._axis_set(c) for c in combined]
+        self.ep_over = (ep_over or ("dp",)) if self.axes == AXES else None
+        self.dp_replicate = dp_replicate
+        self._grid_sizes = grid
+        self._build_atoms(grid, ep_over, dp_replicate)
+        axis_sets = [(a,) for a in self.axes] + list(combined)
         self._groups: dict[tuple, object] = {}
         if initialised and groups:
-            for axes in dict.fromkeys(axis_sets):  # the same order on every rank
-                self._groups[axes] = self._create_groups(axes)
+            for key in dict.fromkeys(self._key(axes) for axes in axis_sets):  # the same order on every rank
+                self._groups[key] = self._create_groups(key)
+
+    def _build_atoms(self, grid: dict, ep_over, dp_replicate: int) -> None:
+        """The grid's axes as "atoms" (an axis cut in two where HSDP or the folded ep cuts it), their
+        row-major strides, and every name as a tuple of atoms. Plain integers: it works the same under
+        torch's FakeTensorMode (labkit.scale simulates a rank with fake tensors)."""
+        atoms, names = [], {}
+        for a in self.axes:
+            if a == "dp" and self.axes == AXES:  # HSDP: replicas outermost, shards inside (torchtitan's order)
+                atoms += [("dp.r", dp_replicate), ("dp.s", grid["dp"] // dp_replicate)]
+                names["dp"] = ("dp.r", "dp.s")
+            elif not (a == "ep" and ep_over):
+                atoms.append((a, grid[a]))
+                names[a] = (a,)
+        if self.axes == AXES:
+            names["dp_replicate"] = ("dp.r",)
+            if ep_over:  # torchtitan: [dp_replicate, efsdp, ep] from (dp_shard, cp, tp); replicas are never folded
+                folded = [(a, n) for a, n in atoms if {"dp.s": "dp"}.get(a, a) in ep_over]
+                ep_atoms, split = fold_ep(folded, self.sizes["ep"])
+                if split is not None:  # cut one atom: (outer, inner), ep takes the inner part
+                    cut, n = ep_atoms[0], dict(atoms)[ep_atoms[0]]
+                    i = [a for a, _ in atoms].index(cut)
+                    atoms[i:i + 1] = [(cut + ".o", n // split), (cut + ".i", split)]
+                    names = {k: tuple(x for a in v for x in ((cut + ".o", cut + ".i") if a == cut else (a,)))
+                             for k, v in names.items()}
+                    folded_atoms = [x for a, _ in folded for x in ((cut + ".o", cut + ".i") if a == cut else (a,))]
+                    ep_atoms[0] = cut + ".i"
+                else:
+                    folded_atoms = [a for a, _ in folded]
+                names["ep"] = tuple(ep_atoms)
+                names["efsdp"] = tuple(a for a in folded_atoms if a not in ep_atoms)
+            else:  # ep a grid axis of its own, carved out of the data ranks: folded over dp
+                names["efsdp"] = ("dp.s",)
+            shard = set(names["dp"]) - {"dp.r"} | ({"ep"} if not ep_over else set())
+            names["dp_shard"] = tuple(a for a, _ in atoms if a in shard)
+            names["batch"] = ("dp.r",) + names["dp_shard"]
+        self._atom_sizes = dict(atoms)
+        self._atoms = [a for a, _ in atoms]
+        self._names = names
+        self._strides = {a: math.prod(n for _, n in atoms[i + 1:]) for i, (a, _) in enumerate(atoms)}
 
     # -- layout (no process group needed)
+
+    @property
+    def names(self) -> tuple:
+        """Every name this mesh answers for: its axes, then the folded names (batch, dp_replicate, dp_shard, efsdp)."""
+        return tuple(self.axes) + tuple(n for n in FOLDED if n in self._names)
+
+    def atoms(self, axes) -> tuple:
+        """The grid atoms (axes, or their outer/inner parts where HSDP or a folded ep cuts one) that the
+        names ``axes`` span, in grid order. Two axis sets with the same atoms have the same groups."""
+        return self._key(axes, live=False)
 
     def coords(self, rank: int | None = None) -> dict:
         """{axis: index} of ``rank`` (default: this rank), every axis in ``self.axes`` order."""
         rank = self.rank if rank is None else rank
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is not in range({self.world_size})")
-        return {a: rank // self._strides[a] % self.sizes[a] for a in self.axes}
+        return {a: self._coord(a, rank) for a in self.axes}
+
+    def _coord(self, name: str, rank: int) -> int:
+        index = 0
+        for atom in self._names.get(name, (name,)):
+            index = index * self._atom_sizes[atom] + rank // self._strides[atom] % self._atom_sizes[atom]
+        return index
 
     @property
     def grid(self):
-        """The grid ``torch.arange(world_size).view(*sizes)`` (for display; the layout does not need it)."""
+        """The grid ``torch.arange(world_size).view(*sizes)`` (for display; the layout does not need it).
+        A folded ep is not a grid axis: its size there is 1."""
         import torch
-        return torch.arange(self.world_size).view(*self.sizes.values())
+        return torch.arange(self.world_size).view(*self._grid_sizes.values())
 
     def rank_of(self, **coords) -> int:
-        """The global rank at these coordinates; axes left out are this rank's own."""
-        unknown = sorted(set(coords) - set(self.axes))
+        """The global rank at these coordinates (any names of ``self.names``); those left out are this rank's own."""
+        unknown = sorted(set(coords) - set(self.names))
         if unknown:
-            raise ValueError(f"unknown mesh axis {unknown}: the axes are {self.axes}")
-        where = {**self.coords(), **coords}
-        for axis, index in where.items():
-            if not 0 <= index < self.sizes[axis]:
-                raise ValueError(f"{axis}={index} is outside the mesh ({axis} has size {self.sizes[axis]})")
-        return sum(where[a] * self._strides[a] for a in self.axes)
+            raise ValueError(f"unknown mesh axis {unknown}: the axes are {self.names}")
+        at = {a: self.rank // self._strides[a] % n for a, n in self._atom_sizes.items()}
+        for name, index in coords.items():
+            if not 0 <= index < self.size(name):
+                raise ValueError(f"{name}={index} is outside the mesh ({name} has size {self.size(name)})")
+            for atom in reversed(self._names[name]):  # row-major: the last atom varies fastest
+                index, at[atom] = divmod(index, self._atom_sizes[atom])
+        return sum(at[a] * self._strides[a] for a in self._atoms)
 
     def ranks(self, axes, rank: int | None = None) -> list[int]:
         """The global ranks of ``rank``'s group along ``axes`` (one axis or a tuple), in grid order."""
-        axes = self._axis_set(axes)
-        mine = self.coords(rank)
-        base = sum(mine[a] * self._strides[a] for a in self.axes if a not in axes)
-        return [base + sum(i * self._strides[a] for a, i in zip(axes, index))  # grid order: row-major
-                for index in itertools.product(*(range(self.sizes[a]) for a in axes))]
+        rank = self.rank if rank is None else rank
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is not in range({self.world_size})")
+        return self._ranks(self._key(axes), rank)
+
+    def _ranks(self, key: tuple, rank: int) -> list[int]:
+        base = sum(rank // self._strides[a] % self._atom_sizes[a] * self._strides[a] for a in self._atoms if a not in key)
+        return [base + sum(i * self._strides[a] for a, i in zip(key, index))  # grid order: row-major
+                for index in itertools.product(*(range(self._atom_sizes[a]) for a in key))]
 
     def all_ranks(self, axes) -> list[list[int]]:
         """Every group along ``axes``, as lists of global ranks, in the order they are created."""
-        axes = self._axis_set(axes)
-        others = [a for a in self.axes if a not in axes]
+        return self._all_ranks(self._key(axes))
+
+    def _all_ranks(self, key: tuple) -> list[list[int]]:
+        others = [a for a in self._atoms if a not in key]
         groups = []
-        for fixed in itertools.product(*(range(self.sizes[a]) for a in others)):
+        for fixed in itertools.product(*(range(self._atom_sizes[a]) for a in others)):
             first = sum(i * self._strides[a] for a, i in zip(others, fixed))
-            groups.append(self.ranks(axes, first))
+            groups.append(self._ranks(key, first))
         return groups
 
     def index(self, axes) -> int:
@@ -166,11 +291,11 @@ class Mesh:
 
     def size(self, axes) -> int:
         """How many ranks a group along ``axes`` holds."""
-        return math.prod(self.sizes[a] for a in self._axis_set(axes))
+        return math.prod(self._atom_sizes[a] for a in self._key(axes))
 
     def coord(self, axis: str) -> int:
         """This rank's index along one axis (its stage along ``"pp"``, its replica along ``"dp"``)."""
-        return self.coords()[self._one_axis(axis)]
+        return self._coord(self._one_axis(axis), self.rank)
 
     def is_first(self, axis: str) -> bool:
         """Whether this rank is at index 0 along ``axis`` (the first pipeline stage along ``"pp"``)."""
@@ -178,7 +303,7 @@ class Mesh:
 
     def is_last(self, axis: str) -> bool:
         """Whether this rank is at the last index along ``axis``."""
-        return self.coord(axis) == self.sizes[self._one_axis(axis)] - 1
+        return self.coord(axis) == self.size(axis) - 1
 
     def prev_rank(self, axis: str, *, wrap: bool = False) -> int | None:
         """GLOBAL rank one step back along ``axis``; None on the first, unless ``wrap`` (a ring)."""
@@ -190,7 +315,7 @@ class Mesh:
 
     def _step(self, axis, delta, wrap):
         axis = self._one_axis(axis)
-        n, at = self.sizes[axis], self.coord(axis) + delta
+        n, at = self.size(axis), self.coord(axis) + delta
         if not 0 <= at < n and not wrap:
             return None
         return self.rank_of(**{axis: at % n})
@@ -204,16 +329,17 @@ class Mesh:
         """
         import torch.distributed as dist
 
-        axes = self._axis_set(axes)
-        if axes not in self._groups and self.size(axes) == self.world_size and dist.is_initialized():
+        key = self._key(axes)
+        if key not in self._groups and math.prod(self._atom_sizes[a] for a in key) == self.world_size \
+                and dist.is_initialized():
             return dist.group.WORLD
-        if axes not in self._groups:
+        if key not in self._groups:
             if not self._groups:
                 raise ValueError("this Mesh has no process groups: it was built without an initialised "
                                  "process group (or with groups=False)")
-            raise ValueError(f"no group for axes {axes}: pass combined=[{axes}] to Mesh(...) so that "
-                             "every rank creates it")
-        return self._groups[axes]
+            raise ValueError(f"no group for axes {self._axis_set(axes)}: pass combined=[{self._axis_set(axes)}] "
+                             "to Mesh(...) so that every rank creates it")
+        return self._groups[key]
 
     def add_group(self, axes, group) -> None:
         """Use ``group`` (made by hand with ``dist.new_group``) as this rank's group along ``axes``.
@@ -223,19 +349,19 @@ class Mesh:
         """
         import torch.distributed as dist
 
-        axes = self._axis_set(axes)
-        got, want = dist.get_process_group_ranks(group), self.ranks(axes)
+        names = self._axis_set(axes)
+        got, want = dist.get_process_group_ranks(group), self.ranks(names)
         if sorted(got) != want:
-            raise ValueError(f"the group given for {'/'.join(axes)} holds ranks {sorted(got)}, but rank "
-                             f"{self.rank}'s group along {'/'.join(axes)} is {want}: the ranks whose other "
+            raise ValueError(f"the group given for {'/'.join(names)} holds ranks {sorted(got)}, but rank "
+                             f"{self.rank}'s group along {'/'.join(names)} is {want}: the ranks whose other "
                              f"coordinates equal its own {self.coords()} in arange({self.world_size})"
                              f".view({', '.join(f'{a}={n}' for a, n in self.sizes.items())})")
-        self._groups[axes] = group
+        self._groups[self._key(names)] = group
 
-    def _create_groups(self, axes):
+    def _create_groups(self, key):
         import torch.distributed as dist
 
-        every = self.all_ranks(axes)
+        every = self._all_ranks(key)
         if len(every) == 1:  # the axis spans the world: no new group needed
             return dist.group.WORLD
         if len(every[0]) == 1:  # a group of one per rank: each rank makes its own, no rendezvous
@@ -249,10 +375,16 @@ class Mesh:
 
     def _axis_set(self, axes) -> tuple:
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        unknown = sorted(set(axes) - set(self.axes))
+        unknown = sorted(a for a in set(axes) if a not in self._names and a not in self._atom_sizes)
         if unknown or not axes:
-            raise ValueError(f"unknown mesh axis {unknown or axes}: the axes are {self.axes}")
-        return tuple(a for a in self.axes if a in axes)  # canonical order
+            raise ValueError(f"unknown mesh axis {unknown or axes}: the axes are {self.names}")
+        order = list(self.names) + self._atoms
+        return tuple(sorted(dict.fromkeys(axes), key=order.index))  # canonical order
+
+    def _key(self, axes, live: bool = True) -> tuple:
+        """The atoms ``axes`` span, in grid order (``live``: those of size > 1 only, the group's identity)."""
+        spanned = {x for a in self._axis_set(axes) for x in self._names.get(a, (a,))}
+        return tuple(a for a in self._atoms if a in spanned and (self._atom_sizes[a] > 1 or not live))
 
     def _one_axis(self, axis) -> str:
         if not isinstance(axis, str):
