@@ -19,7 +19,8 @@ Creating a process group is collective over the whole world (``dist.new_group``)
 rank must create every group, in the same order. `Mesh` does that in its constructor (when
 a process group is initialised and ``groups=True``), for every single axis in `AXES`
 order and then for each axis set in ``combined``; each rank keeps the groups it belongs to.
-Without a process group it is the layout only (pass ``rank=``): ``group()`` then raises.
+Without a process group it is the layout only (pass ``rank=``): ``group()`` then raises; so is
+``groups=False`` with ``rank=`` given (any rank's layout, inside launched ranks too).
 
 Questions the parallelisms ask of it (layout only, no process group needed):
 
@@ -153,6 +154,8 @@ class Mesh:
             raise ValueError(f"the mesh {shape} holds {product} ranks but world_size={world_size}{folded}: "
                              "choose axis sizes whose product is the number of ranks")
         initialised = dist.is_available() and dist.is_initialized()
+        if not groups and rank is not None:
+            initialised = False  # the layout of any rank, in any process: nothing to agree with
         if initialised:
             if dist.get_world_size() != world_size:
                 raise ValueError(f"world_size={world_size} but the process group has "
@@ -376,8 +379,8 @@ class Mesh:
     def _axis_set(self, axes) -> tuple:
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
         unknown = sorted(a for a in set(axes) if a not in self._names and a not in self._atom_sizes)
-        if unknown or not axes:
-            raise ValueError(f"unknown mesh axis {unknown or axes}: the axes are {self.names}")
+        if unknown:  # () is allowed: the group of this rank alone
+            raise ValueError(f"unknown mesh axis {unknown}: the axes are {self.names}")
         order = list(self.names) + self._atoms
         return tuple(sorted(dict.fromkeys(axes), key=order.index))  # canonical order
 

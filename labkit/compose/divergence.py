@@ -36,7 +36,7 @@ def record_first_step(stage, optimizer, tokens, targets, *, mesh, microbatches: 
     """One `train_step` on this rank, recorded: every module output with the global rows and positions it
     holds, the gradients summed over their replicas (full shape) and the weights after the update."""
     B, _ = tokens.shape
-    rows = shard_rows(torch.arange(B), mesh.index(("dp", "ep")), mesh.size(("dp", "ep"))).chunk(microbatches)
+    rows = shard_rows(torch.arange(B), mesh.index("batch"), mesh.size("batch")).chunk(microbatches)
     acts, calls, handles = {}, {}, []
 
     def keep(name, out):
@@ -57,7 +57,7 @@ def record_first_step(stage, optimizer, tokens, targets, *, mesh, microbatches: 
     def recording_sync(axes, params, opt):
         sync(axes, params, opt)
         if optimizer.zero and axes:  # the summed gradient lives in the ZeRO shards: gather it back
-            flat = all_gather_flat(opt.shards[0].grad.detach(), group=mesh.group(axes))
+            flat = all_gather_flat(opt.shards[0].grad.detach(), group=optimizer.shard_group(opt))
             for p, g in zip(params, flat[:sum(p.numel() for p in params)].split([p.numel() for p in params])):
                 grads[names[id(p)]] = g.view(p.shape)
         else:
