@@ -172,6 +172,7 @@ class Mesh:
         self.world_size, self.rank = world_size, rank
         self.ep_over = (ep_over or ("dp",)) if self.axes == AXES else None
         self.dp_replicate = dp_replicate
+        self.grid_axes = tuple(a for a in self.axes if not (a == "ep" and ep_over))  # a folded ep is no grid axis
         self._grid_sizes = grid
         self._build_atoms(grid, ep_over, dp_replicate)
         axis_sets = [(a,) for a in self.axes] + list(combined)

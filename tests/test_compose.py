@@ -4,10 +4,14 @@ Each layout trains K = 3 AdamW steps in float64 on the same global batches as on
 loss and every parameter (gathered back to its full shape by labkit.compose.state, with labkit's own
 placement, not the learner's) equals the single process's. Layouts of one world size share one launch
 (each builds its own Mesh), and each layout is its own test, reading that launch's results:
-    2 ranks   every axis alone: dp, pp, cp, tp, and ep (borrowed from dp, on the MoE model)
-    4 ranks   every pair of axes (the ep pairs on the MoE model), and ZeRO-1/2/3 composed with them
-    8 ranks   3-axis layouts: dp x pp x tp, tp x cp x pp, dp x cp x tp, ep x pp x tp (MoE), with ZeRO
-    16 ranks  dp x pp x cp x tp (dense, ZeRO-1), and all five at once (MoE)
+    2 ranks   every axis alone: dp, pp, cp, tp, and ep (borrowed from dp, on the MoE model); ep folded over
+              cp (the ring's two ranks are the EP group) and over tp; HSDP with one rank per replica
+    4 ranks   every pair of axes (the ep pairs on the MoE model), and ZeRO-1/2/3 composed with them; ep=4
+              folded over dp x cp; HSDP 2 x 2 (ZeRO-2), and with ep inside each replica (ZeRO-1, MoE)
+    8 ranks   3-axis layouts: dp x pp x tp, tp x cp x pp, dp x cp x tp, ep x pp x tp (MoE), with ZeRO; with ep
+              folded over cp: dp x pp x cp x ep and pp x cp x tp x ep (every axis but one: all five at once
+              need dp x pp x cp x tp >= 16 ranks, since ep takes none)
+    16 ranks  dp x pp x cp x tp (dense, ZeRO-1), and all five at once (MoE; ep folded over dp x cp)
 Runs on the solutions (the learner's own are graded by tests/grading/test_placement.py).
 
 Tolerance, float64: the ranks sum in other orders than one process (partial sums over tp, the ring's
@@ -50,17 +54,24 @@ def L(moe=False, **sizes):
     return (ParallelDims(**sizes), moe)
 
 
+DPCP, DPCPTP = ("dp", "cp"), ("dp", "cp", "tp")
 LAYOUTS = {
-    2: [L(dp=2), L(pp=2), L(cp=2), L(tp=2), L(True, dp=2, ep=2)],
+    2: [L(dp=2), L(pp=2), L(cp=2), L(tp=2), L(True, dp=2, ep=2),
+        L(True, cp=2, ep=2, ep_over=DPCP), L(True, tp=2, ep=2, ep_over=DPCPTP), L(dp=2, dp_replicate=2, zero=1)],
     4: [L(dp=2, pp=2, microbatches=2), L(dp=2, cp=2), L(dp=2, tp=2), L(pp=2, cp=2, microbatches=2),
         L(pp=2, tp=2, microbatches=2), L(cp=2, tp=2),
         L(True, dp=4, ep=2), L(True, dp=2, ep=2, pp=2, microbatches=2), L(True, dp=2, ep=2, cp=2),
         L(True, dp=2, ep=2, tp=2),
         L(dp=2, tp=2, zero=1), L(dp=2, pp=2, zero=2, microbatches=2), L(dp=2, cp=2, zero=3),
-        L(True, dp=2, ep=2, tp=2, zero=1), L(dp=4, zero=3, microbatches=2)],
+        L(True, dp=2, ep=2, tp=2, zero=1), L(dp=4, zero=3, microbatches=2),
+        L(True, dp=2, cp=2, ep=4, ep_over=DPCP), L(dp=4, dp_replicate=2, zero=2),
+        L(True, dp=4, ep=2, dp_replicate=2, zero=1)],
     8: [L(dp=2, pp=2, tp=2, microbatches=2), L(pp=2, cp=2, tp=2, microbatches=2), L(dp=2, cp=2, tp=2, zero=2),
-        L(True, dp=2, ep=2, pp=2, tp=2, microbatches=2, zero=3)],
-    16: [L(dp=2, pp=2, cp=2, tp=2, microbatches=2, zero=1), L(True, dp=2, ep=2, pp=2, cp=2, tp=2, microbatches=2)],
+        L(True, dp=2, ep=2, pp=2, tp=2, microbatches=2, zero=3),
+        L(True, dp=2, pp=2, cp=2, ep=4, ep_over=DPCP, microbatches=2, zero=1),
+        L(True, pp=2, cp=2, tp=2, ep=2, ep_over=DPCP, microbatches=2)],
+    16: [L(dp=2, pp=2, cp=2, tp=2, microbatches=2, zero=1), L(True, dp=2, ep=2, pp=2, cp=2, tp=2, microbatches=2),
+         L(True, dp=2, pp=2, cp=2, tp=2, ep=4, ep_over=DPCP, microbatches=2)],
 }
 
 
@@ -183,7 +194,16 @@ BAD = [  # (what the issue names, dims, model, batch, seq_len, world, words the 
     ("micro-batches do not split the batch", ParallelDims(dp=2, pp=2, microbatches=3), False, 8, 16, 4,
      "does not split into dp=2 replicas x microbatches=3"),
     ("ep on a dense model", ParallelDims(dp=2, ep=2), False, 8, 16, 2, "ep=2 on a dense model"),
-    ("ep not tiling dp", ParallelDims(dp=1, ep=2, tp=2), True, 8, 16, 2, "does not divide dp=1"),
+    ("ep not tiling dp", ParallelDims(dp=1, ep=2, tp=2), True, 8, 16, 2, "does not divide the ranks it is folded over, "
+     "dp_shard=1 = 1: choose ep among the divisors of 1, or fold it over more axes (ep_over=('dp', 'tp')"),
+    ("ep not dividing dp x cp", ParallelDims(cp=2, ep=4, ep_over=("dp", "cp")), True, 8, 16, 2,
+     "ep=4 does not divide the ranks it is folded over, dp_shard=1 x cp=2 = 2"),
+    ("ep cutting across dp x cp", ParallelDims(dp=2, cp=3, ep=2, ep_over=("dp", "cp")), True, 8, 24, 6,
+     "ep=2 cuts across the folded axes"),
+    ("ep folded over pp", ParallelDims(pp=2, ep=2, ep_over=("pp",)), True, 8, 16, 2, "ep_over=('pp',)"),
+    ("replicas x shards is not dp", ParallelDims(dp=4, dp_replicate=2, dp_shard=3), False, 8, 16, 4,
+     "dp_replicate x dp_shard = 2 x 3 = 6, but dp=4"),
+    ("replicas not dividing dp", ParallelDims(dp=4, dp_replicate=3), False, 8, 16, 4, "dp_replicate x dp_shard = 3 x 1"),
     ("a MoE that can drop tokens under cp", ParallelDims(cp=2), "drops", 8, 16, 2, "dropless"),
     ("ZeRO stage 4", ParallelDims(dp=2, zero=4), False, 8, 16, 2, "zero=4"),
 ]

@@ -171,9 +171,9 @@ class ParallelDims:
         if world_size != self.world_size:
             raise ValueError(f"dp x pp x cp x tp = {self.world_size} ranks, but {world_size} are running")
         layout = self.layout_mesh()
-        sets = [summed_axes(kind, layout) for kind in PARAM_CLASSES] + [("batch",), ("cp", "tp")]
+        sets = [summed_axes(kind, layout) for kind in PARAM_CLASSES] + [("batch",), ("cp", "tp"), ("dp_replicate",)]
         sets += [hsdp_split(axes, layout)[0] for axes in sets[:len(PARAM_CLASSES)]]  # HSDP: a replica's shards
-        combined = [s for s in dict.fromkeys(live_axes(axes, layout) for axes in sets) if len(s) > 1]
+        combined = [s for s in dict.fromkeys(live_axes(axes, layout) for axes in sets) if s]  # the Mesh dedupes
         return Mesh(world_size, rank=rank, combined=combined, **self.mesh_kwargs())
 
 
