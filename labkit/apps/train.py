@@ -16,13 +16,15 @@ Strategies, as (dp, pp) meshes of notebook 07 (world size = dp x pp):
     pp      pp stages, 1F1B micro-batches (--pp alone): impl("pipeline").run_schedule (notebook 06)
     hybrid  dp pipelines of pp stages (--dp and --pp): impl("hybrid").hybrid_step (notebook 07)
 and any layout of notebook 14 (chosen by --tp, --cp, --ep or --zero, or --strategy composed):
-    composed  dp x pp x cp x tp ranks (ep borrowed from dp) on one Mesh: labkit.compose (TP with
+    composed  dp x pp x cp x tp ranks (ep folded over dp, or dp x cp (x tp): --ep-over) on one Mesh: labkit.compose (TP with
             sequence parallelism and a vocabulary-parallel head, the zigzag ring, the EP all-to-all,
             1F1B, ZeRO-1/2/3 on each parameter's replicas). The same AdamW (no decay on norm weights),
             schedule and global-norm clipping (each parameter's replicas counted once):
 
     python -m labkit.apps.train --dp 2 --pp 2 --tp 2                       # forks 8 ranks
     python -m labkit.apps.train --dp 2 --ep 2 --cp 2 --model tiny-moe --capacity-factor 2
+    python -m labkit.apps.train --cp 2 --ep 2 --ep-over dp,cp --model tiny-moe --capacity-factor 2   # 2 ranks
+    python -m labkit.apps.train --dp-replicate 2 --dp-shard 2 --zero 3       # HSDP: 4 ranks
     torchrun --nproc-per-node 8 -m labkit.apps.train --pp 2 --cp 2 --tp 2 --zero 1
 Every strategy trains the same model on the same global batches with the same AdamW,
 learning-rate schedule and gradient clipping as `labkit.training.loop`, so its losses and
@@ -63,7 +65,14 @@ def parse_args(argv=None):
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (pp, hybrid, composed)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (composed)")
     p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (composed)")
-    p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks, borrowed from dp (composed, MoE)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks, folded over --ep-over: no ranks of "
+                   "their own (composed, MoE)")
+    p.add_argument("--ep-over", default=None, help="the axes ep is folded over: dp (default: borrowed from the data "
+                   "ranks), dp,cp or dp,cp,tp (torchtitan's); ep must divide their product (dp counting dp_shard)")
+    p.add_argument("--dp-replicate", type=int, default=None, help="HSDP: the --dp data-parallel ranks as R replicas "
+                   "x S shards (--dp = R x S; --dp may be left out). Each replica shards as --zero says (default with "
+                   "HSDP: 3, FSDP) and the shards are all-reduced across the R replicas; --zero 0 is refused")
+    p.add_argument("--dp-shard", type=int, default=None, help="HSDP: the shards per replica, S (default --dp / R)")
     p.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stage (composed)")
     p.add_argument("--microbatches", type=int, default=None, help="per pipeline; default 2 x pp")
     p.add_argument("--model", default="tiny", help="model config: tiny, tiny-moe or seed")
@@ -119,6 +128,7 @@ def report(results, args) -> tuple[dict, dict]:
     return {
         "strategy": args.strategy, "world_size": world_size,
         **{a: layouts[0][a] for a in ("dp", "pp", "cp", "tp", "ep")}, "zero": args.zero,
+        "dp_replicate": layouts[0].get("dp_replicate", 1), "ep_over": layouts[0].get("ep_over", ["dp"]),
         "microbatches": args.microbatches, "model": args.model, "steps": args.steps,
         "global_batch_tokens": args.batch_size * args.seq_len,
         "first_loss": losses[0], "final_loss": losses[-1],
@@ -135,6 +145,10 @@ def summary(out: dict) -> str:
 
     mfu_text = "n/a (no known peak FLOP/s for this device)" if out["mfu"] is None else f"{out['mfu']:.1%}"
     layout = " ".join(f"{a}={out[a]}" for a in ("dp", "pp", "cp", "tp", "ep", "zero", "microbatches"))
+    if out.get("dp_replicate", 1) > 1:
+        layout += f" dp_replicate={out['dp_replicate']}"
+    if list(out.get("ep_over", ["dp"])) != ["dp"]:
+        layout += f" ep_over={','.join(out['ep_over'])}"
     return (f"{out['strategy']} on {out['world_size']} rank(s), {layout}, {out['device']}: loss "
             f"{out['first_loss']:.4f} -> {out['final_loss']:.4f}; {format_rate(out['tokens_per_s'])} "
             f"({format_rate(out['tokens_per_s_per_device'])} per device), MFU {mfu_text}")
