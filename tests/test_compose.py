@@ -1,4 +1,4 @@
-"""The capstone's proof matrix: every parallelism composed on one Mesh trains exactly as one process (notebook 14).
+"""The capstone's proof matrix (labkit/compose/matrix.py: LAYOUTS, shared with notebook 14): every parallelism composed on one Mesh trains exactly as one process (notebook 14).
 
 Each layout trains K = 3 AdamW steps in float64 on the same global batches as one process, and every
 loss and every parameter (gathered back to its full shape by labkit.compose.state, with labkit's own
@@ -50,34 +50,7 @@ def batches(cfg):
     return t[..., :-1], t[..., 1:]
 
 
-def L(moe=False, **sizes):
-    return (ParallelDims(**sizes), moe)
-
-
-DPCP, DPCPTP = ("dp", "cp"), ("dp", "cp", "tp")
-LAYOUTS = {
-    2: [L(dp=2), L(pp=2), L(cp=2), L(tp=2), L(True, dp=2, ep=2),
-        L(True, cp=2, ep=2, ep_over=DPCP), L(True, tp=2, ep=2, ep_over=DPCPTP), L(dp=2, dp_replicate=2, zero=1)],
-    4: [L(dp=2, pp=2, microbatches=2), L(dp=2, cp=2), L(dp=2, tp=2), L(pp=2, cp=2, microbatches=2),
-        L(pp=2, tp=2, microbatches=2), L(cp=2, tp=2),
-        L(True, dp=4, ep=2), L(True, dp=2, ep=2, pp=2, microbatches=2), L(True, dp=2, ep=2, cp=2),
-        L(True, dp=2, ep=2, tp=2),
-        L(dp=2, tp=2, zero=1), L(dp=2, pp=2, zero=2, microbatches=2), L(dp=2, cp=2, zero=3),
-        L(True, dp=2, ep=2, tp=2, zero=1), L(dp=4, zero=3, microbatches=2),
-        L(True, dp=2, cp=2, ep=4, ep_over=DPCP), L(dp=4, dp_replicate=2, zero=2),
-        L(True, dp=4, ep=2, dp_replicate=2, zero=1)],
-    8: [L(dp=2, pp=2, tp=2, microbatches=2), L(pp=2, cp=2, tp=2, microbatches=2), L(dp=2, cp=2, tp=2, zero=2),
-        L(True, dp=2, ep=2, pp=2, tp=2, microbatches=2, zero=3),
-        L(True, dp=2, pp=2, cp=2, ep=4, ep_over=DPCP, microbatches=2, zero=1),
-        L(True, pp=2, cp=2, tp=2, ep=2, ep_over=DPCP, microbatches=2)],
-    16: [L(dp=2, pp=2, cp=2, tp=2, microbatches=2, zero=1), L(True, dp=2, ep=2, pp=2, cp=2, tp=2, microbatches=2),
-         L(True, dp=2, pp=2, cp=2, tp=2, ep=4, ep_over=DPCP, microbatches=2)],
-}
-
-
-def name(layout) -> str:
-    dims, moe = layout
-    return f"{dims.short()}{' moe' if moe else ''}"
+from labkit.compose.matrix import DPCP, DPCPTP, LAYOUTS, L, name  # noqa: E402,F401 (the matrix, shared with notebook 14)
 
 
 def run_layouts(rank, world_size, layouts):
