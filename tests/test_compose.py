@@ -154,6 +154,12 @@ def test_every_axis_pair_and_the_required_layouts_are_covered():
     assert any(len(s) == 4 for s in (axes(lay) for lay in LAYOUTS[16]))
     assert frozenset(five) - {"dp"} in have or frozenset(five) in have
     assert {dims.zero for w in LAYOUTS for dims, _ in LAYOUTS[w] if dims.world_size > dims.dp} >= {1, 2, 3}
+    every = [dims for w in LAYOUTS for dims, _ in LAYOUTS[w]]
+    assert {DPCP, DPCPTP} <= {dims.folded for dims in every if dims.ep > 1}, "ep folded over cp and over tp"
+    assert any(dims.folded == DPCP and dims.ep > 1 and all(getattr(dims, a) > 1 for a in five if a != "ep")
+               for dims in every), "all five at once with ep folded over cp"
+    assert any(1 < dims.dp_replicate < dims.dp and dims.zero for dims in every), "HSDP with real shards"
+    assert any(dims.dp_replicate > 1 and dims.ep > 1 for dims in every), "HSDP with experts"
 
 
 BAD = [  # (what the issue names, dims, model, batch, seq_len, world, words the error must hold)

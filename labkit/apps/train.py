@@ -40,8 +40,8 @@ Reported, the same way for every strategy and machine: tokens/s = global batch t
 timed steps / wall time of those steps (the first step, which warms up, is not timed),
 per device, and MFU = tokens/s x FLOPs per token / (peak FLOP/s x devices) from
 `labkit.measure.metrics` (None on a CPU: no honest peak). The summary line and the JSON report (the last
-line of stdout) give the world size and every axis (dp, pp, cp, tp, ep, zero, microbatches) as the ranks'
-meshes ran them. The ranks' code is in labkit/apps/train_ranks.py.
+line of stdout) give the world size and every axis (dp, pp, cp, tp, ep, zero, microbatches, and the
+report's dp_replicate and ep_over; the summary line adds them when not the default) as the ranks' meshes ran them. The ranks' code is in labkit/apps/train_ranks.py.
 """
 from __future__ import annotations
 
