@@ -19,7 +19,8 @@ Creating a process group is collective over the whole world (``dist.new_group``)
 rank must create every group, in the same order. `Mesh` does that in its constructor (when
 a process group is initialised and ``groups=True``), for every single axis in `AXES`
 order and then for each axis set in ``combined``; each rank keeps the groups it belongs to.
-Without a process group it is the layout only (pass ``rank=``): ``group()`` then raises.
+Without a process group it is the layout only (pass ``rank=``): ``group()`` then raises; so is
+``groups=False`` with ``rank=`` given (any rank's layout, inside launched ranks too).
 
 Questions the parallelisms ask of it (layout only, no process group needed):
 
@@ -38,6 +39,22 @@ of one node are neighbours), ``group("local")`` is this rank's node and ``group(
 ranks with its local index on every node. (Physical levels are not a parallelism: they get
 their own names instead of borrowing dp/tp.)
 
+**Folded axes** (notebook 14's composition; torchtitan's ``ParallelDims.build_mesh``). Besides the grid's
+axes, a mesh answers for names that are slices of the SAME grid:
+``batch``        the data-parallel ranks (different rows): torchtitan's "batch", dp_replicate x dp_shard;
+``dp_replicate`` / ``dp_shard``  HSDP's split of the data ranks (``dp_replicate=R``: replicas outermost,
+                 shards inside), torchtitan's names; without HSDP dp_replicate has size 1;
+``efsdp``        the ranks that hold the SAME experts among those EP is folded over (torchtitan's name).
+``Mesh(world, dp=D, pp=P, cp=C, tp=T, ep=E, ep_over=("dp", "cp"))`` folds EP over data and context ranks
+as torchtitan does: the ranks of the folded axes (dp_shard, cp, tp among ``ep_over``) are flattened in
+grid order and reshaped into (efsdp, ep), ep innermost, so world_size = D P C T and ep is NOT a grid
+axis. Without ``ep_over``, ``ep`` is a grid axis of its own (world_size = D P E C T): EP borrowing from
+the data ranks, ``ep_over == ("dp",)``, the batch ranks ``("dp", "ep")``. Internally every name is a
+product of "atoms": the grid's axes, one of them split in two where ep (or HSDP) cuts it; a group is
+the ranks that differ only along its names' atoms, so two names for the same ranks share one group.
+ep must therefore be a divisor of the innermost folded axis, or that axis times a divisor of the next
+(ValueError otherwise: with power-of-two sizes it always is).
+
 Notebook 07's learner builds the 2-D (dp, pp) groups by hand (`solutions/hybrid.make_mesh`)
 and hands them to a ``Mesh(..., groups=False)`` with `Mesh.add_group`, which checks them.
 """
@@ -50,6 +67,7 @@ from labkit.renames import renamed_attribute
 
 AXES = ("dp", "pp", "ep", "cp", "tp")  # outermost first
 LEVELS = ("node", "local")  # a cluster's two levels, outermost first (the other vocabulary)
+from labkit.mesh_folding import FOLDABLE, FOLDED, build_atoms, fold_ep  # noqa: E402,F401 (folded names)
 
 
 class Mesh:
@@ -75,7 +93,7 @@ class Mesh:
 
 
     def __init__(self, world_size: int, *, rank: int | None = None, groups: bool = True,
-                 combined=(), **sizes):
+                 combined=(), ep_over=None, dp_replicate: int = 1, **sizes):
         import torch.distributed as dist
 
         self.axes = LEVELS if set(sizes) & set(LEVELS) else AXES
@@ -83,16 +101,33 @@ class Mesh:
         if unknown:
             raise ValueError(f"unknown mesh axis {unknown}: the axes are {AXES}, or {LEVELS} for a "
                              "cluster's levels (not both in one mesh)")
-        for axis, size in sizes.items():
+        for axis, size in {**sizes, "dp_replicate": dp_replicate}.items():
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{axis}={size!r}: every axis size must be an int >= 1")
         self.sizes = {axis: sizes.get(axis, 1) for axis in self.axes}
-        product = math.prod(self.sizes.values())
+        grid = dict(self.sizes)
+        if ep_over is not None or dp_replicate > 1:
+            if self.axes != AXES:
+                raise ValueError("ep_over= and dp_replicate= are for the parallelism axes, not a cluster's levels")
+        if ep_over is not None:
+            ep_over = (ep_over,) if isinstance(ep_over, str) else tuple(ep_over)
+            if not ep_over or len(set(ep_over)) != len(ep_over) or set(ep_over) - set(FOLDABLE):
+                raise ValueError(f"ep_over={ep_over!r}: name the axes EP is folded over, among {FOLDABLE} "
+                                 "(the ranks that hold different tokens), such as ('dp', 'cp')")
+            ep_over = tuple(a for a in FOLDABLE if a in ep_over)
+            grid["ep"] = 1  # folded: ep is a slice of the folded axes, not an axis of the grid
+        if grid.get("dp", 1) % dp_replicate:
+            raise ValueError(f"dp_replicate={dp_replicate} does not divide the mesh's dp={grid['dp']}: "
+                             "HSDP splits the data-parallel ranks into replicas x shards")
+        product = math.prod(grid.values())
         if world_size != product:
-            shape = " x ".join(f"{a}={s}" for a, s in self.sizes.items() if s > 1 or a in sizes) or "1"
-            raise ValueError(f"the mesh {shape} holds {product} ranks but world_size={world_size}: "
+            shape = " x ".join(f"{a}={s}" for a, s in grid.items() if s > 1 or a in sizes) or "1"
+            folded = f" (ep={self.sizes['ep']} folded over {ep_over}: not in the product)" if ep_over else ""
+            raise ValueError(f"the mesh {shape} holds {product} ranks but world_size={world_size}{folded}: "
                              "choose axis sizes whose product is the number of ranks")
         initialised = dist.is_available() and dist.is_initialized()
+        if not groups and rank is not None:
+            initialised = False  # the layout of any rank, in any process: nothing to agree with
         if initialised:
             if dist.get_world_size() != world_size:
                 raise ValueError(f"world_size={world_size} but the process group has "
@@ -107,57 +142,92 @@ class Mesh:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r} is not in range({world_size})")
         self.world_size, self.rank = world_size, rank
-        # row-major strides of the grid: the layout is plain integer arithmetic, so that it works the
-        # same under torch's FakeTensorMode (labkit.scale simulates a rank with fake tensors)
-        self._strides = {a: math.prod(list(self.sizes.values())[i + 1:]) for i, a in enumerate(self.axes)}
-        axis_sets = [(a,) for a in self.axes] + [self._axis_set(c) for c in combined]
+        self.ep_over = (ep_over or ("dp",)) if self.axes == AXES else None
+        self.dp_replicate = dp_replicate
+        self.grid_axes = tuple(a for a in self.axes if not (a == "ep" and ep_over))  # a folded ep is no grid axis
+        self._grid_sizes = grid
+        self._build_atoms(grid, ep_over, dp_replicate)
+        axis_sets = [(a,) for a in self.axes] + list(combined)
         self._groups: dict[tuple, object] = {}
         if initialised and groups:
-            for axes in dict.fromkeys(axis_sets):  # the same order on every rank
-                self._groups[axes] = self._create_groups(axes)
+            for key in dict.fromkeys(self._key(axes) for axes in axis_sets):  # the same order on every rank
+                self._groups[key] = self._create_groups(key)
+
+    def _build_atoms(self, grid: dict, ep_over, dp_replicate: int) -> None:
+        """The atoms, their row-major strides, and every name as atoms (`labkit.mesh_folding.build_atoms`)."""
+        atoms, self._names = build_atoms(self.axes, grid, self.sizes.get("ep", 1), ep_over, dp_replicate,
+                                         parallelism=self.axes == AXES)
+        self._atom_sizes = dict(atoms)
+        self._atoms = [a for a, _ in atoms]
+        self._strides = {a: math.prod(n for _, n in atoms[i + 1:]) for i, (a, _) in enumerate(atoms)}
 
     # -- layout (no process group needed)
+
+    @property
+    def names(self) -> tuple:
+        """Every name this mesh answers for: its axes, then the folded names (batch, dp_replicate, dp_shard, efsdp)."""
+        return tuple(self.axes) + tuple(n for n in FOLDED if n in self._names)
+
+    def atoms(self, axes) -> tuple:
+        """The grid atoms (axes, or their outer/inner parts where HSDP or a folded ep cuts one) that the
+        names ``axes`` span, in grid order. Two axis sets with the same atoms have the same groups."""
+        return self._key(axes, live=False)
 
     def coords(self, rank: int | None = None) -> dict:
         """{axis: index} of ``rank`` (default: this rank), every axis in ``self.axes`` order."""
         rank = self.rank if rank is None else rank
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is not in range({self.world_size})")
-        return {a: rank // self._strides[a] % self.sizes[a] for a in self.axes}
+        return {a: self._coord(a, rank) for a in self.axes}
+
+    def _coord(self, name: str, rank: int) -> int:
+        index = 0
+        for atom in self._names.get(name, (name,)):
+            index = index * self._atom_sizes[atom] + rank // self._strides[atom] % self._atom_sizes[atom]
+        return index
 
     @property
     def grid(self):
-        """The grid ``torch.arange(world_size).view(*sizes)`` (for display; the layout does not need it)."""
+        """The grid ``torch.arange(world_size).view(*sizes)`` (for display; the layout does not need it).
+        A folded ep is not a grid axis: its size there is 1."""
         import torch
-        return torch.arange(self.world_size).view(*self.sizes.values())
+        return torch.arange(self.world_size).view(*self._grid_sizes.values())
 
     def rank_of(self, **coords) -> int:
-        """The global rank at these coordinates; axes left out are this rank's own."""
-        unknown = sorted(set(coords) - set(self.axes))
+        """The global rank at these coordinates (any names of ``self.names``); those left out are this rank's own."""
+        unknown = sorted(set(coords) - set(self.names))
         if unknown:
-            raise ValueError(f"unknown mesh axis {unknown}: the axes are {self.axes}")
-        where = {**self.coords(), **coords}
-        for axis, index in where.items():
-            if not 0 <= index < self.sizes[axis]:
-                raise ValueError(f"{axis}={index} is outside the mesh ({axis} has size {self.sizes[axis]})")
-        return sum(where[a] * self._strides[a] for a in self.axes)
+            raise ValueError(f"unknown mesh axis {unknown}: the axes are {self.names}")
+        at = {a: self.rank // self._strides[a] % n for a, n in self._atom_sizes.items()}
+        for name, index in coords.items():
+            if not 0 <= index < self.size(name):
+                raise ValueError(f"{name}={index} is outside the mesh ({name} has size {self.size(name)})")
+            for atom in reversed(self._names[name]):  # row-major: the last atom varies fastest
+                index, at[atom] = divmod(index, self._atom_sizes[atom])
+        return sum(at[a] * self._strides[a] for a in self._atoms)
 
     def ranks(self, axes, rank: int | None = None) -> list[int]:
         """The global ranks of ``rank``'s group along ``axes`` (one axis or a tuple), in grid order."""
-        axes = self._axis_set(axes)
-        mine = self.coords(rank)
-        base = sum(mine[a] * self._strides[a] for a in self.axes if a not in axes)
-        return [base + sum(i * self._strides[a] for a, i in zip(axes, index))  # grid order: row-major
-                for index in itertools.product(*(range(self.sizes[a]) for a in axes))]
+        rank = self.rank if rank is None else rank
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is not in range({self.world_size})")
+        return self._ranks(self._key(axes), rank)
+
+    def _ranks(self, key: tuple, rank: int) -> list[int]:
+        base = sum(rank // self._strides[a] % self._atom_sizes[a] * self._strides[a] for a in self._atoms if a not in key)
+        return [base + sum(i * self._strides[a] for a, i in zip(key, index))  # grid order: row-major
+                for index in itertools.product(*(range(self._atom_sizes[a]) for a in key))]
 
     def all_ranks(self, axes) -> list[list[int]]:
         """Every group along ``axes``, as lists of global ranks, in the order they are created."""
-        axes = self._axis_set(axes)
-        others = [a for a in self.axes if a not in axes]
+        return self._all_ranks(self._key(axes))
+
+    def _all_ranks(self, key: tuple) -> list[list[int]]:
+        others = [a for a in self._atoms if a not in key]
         groups = []
-        for fixed in itertools.product(*(range(self.sizes[a]) for a in others)):
+        for fixed in itertools.product(*(range(self._atom_sizes[a]) for a in others)):
             first = sum(i * self._strides[a] for a, i in zip(others, fixed))
-            groups.append(self.ranks(axes, first))
+            groups.append(self._ranks(key, first))
         return groups
 
     def index(self, axes) -> int:
@@ -166,11 +236,11 @@ class Mesh:
 
     def size(self, axes) -> int:
         """How many ranks a group along ``axes`` holds."""
-        return math.prod(self.sizes[a] for a in self._axis_set(axes))
+        return math.prod(self._atom_sizes[a] for a in self._key(axes))
 
     def coord(self, axis: str) -> int:
         """This rank's index along one axis (its stage along ``"pp"``, its replica along ``"dp"``)."""
-        return self.coords()[self._one_axis(axis)]
+        return self._coord(self._one_axis(axis), self.rank)
 
     def is_first(self, axis: str) -> bool:
         """Whether this rank is at index 0 along ``axis`` (the first pipeline stage along ``"pp"``)."""
@@ -178,7 +248,7 @@ class Mesh:
 
     def is_last(self, axis: str) -> bool:
         """Whether this rank is at the last index along ``axis``."""
-        return self.coord(axis) == self.sizes[self._one_axis(axis)] - 1
+        return self.coord(axis) == self.size(axis) - 1
 
     def prev_rank(self, axis: str, *, wrap: bool = False) -> int | None:
         """GLOBAL rank one step back along ``axis``; None on the first, unless ``wrap`` (a ring)."""
@@ -190,7 +260,7 @@ class Mesh:
 
     def _step(self, axis, delta, wrap):
         axis = self._one_axis(axis)
-        n, at = self.sizes[axis], self.coord(axis) + delta
+        n, at = self.size(axis), self.coord(axis) + delta
         if not 0 <= at < n and not wrap:
             return None
         return self.rank_of(**{axis: at % n})
@@ -204,16 +274,17 @@ class Mesh:
         """
         import torch.distributed as dist
 
-        axes = self._axis_set(axes)
-        if axes not in self._groups and self.size(axes) == self.world_size and dist.is_initialized():
+        key = self._key(axes)
+        if key not in self._groups and math.prod(self._atom_sizes[a] for a in key) == self.world_size \
+                and dist.is_initialized():
             return dist.group.WORLD
-        if axes not in self._groups:
+        if key not in self._groups:
             if not self._groups:
                 raise ValueError("this Mesh has no process groups: it was built without an initialised "
                                  "process group (or with groups=False)")
-            raise ValueError(f"no group for axes {axes}: pass combined=[{axes}] to Mesh(...) so that "
-                             "every rank creates it")
-        return self._groups[axes]
+            raise ValueError(f"no group for axes {self._axis_set(axes)}: pass combined=[{self._axis_set(axes)}] "
+                             "to Mesh(...) so that every rank creates it")
+        return self._groups[key]
 
     def add_group(self, axes, group) -> None:
         """Use ``group`` (made by hand with ``dist.new_group``) as this rank's group along ``axes``.
@@ -223,19 +294,19 @@ class Mesh:
         """
         import torch.distributed as dist
 
-        axes = self._axis_set(axes)
-        got, want = dist.get_process_group_ranks(group), self.ranks(axes)
+        names = self._axis_set(axes)
+        got, want = dist.get_process_group_ranks(group), self.ranks(names)
         if sorted(got) != want:
-            raise ValueError(f"the group given for {'/'.join(axes)} holds ranks {sorted(got)}, but rank "
-                             f"{self.rank}'s group along {'/'.join(axes)} is {want}: the ranks whose other "
+            raise ValueError(f"the group given for {'/'.join(names)} holds ranks {sorted(got)}, but rank "
+                             f"{self.rank}'s group along {'/'.join(names)} is {want}: the ranks whose other "
                              f"coordinates equal its own {self.coords()} in arange({self.world_size})"
                              f".view({', '.join(f'{a}={n}' for a, n in self.sizes.items())})")
-        self._groups[axes] = group
+        self._groups[self._key(names)] = group
 
-    def _create_groups(self, axes):
+    def _create_groups(self, key):
         import torch.distributed as dist
 
-        every = self.all_ranks(axes)
+        every = self._all_ranks(key)
         if len(every) == 1:  # the axis spans the world: no new group needed
             return dist.group.WORLD
         if len(every[0]) == 1:  # a group of one per rank: each rank makes its own, no rendezvous
@@ -249,10 +320,16 @@ class Mesh:
 
     def _axis_set(self, axes) -> tuple:
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        unknown = sorted(set(axes) - set(self.axes))
-        if unknown or not axes:
-            raise ValueError(f"unknown mesh axis {unknown or axes}: the axes are {self.axes}")
-        return tuple(a for a in self.axes if a in axes)  # canonical order
+        unknown = sorted(a for a in set(axes) if a not in self._names and a not in self._atom_sizes)
+        if unknown:  # () is allowed: the group of this rank alone
+            raise ValueError(f"unknown mesh axis {unknown}: the axes are {self.names}")
+        order = list(self.names) + self._atoms
+        return tuple(sorted(dict.fromkeys(axes), key=order.index))  # canonical order
+
+    def _key(self, axes, live: bool = True) -> tuple:
+        """The atoms ``axes`` span, in grid order (``live``: those of size > 1 only, the group's identity)."""
+        spanned = {x for a in self._axis_set(axes) for x in self._names.get(a, (a,))}
+        return tuple(a for a in self._atoms if a in spanned and (self._atom_sizes[a] > 1 or not live))
 
     def _one_axis(self, axis) -> str:
         if not isinstance(axis, str):

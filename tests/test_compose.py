@@ -1,15 +1,19 @@
-"""The capstone's proof matrix: every parallelism composed on one Mesh trains exactly as one process (notebook 14).
+"""The capstone's proof matrix (labkit/compose/matrix.py: LAYOUTS, shared with notebook 14): every parallelism composed on one Mesh trains exactly as one process (notebook 14).
 
 Each layout trains K = 3 AdamW steps in float64 on the same global batches as one process, and every
 loss and every parameter (gathered back to its full shape by labkit.compose.state, with labkit's own
 placement, not the learner's) equals the single process's. Layouts of one world size share one launch
 (each builds its own Mesh), and each layout is its own test, reading that launch's results:
-    2 ranks   every axis alone: dp, pp, cp, tp, and ep (borrowed from dp, on the MoE model)
-    4 ranks   every pair of axes (the ep pairs on the MoE model), and ZeRO-1/2/3 composed with them
-    8 ranks   3-axis layouts: dp x pp x tp, tp x cp x pp, dp x cp x tp, ep x pp x tp (MoE), with ZeRO
+    2 ranks   every axis alone: dp, pp, cp, tp, and ep (borrowed from dp, on the MoE model); ep folded over
+              cp (the ring's two ranks are the EP group) and over tp; HSDP with one rank per replica
+    4 ranks   every pair of axes (the ep pairs on the MoE model), and ZeRO-1/2/3 composed with them; ep=4
+              folded over dp x cp; HSDP 2 x 2 (ZeRO-2), and with ep inside each replica (ZeRO-1, MoE)
+    8 ranks   3-axis layouts: dp x pp x tp, tp x cp x pp, dp x cp x tp, ep x pp x tp (MoE), with ZeRO; with ep
+              folded over cp: dp x pp x cp x ep and pp x cp x tp x ep (every axis but one: all five at once
+              need dp x pp x cp x tp >= 16 ranks, since ep takes none)
     cp methods  2 cp x 2 tp by all-gather K/V and by Ulysses (4 ranks), 4 cp x 2 tp by the hybrid (8 ranks:
               all-to-all inside pairs of cp ranks, a ring across the 2 pairs); the ring is cp's default above
-    16 ranks  dp x pp x cp x tp (dense, ZeRO-1), and all five at once (MoE)
+    16 ranks  dp x pp x cp x tp (dense, ZeRO-1), and all five at once (MoE; ep folded over dp x cp)
 Runs on the solutions (the learner's own are graded by tests/grading/test_placement.py).
 
 Tolerance, float64: the ranks sum in other orders than one process (partial sums over tp, the ring's
@@ -48,28 +52,7 @@ def batches(cfg):
     return t[..., :-1], t[..., 1:]
 
 
-def L(moe=False, **sizes):
-    return (ParallelDims(**sizes), moe)
-
-
-LAYOUTS = {
-    2: [L(dp=2), L(pp=2), L(cp=2), L(tp=2), L(True, dp=2, ep=2)],
-    4: [L(dp=2, pp=2, microbatches=2), L(dp=2, cp=2), L(dp=2, tp=2), L(pp=2, cp=2, microbatches=2),
-        L(pp=2, tp=2, microbatches=2), L(cp=2, tp=2),
-        L(True, dp=4, ep=2), L(True, dp=2, ep=2, pp=2, microbatches=2), L(True, dp=2, ep=2, cp=2),
-        L(True, dp=2, ep=2, tp=2),
-        L(dp=2, tp=2, zero=1), L(dp=2, pp=2, zero=2, microbatches=2), L(dp=2, cp=2, zero=3),
-        L(True, dp=2, ep=2, tp=2, zero=1), L(dp=4, zero=3, microbatches=2),
-        L(cp=2, tp=2, cp_method="allgather"), L(cp=2, tp=2, cp_method="ulysses")],
-    8: [L(dp=2, pp=2, tp=2, microbatches=2), L(pp=2, cp=2, tp=2, microbatches=2), L(dp=2, cp=2, tp=2, zero=2),
-        L(True, dp=2, ep=2, pp=2, tp=2, microbatches=2, zero=3), L(cp=4, tp=2, cp_method="hybrid")],
-    16: [L(dp=2, pp=2, cp=2, tp=2, microbatches=2, zero=1), L(True, dp=2, ep=2, pp=2, cp=2, tp=2, microbatches=2)],
-}
-
-
-def name(layout) -> str:
-    dims, moe = layout
-    return f"{dims.short()}{' moe' if moe else ''}"
+from labkit.compose.matrix import DPCP, DPCPTP, LAYOUTS, L, name  # noqa: E402,F401 (the matrix, shared with notebook 14)
 
 
 def run_layouts(rank, world_size, layouts):
@@ -173,6 +156,12 @@ def test_every_axis_pair_and_the_required_layouts_are_covered():
     assert any(len(s) == 4 for s in (axes(lay) for lay in LAYOUTS[16]))
     assert frozenset(five) - {"dp"} in have or frozenset(five) in have
     assert {dims.zero for w in LAYOUTS for dims, _ in LAYOUTS[w] if dims.world_size > dims.dp} >= {1, 2, 3}
+    every = [dims for w in LAYOUTS for dims, _ in LAYOUTS[w]]
+    assert {DPCP, DPCPTP} <= {dims.folded for dims in every if dims.ep > 1}, "ep folded over cp and over tp"
+    assert any(dims.folded == DPCP and dims.ep > 1 and all(getattr(dims, a) > 1 for a in five if a != "ep")
+               for dims in every), "all five at once with ep folded over cp"
+    assert any(1 < dims.dp_replicate < dims.dp and dims.zero for dims in every), "HSDP with real shards"
+    assert any(dims.dp_replicate > 1 and dims.ep > 1 for dims in every), "HSDP with experts"
 
 
 BAD = [  # (what the issue names, dims, model, batch, seq_len, world, words the error must hold)
@@ -186,7 +175,16 @@ BAD = [  # (what the issue names, dims, model, batch, seq_len, world, words the 
     ("micro-batches do not split the batch", ParallelDims(dp=2, pp=2, microbatches=3), False, 8, 16, 4,
      "does not split into dp=2 replicas x microbatches=3"),
     ("ep on a dense model", ParallelDims(dp=2, ep=2), False, 8, 16, 2, "ep=2 on a dense model"),
-    ("ep not tiling dp", ParallelDims(dp=1, ep=2, tp=2), True, 8, 16, 2, "does not divide dp=1"),
+    ("ep not tiling dp", ParallelDims(dp=1, ep=2, tp=2), True, 8, 16, 2, "does not divide the ranks it is folded over, "
+     "dp_shard=1 = 1: choose ep among the divisors of 1, or fold it over more axes (ep_over=('dp', 'tp')"),
+    ("ep not dividing dp x cp", ParallelDims(cp=2, ep=4, ep_over=("dp", "cp")), True, 8, 16, 2,
+     "ep=4 does not divide the ranks it is folded over, dp_shard=1 x cp=2 = 2"),
+    ("ep cutting across dp x cp", ParallelDims(dp=2, cp=3, ep=2, ep_over=("dp", "cp")), True, 8, 24, 6,
+     "ep=2 cuts across the folded axes"),
+    ("ep folded over pp", ParallelDims(pp=2, ep=2, ep_over=("pp",)), True, 8, 16, 2, "ep_over=('pp',)"),
+    ("replicas x shards is not dp", ParallelDims(dp=4, dp_replicate=2, dp_shard=3), False, 8, 16, 4,
+     "dp_replicate x dp_shard = 2 x 3 = 6, but dp=4"),
+    ("replicas not dividing dp", ParallelDims(dp=4, dp_replicate=3), False, 8, 16, 4, "dp_replicate x dp_shard = 3 x 1"),
     ("a MoE that can drop tokens under cp", ParallelDims(cp=2), "drops", 8, 16, 2, "dropless"),
     ("ZeRO stage 4", ParallelDims(dp=2, zero=4), False, 8, 16, 2, "zero=4"),
     ("an unknown CP method", ParallelDims(cp=2, cp_method="tree"), False, 8, 16, 2,

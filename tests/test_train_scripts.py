@@ -168,7 +168,8 @@ def test_train_wrong_process_count_says_what_to_change():
     (["--cp", "2", "--cp-method", "allgather"], 2),
     (["--cp", "2", "--tp", "2", "--cp-method", "ulysses"], 4),
     (["--cp", "4", "--cp-method", "hybrid"], 4),
-], ids=["dp2-tp2", "pp2-cp2-tp2-zero1", "dp2-zero3", "cp2-allgather", "cp2-tp2-ulysses", "cp4-hybrid"])
+    (["--dp-replicate", "2", "--dp-shard", "1"], 2),
+], ids=["dp2-tp2", "pp2-cp2-tp2-zero1", "dp2-zero3", "cp2-allgather", "cp2-tp2-ulysses", "cp4-hybrid", "hsdp-2-replicas"])
 def test_train_composed_forked_equals_train_loop(extra, world, reference, tmp_path, monkeypatch):
     """Any layout, forked: the same AdamW (no decay on norms), warm-up + cosine and global-norm clipping as the
     loop, so the weights equal one process's in float64."""
@@ -177,13 +178,17 @@ def test_train_composed_forked_equals_train_loop(extra, world, reference, tmp_pa
     _check(main([*extra, *COMMON, "--save", str(saved)]), saved, reference, "composed", world)
 
 
-def test_train_composed_moe_with_experts_equals_one_process(tmp_path, monkeypatch):
-    """tiny-moe, dp2 x ep2 x tp2 (dropless: tp splits the sequences), against the single strategy's run of it."""
+@pytest.mark.parametrize("layout,world", [(["--dp", "2", "--ep", "2", "--tp", "2"], 4),
+                                          (["--cp", "2", "--ep", "2", "--ep-over", "dp,cp"], 2)],
+                         ids=["dp2-ep2-tp2", "cp2-ep2-folded-over-cp"])
+def test_train_composed_moe_with_experts_equals_one_process(layout, world, tmp_path, monkeypatch):
+    """tiny-moe, dp2 x ep2 x tp2 and cp2 with ep2 folded over it (dropless: tp and cp split the sequences),
+    against the single strategy's run of it."""
     monkeypatch.setenv("LABKIT_IMPL", "solutions")
     moe = ["--model", "tiny-moe", "--capacity-factor", "2", *COMMON]
     one = main(["--strategy", "single", *moe, "--save", str(tmp_path / "one.pt")])
-    composed = main(["--dp", "2", "--ep", "2", "--tp", "2", *moe, "--save", str(tmp_path / "composed.pt")])
-    assert (composed["strategy"], composed["world_size"], composed["ep"]) == ("composed", 4, 2)
+    composed = main([*layout, *moe, "--save", str(tmp_path / "composed.pt")])
+    assert (composed["strategy"], composed["world_size"], composed["ep"]) == ("composed", world, 2)
     torch.testing.assert_close(torch.tensor([composed["first_loss"], composed["final_loss"]]),
                                torch.tensor([one["first_loss"], one["final_loss"]]), rtol=RTOL, atol=ATOL)
     want, got = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "composed.pt")
@@ -237,8 +242,14 @@ def _refusal(monkeypatch, extra, env_world) -> str:
     (["--cp", "2", "--cp-method", "hybrid"], None, "--cp-method hybrid with --cp 2"),
     (["--dp", "2", "--cp-method", "ulysses"], None, "--cp-method ulysses chooses how attention crosses the "
      "context-parallel ranks, but there are none (--cp 1): add --cp 2 or more"),
+    (["--dp", "4", "--dp-replicate", "3"], None, "dp_replicate x dp_shard = 3 x 1 = 3, but --dp 4"),
+    (["--dp-replicate", "2", "--dp-shard", "2", "--zero", "0"], None, "--dp-replicate/--dp-shard with --zero 0"),
+    (["--ep", "2", "--ep-over", "dp,pp", "--model", "tiny-moe"], None, "--ep-over dp,pp: name the axes ep is folded"),
+    (["--cp", "2", "--ep", "4", "--dp", "1", "--ep-over", "dp,cp", "--model", "tiny-moe", "--capacity-factor", "2"],
+     None, "--ep 4 does not divide the ranks it is folded over, --dp-shard 1 x --cp 2 = 2"),
 ], ids=["product-not-world", "tp-heads", "ep-dense", "moe-drops-under-cp", "flags-of-another-strategy",
-        "single-with-dp", "dp-with-pp", "pp-past-layers", "ulysses-heads", "hybrid-one-node", "cp-method-without-cp"])
+        "single-with-dp", "dp-with-pp", "pp-past-layers", "ulysses-heads", "hybrid-one-node", "cp-method-without-cp",
+        "replicas-x-shards-not-dp", "hsdp-zero0", "ep-over-pp", "ep-not-dividing-folded"])
 def test_train_bad_layout_fails_before_any_rank(extra, env_world, words, monkeypatch):
     """One line naming the flag and the fix, before any rank is started (in this process: it must not get as far
     as forking)."""
@@ -252,8 +263,8 @@ PROG = "python -m labkit.apps.train: "
 @pytest.mark.parametrize("extra,env_world,message", [
     (["--dp", "3", "--batch-size", "6"], "2",
      "--dp 3 x --pp 1 x --cp 1 x --tp 1 needs 3 processes, but the launcher started 2: change --dp/--pp/--cp/--tp so "
-     "that their product is 2, or start 3 processes (torchrun --nproc-per-node 3); --ep borrows its ranks from --dp "
-     "and is not in the product"),
+     "that their product is 2, or start 3 processes (torchrun --nproc-per-node 3); --ep is folded over --dp (and "
+     "--ep-over's axes) and is not in the product"),
     (["--dp", "3"], None,
      "--batch-size 8 does not split over --dp 3 x --microbatches 1 = 3 equal parts (each replica's rows, cut into "
      "micro-batches): use --batch-size 6 or 9 (a multiple of 3), or change --dp or --microbatches"),
@@ -262,14 +273,14 @@ PROG = "python -m labkit.apps.train: "
      "micro-batches): use --batch-size 6 or 12 (a multiple of 6), or change --dp or --microbatches"),
     (["--tp", "2", "--model", "tiny-moe"], None,
      "--model tiny-moe with --capacity-factor 1.25 (the config's default) drops the tokens past an expert's capacity, "
-     "chosen per whole sequence; under --cp 1 --tp 2 no rank sees a whole sequence, so this run would drop other "
-     "tokens than the one-process run. Add --capacity-factor 2 (n_experts / top_k: no token dropped, as Megatron-Core "
-     "does with context or sequence parallelism)"),
+     "chosen per whole sequence by the lab's MoE; under --cp 1 --tp 2 no rank sees a whole sequence, so this run would "
+     "drop other tokens than the one-process run. Add --capacity-factor 2 (n_experts / top_k: no token dropped; the "
+     "lab's requirement, so that runs equal one process)"),
     (["--cp", "2", "--model", "tiny-moe", "--capacity-factor", "1.5"], None,
      "--model tiny-moe with --capacity-factor 1.5 drops the tokens past an expert's capacity, "
-     "chosen per whole sequence; under --cp 2 --tp 1 no rank sees a whole sequence, so this run would drop other "
-     "tokens than the one-process run. Add --capacity-factor 2 (n_experts / top_k: no token dropped, as Megatron-Core "
-     "does with context or sequence parallelism)"),
+     "chosen per whole sequence by the lab's MoE; under --cp 2 --tp 1 no rank sees a whole sequence, so this run would "
+     "drop other tokens than the one-process run. Add --capacity-factor 2 (n_experts / top_k: no token dropped; the "
+     "lab's requirement, so that runs equal one process)"),
 ], ids=["world-not-product", "batch-not-dp", "batch-not-dp-x-microbatches", "moe-drops-under-tp", "moe-drops-under-cp"])
 def test_train_bad_input_is_one_line_naming_flag_and_fix(extra, env_world, message, monkeypatch):
     """The exact line, for the strategies of notebooks 04-07 and the composed one alike, before any rank starts."""

@@ -16,13 +16,15 @@ Strategies, as (dp, pp) meshes of notebook 07 (world size = dp x pp):
     pp      pp stages, 1F1B micro-batches (--pp alone): impl("pipeline").run_schedule (notebook 06)
     hybrid  dp pipelines of pp stages (--dp and --pp): impl("hybrid").hybrid_step (notebook 07)
 and any layout of notebook 14 (chosen by --tp, --cp, --ep or --zero, or --strategy composed):
-    composed  dp x pp x cp x tp ranks (ep borrowed from dp) on one Mesh: labkit.compose (TP with
+    composed  dp x pp x cp x tp ranks (ep folded over dp, or dp x cp (x tp): --ep-over) on one Mesh: labkit.compose (TP with
             sequence parallelism and a vocabulary-parallel head, the zigzag ring, the EP all-to-all,
             1F1B, ZeRO-1/2/3 on each parameter's replicas). The same AdamW (no decay on norm weights),
             schedule and global-norm clipping (each parameter's replicas counted once):
 
     python -m labkit.apps.train --dp 2 --pp 2 --tp 2                       # forks 8 ranks
     python -m labkit.apps.train --dp 2 --ep 2 --cp 2 --model tiny-moe --capacity-factor 2
+    python -m labkit.apps.train --cp 2 --ep 2 --ep-over dp,cp --model tiny-moe --capacity-factor 2   # 2 ranks
+    python -m labkit.apps.train --dp-replicate 2 --dp-shard 2 --zero 3       # HSDP: 4 ranks
     torchrun --nproc-per-node 8 -m labkit.apps.train --pp 2 --cp 2 --tp 2 --zero 1
     python -m labkit.apps.train --cp 4 --cp-method hybrid                 # all-to-all in pairs, ring across
 --cp-method chooses how attention crosses the --cp ranks (solutions/cp_methods.py, notebook 11): ring (default),
@@ -42,8 +44,8 @@ Reported, the same way for every strategy and machine: tokens/s = global batch t
 timed steps / wall time of those steps (the first step, which warms up, is not timed),
 per device, and MFU = tokens/s x FLOPs per token / (peak FLOP/s x devices) from
 `labkit.measure.metrics` (None on a CPU: no honest peak). The summary line and the JSON report (the last
-line of stdout) give the world size and every axis (dp, pp, cp, tp, ep, zero, microbatches) as the ranks'
-meshes ran them. The ranks' code is in labkit/apps/train_ranks.py.
+line of stdout) give the world size and every axis (dp, pp, cp, tp, ep, zero, microbatches, and the
+report's dp_replicate and ep_over; the summary line adds them when not the default) as the ranks' meshes ran them. The ranks' code is in labkit/apps/train_ranks.py.
 """
 from __future__ import annotations
 
@@ -69,7 +71,14 @@ def parse_args(argv=None):
     p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (composed)")
     p.add_argument("--cp-method", default=None, choices=("ring", "allgather", "ulysses", "hybrid"),
                    help="how attention crosses the --cp ranks (composed; default ring)")
-    p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks, borrowed from dp (composed, MoE)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks, folded over --ep-over: no ranks of "
+                   "their own (composed, MoE)")
+    p.add_argument("--ep-over", default=None, help="the axes ep is folded over: dp (default: borrowed from the data "
+                   "ranks), dp,cp or dp,cp,tp (torchtitan's); ep must divide their product (dp counting dp_shard)")
+    p.add_argument("--dp-replicate", type=int, default=None, help="HSDP: the --dp data-parallel ranks as R replicas "
+                   "x S shards (--dp = R x S; --dp may be left out). Each replica shards as --zero says (default with "
+                   "HSDP: 3, FSDP) and the shards are all-reduced across the R replicas; --zero 0 is refused")
+    p.add_argument("--dp-shard", type=int, default=None, help="HSDP: the shards per replica, S (default --dp / R)")
     p.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stage (composed)")
     p.add_argument("--microbatches", type=int, default=None, help="per pipeline; default 2 x pp")
     p.add_argument("--model", default="tiny", help="model config: tiny, tiny-moe or seed")
@@ -125,6 +134,7 @@ def report(results, args) -> tuple[dict, dict]:
     return {
         "strategy": args.strategy, "world_size": world_size,
         **{a: layouts[0][a] for a in ("dp", "pp", "cp", "tp", "ep")}, "zero": args.zero,
+        "dp_replicate": layouts[0].get("dp_replicate", 1), "ep_over": layouts[0].get("ep_over", ["dp"]),
         "microbatches": args.microbatches, "cp_method": args.cp_method or "ring", "model": args.model, "steps": args.steps,
         "global_batch_tokens": args.batch_size * args.seq_len,
         "first_loss": losses[0], "final_loss": losses[-1],
@@ -142,6 +152,10 @@ def summary(out: dict) -> str:
     mfu_text = "n/a (no known peak FLOP/s for this device)" if out["mfu"] is None else f"{out['mfu']:.1%}"
     layout = " ".join(f"{a}={out[a]}" for a in ("dp", "pp", "cp", "tp", "ep", "zero", "microbatches"))
     layout += f" cp_method={out['cp_method']}" if out.get("cp_method", "ring") != "ring" else ""
+    if out.get("dp_replicate", 1) > 1:
+        layout += f" dp_replicate={out['dp_replicate']}"
+    if list(out.get("ep_over", ["dp"])) != ["dp"]:
+        layout += f" ep_over={','.join(out['ep_over'])}"
     return (f"{out['strategy']} on {out['world_size']} rank(s), {layout}, {out['device']}: loss "
             f"{out['first_loss']:.4f} -> {out['final_loss']:.4f}; {format_rate(out['tokens_per_s'])} "
             f"({format_rate(out['tokens_per_s_per_device'])} per device), MFU {mfu_text}")

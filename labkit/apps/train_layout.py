@@ -3,21 +3,25 @@ the command line's own flags, before any rank starts (`python -m labkit.apps.tra
 
     --dp N / --pp N alone          dp / pp (notebooks 04, 06); both: hybrid (notebook 07)
     any of --tp --cp --ep --zero   composed (notebook 14's layouts, labkit.compose); --cp-method ring|allgather|
-                                   ulysses|hybrid: how attention crosses the --cp ranks (default ring)
+                                   ulysses|hybrid: how attention crosses the --cp ranks (default ring); also
+    --ep-over, --dp-replicate,     EP folded over dp x cp (x tp); HSDP: --dp = replicas x shards
+    --dp-shard
     nothing                        single (one process: the reference)
 
 An explicit --strategy that cannot run a given flag is refused, never silently given size 1.
 """
 from __future__ import annotations
 
+import math
 import re
 
 PROG = "python -m labkit.apps.train"
 STRATEGIES = ("single", "dp", "pp", "hybrid", "composed")
-AXES = ("dp", "pp", "cp", "tp", "ep")  # the report's axes; world size = dp x pp x cp x tp (ep borrows from dp)
-COMPOSED_FLAGS = ("tp", "cp", "ep", "zero")
+AXES = ("dp", "pp", "cp", "tp", "ep")  # the report's axes; world size = dp x pp x cp x tp (ep is folded, no ranks)
+COMPOSED_FLAGS = ("tp", "cp", "ep", "zero", "ep_over", "dp_replicate", "dp_shard")
 # labkit.compose's messages name its arguments; the app's name its flags
 FLAGS = {"dp": "--dp", "pp": "--pp", "cp": "--cp", "tp": "--tp", "ep": "--ep", "zero": "--zero",
+         "ep_over": "--ep-over", "dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard",
          "microbatches": "--microbatches", "batch": "--batch-size", "seq_len": "--seq-len",
          "capacity_factor": "--capacity-factor", "cp_method": "--cp-method"}
 
@@ -35,7 +39,7 @@ def as_flags(message: str) -> str:
 def choose_strategy(args) -> str:
     """The strategy that runs the layout the flags ask for (see the module's docstring); refuses an
     explicit --strategy that would ignore one of them."""
-    composed = [f"--{a}" for a in COMPOSED_FLAGS if getattr(args, a) is not None]
+    composed = [FLAGS[a] for a in COMPOSED_FLAGS if getattr(args, a, None) is not None]
     if args.strategy is None:
         if composed:
             return "composed"
@@ -86,23 +90,43 @@ def composed_dims(args):
     from labkit.compose.dims import ParallelDims
 
     return ParallelDims(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, ep=args.ep, zero=args.zero,
-                        microbatches=args.microbatches, cp_method=args.cp_method or "ring")
+                        microbatches=args.microbatches, cp_method=args.cp_method or "ring", ep_over=ep_over(args),
+                        dp_replicate=getattr(args, "dp_replicate", None) or 1, dp_shard=getattr(args, "dp_shard", None))
+
+
+def ep_over(args) -> tuple:
+    """--ep-over "dp,cp" as ("dp", "cp"); refused unless among dp, cp, tp with dp first."""
+    text = getattr(args, "ep_over", None) or "dp"
+    axes = tuple(a.strip() for a in text.split(","))
+    if set(axes) - {"dp", "cp", "tp"} or "dp" not in axes or len(set(axes)) != len(axes):
+        refuse(f"--ep-over {text}: name the axes ep is folded over, comma-separated, dp first: dp, dp,cp or dp,cp,tp")
+    return tuple(a for a in ("dp", "cp", "tp") if a in axes)
 
 
 def resolve_layout(args, world: int | None) -> int:
     """Choose the strategy, fill every size (args.dp ... args.zero, args.microbatches) and check the layout
     against the launcher's world, the model and the batch; returns the world size. Refuses with one line."""
     args.strategy = choose_strategy(args)
-    for name in ("dp", "pp", "cp", "tp", "ep", "microbatches"):
-        value = getattr(args, name)
+    for name in ("dp", "pp", "cp", "tp", "ep", "microbatches", "dp_replicate", "dp_shard"):
+        value = getattr(args, name, None)
         if value is not None and value < 1:
-            refuse(f"--{name} {value}: every size must be at least 1")
+            refuse(f"{FLAGS.get(name, '--' + name)} {value}: every size must be at least 1")
+    hsdp = getattr(args, "dp_replicate", None) is not None or getattr(args, "dp_shard", None) is not None
     if args.strategy == "composed":
         args.pp, args.cp, args.tp, args.ep = (v or 1 for v in (args.pp, args.cp, args.tp, args.ep))
+        if hsdp:
+            if args.zero == 0:
+                refuse("--dp-replicate/--dp-shard with --zero 0: HSDP shards inside each replica; use --zero 1, 2 or "
+                       "3 (left out: 3, FSDP), or leave --dp-replicate and --dp-shard out for plain dp")
+            args.zero = 3 if args.zero is None else args.zero
+            r, s = args.dp_replicate or 1, args.dp_shard
+            if args.dp is None and s is not None:
+                args.dp = r * s
         args.zero = args.zero or 0
         if args.dp is None:
             rest = args.pp * args.cp * args.tp
-            args.dp = world // rest if world and world % rest == 0 else max(1, args.ep)
+            folded = math.prod(getattr(args, a) for a in ep_over(args) if a != "dp")  # ep's ranks outside dp
+            args.dp = world // rest if world and world % rest == 0 else max(1, args.ep // math.gcd(args.ep, folded))
     else:
         args.dp, args.pp = resolve_mesh(args.strategy, args.dp, args.pp, world)
         args.cp, args.tp, args.ep, args.zero = 1, 1, 1, 0
@@ -133,7 +157,7 @@ def check_layout(args, world: int | None, config) -> None:
         sizes = " x ".join(f"--{a} {getattr(args, a)}" for a in ("dp", "pp", "cp", "tp"))
         refuse(f"{sizes} needs {product} processes, but the launcher started {world}: change --dp/--pp/--cp/--tp "
                f"so that their product is {world}, or start {product} processes (torchrun --nproc-per-node "
-               f"{product}); --ep borrows its ranks from --dp and is not in the product")
+               f"{product}); --ep is folded over --dp (and --ep-over's axes) and is not in the product")
     if args.pp > config.n_layers:
         refuse(f"--pp {args.pp} is more stages than --model {args.model}'s {config.n_layers} layers: every stage "
                f"needs a layer; use --pp {config.n_layers} or fewer")
@@ -148,7 +172,6 @@ def check_layout(args, world: int | None, config) -> None:
     if dropless and args.cp * args.tp > 1 and config.capacity_factor < dropless:
         given = "" if args.capacity_factor is not None else " (the config's default)"
         refuse(f"--model {args.model} with --capacity-factor {config.capacity_factor:g}{given} drops the tokens past "
-               f"an expert's capacity, chosen per whole sequence; under --cp {args.cp} --tp {args.tp} no rank sees a "
-               f"whole sequence, so this run would drop other tokens than the one-process run. Add --capacity-factor "
-               f"{dropless:g} (n_experts / top_k: no token dropped, as Megatron-Core does with context or sequence "
-               "parallelism)")
+               f"an expert's capacity, chosen per whole sequence by the lab's MoE; under --cp {args.cp} --tp {args.tp} no rank "
+               f"sees a whole sequence, so this run would drop other tokens than the one-process run. Add --capacity-factor "
+               f"{dropless:g} (n_experts / top_k: no token dropped; the lab's requirement, so that runs equal one process)")

@@ -38,12 +38,14 @@ def train_config(args):
 
 
 def mesh_axes(mesh) -> dict:
-    """The layout this rank runs, as the app's flags count it: dp includes the ranks ep borrows."""
+    """The layout this rank runs, as the app's flags count it: dp is the batch ranks (ep's included where it
+    is a grid axis), with HSDP's replicas and the axes ep is folded over."""
     import torch.distributed as dist
 
     sizes = {a: mesh.size(a) for a in ("dp", "pp", "cp", "tp", "ep")}
-    sizes["dp"] *= sizes["ep"]
-    return {**sizes, "world_size": dist.get_world_size()}
+    sizes["dp"] = mesh.size("batch")
+    return {**sizes, "world_size": dist.get_world_size(), "dp_replicate": mesh.size("dp_replicate"),
+            "ep_over": list(mesh.ep_over)}
 
 
 def strategy_step(strategy: str, module, mesh, model_config, cfg, m: int):

@@ -64,6 +64,10 @@ def to_device_mesh(mesh: Mesh):
     rank); `DeviceMesh.from_group` wraps the groups the Mesh built already. Cached per Mesh."""
     if mesh in _DEVICE_MESHES:
         return _DEVICE_MESHES[mesh]
+    if mesh.grid_axes != mesh.axes or mesh.dp_replicate > 1:
+        raise ValueError(f"resharding checkpoints cover meshes whose axes are all grid axes: ep borrowed from dp "
+                         f"(ep_over=('dp',)) and no HSDP; this one has ep folded over {mesh.ep_over} or "
+                         f"dp_replicate={mesh.dp_replicate}: save it from an ep_over=('dp',) layout")
     from torch.distributed.device_mesh import DeviceMesh
     device = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"  # DTensors live where the parameters do
     groups = [mesh.group(axis) for axis in mesh.axes]

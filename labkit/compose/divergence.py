@@ -36,7 +36,7 @@ def record_first_step(stage, optimizer, tokens, targets, *, mesh, microbatches: 
     """One `train_step` on this rank, recorded: every module output with the global rows and positions it
     holds, the gradients summed over their replicas (full shape) and the weights after the update."""
     B, _ = tokens.shape
-    rows = shard_rows(torch.arange(B), mesh.index(("dp", "ep")), mesh.size(("dp", "ep"))).chunk(microbatches)
+    rows = shard_rows(torch.arange(B), mesh.index("batch"), mesh.size("batch")).chunk(microbatches)
     acts, calls, handles = {}, {}, []
 
     def keep(name, out):
@@ -57,7 +57,7 @@ def record_first_step(stage, optimizer, tokens, targets, *, mesh, microbatches: 
     def recording_sync(axes, params, opt):
         sync(axes, params, opt)
         if optimizer.zero and axes:  # the summed gradient lives in the ZeRO shards: gather it back
-            flat = all_gather_flat(opt.shards[0].grad.detach(), group=mesh.group(axes))
+            flat = all_gather_flat(opt.shards[0].grad.detach(), group=optimizer.shard_group(opt))
             for p, g in zip(params, flat[:sum(p.numel() for p in params)].split([p.numel() for p in params])):
                 grads[names[id(p)]] = g.view(p.shape)
         else:
@@ -75,7 +75,7 @@ def record_first_step(stage, optimizer, tokens, targets, *, mesh, microbatches: 
         optimizer.begin_step()  # the parameters whole again, to gather them
     named = [(n, grads[n]) for n, _ in stage.named_parameters()]
     return dict(loss=loss, acts=acts, grads=gather_full(named, mesh=mesh), weights=full_state(stage, mesh=mesh),
-                sizes=dict(mesh.sizes))
+                sizes={n: mesh.size(n) for n in mesh.names}, summed=_summed_words(mesh))
 
 
 def reference_first_step(model, tokens, targets, **adamw) -> dict:
@@ -96,12 +96,18 @@ def reference_first_step(model, tokens, targets, **adamw) -> dict:
     return dict(loss=loss.item(), acts=acts, grads=grads, weights=weights)
 
 
-def _axes_of(kind, name, sizes):
+def _summed_words(mesh) -> dict:
+    """{class: the live names its gradient is summed over} on this mesh (labkit's own rule; folded EP, HSDP)."""
+    from labkit.compose.dims import PARAM_CLASSES, live_axes, summed_axes
+    return {cls: list(live_axes(summed_axes(cls, mesh), mesh)) for cls in PARAM_CLASSES}
+
+
+def _axes_of(kind, name, sizes, summed=None):
     """The live mesh axes whose collective produced this tensor, in words."""
     live = lambda axes: [a for a in axes if sizes.get(a, 1) > 1]  # noqa: E731
     if kind == "gradient":
         cls = param_class(name)
-        axes = live(SUMMED[cls])
+        axes = summed[cls] if summed else live(SUMMED[cls])
         return axes, f"{cls}: due summed over {'+'.join(axes) if axes else 'no axis in this layout'}"
     if kind == "weight":
         axes = live(["tp"] if param_class(name) == "tp_shard" else [])
@@ -123,7 +129,7 @@ def _hint(got, want, axes, sizes):
     r = (got * want).sum().item() / ww
     if abs(r - 1) < 1e-6 or (got - r * want).abs().max().item() > 1e-6 * want.abs().max().item():
         return ""
-    axes = axes or [a for a, n in sizes.items() if n > 1]
+    axes = axes or [a for a, n in sizes.items() if n > 1 and a in ("dp", "pp", "ep", "cp", "tp")]
     for k in range(1, len(axes) + 1):
         for combo in itertools.combinations(axes, k):
             n = math.prod(sizes[a] for a in combo)
@@ -165,7 +171,7 @@ def first_divergence(records, reference, *, rtol: float = 1e-9) -> str | None:
                 return f"first divergence: the {kind} of {layer} ({order[kind]}): {how}"
             diff, scale = (g.double() - w.double()).abs().max().item(), w.double().abs().max().item()
             if diff > rtol * max(scale, 1e-30):
-                axes, why = _axes_of(kind, name, sizes)
+                axes, why = _axes_of(kind, name, sizes, records[0].get("summed"))
                 return (f"first divergence: the {kind} of {layer} ({order[kind]}; {why}): max abs diff {diff:.3g}, "
                         f"relative {diff / max(scale, 1e-300):.3g}" + _hint(g.double(), w.double(), axes, sizes))
     return None

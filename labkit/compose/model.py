@@ -11,7 +11,8 @@
     cp   attention over the mesh's cp axis on the zigzag pieces, with rotary embeddings at the pieces'
          global positions, by `cp_method`: the learner's ring (default), or solutions/cp_methods.py's
          all-gather of K/V, Ulysses all-to-all (the learner's two swaps) or the a2a+p2p hybrid
-    ep   each MoE layer the learner's EPMoE over the mesh's ep axis (dispatch, compute, combine)
+    ep   each MoE layer the learner's EPMoE over the mesh's ep group (dispatch, compute, combine): a grid
+         axis carved out of dp, or folded over dp x cp (x tp) (`labkit.compose.dims`)
     dp   nothing in the model: the data-parallel ranks read other rows, and their gradients are
          summed by `labkit.compose.step` over the groups the learner's placement table names
 
@@ -173,7 +174,7 @@ class ComposedBlock(nn.Module):
                 ep_size=mesh.size("ep"), layer=layer, **extra)
         else:
             self.feed_forward = ComposedMLP(block.feed_forward, mesh=mesh)
-        axes = live_axes(("cp", "tp"), mesh.sizes)
+        axes = live_axes(("cp", "tp"), mesh)
         self.sequence_group = mesh.group(axes) if axes else None
 
     def forward(self, x, rope, pos, seq_len: int, stage: "ComposedStage"):

@@ -22,8 +22,8 @@ def full_state(stage, *, mesh: Mesh) -> dict:
 def gather_full(named, *, mesh: Mesh) -> dict:
     """`full_state` for any tensors shaped as the stage's parameters ((name, tensor) in the stage's
     parameter order: the weights, or their gradients): tp shards all-gathered, one report each."""
-    coords = mesh.coords()
-    first_replica = coords["dp"] == 0 and coords["cp"] == 0 and coords["tp"] == 0
+    from labkit.compose.dims import summed_axes
+    first = {kind: mesh.index(summed_axes(kind, mesh)) == 0 for kind in ("tp_shard", "sp_replica", "expert")}
     out = {}
     for name, t in named:
         kind = param_class(name)
@@ -31,8 +31,9 @@ def gather_full(named, *, mesh: Mesh) -> dict:
             parts = [torch.empty_like(t) for _ in range(mesh.size("tp"))]
             dist.all_gather(parts, t.contiguous(), group=mesh.group("tp"))
             t = torch.cat(parts, dim=shard_dim(name))
-        reports = first_replica and (kind == "expert" or coords["ep"] == 0)  # experts: one report per ep rank
-        if reports:
+        # the first of the ranks holding this replica reports it (a tp shard: the first tp rank, after the gather);
+        # experts: one report per ep rank
+        if first[kind] and (kind != "tp_shard" or mesh.coord("tp") == 0):
             out[name] = t.clone()
     return out
 

@@ -19,19 +19,23 @@ a replica of it, with the learner's ZeRO-1 `ShardedOptimizer` (notebook 09) on e
   all-gathering them and keeps them for the whole pipelined step. This is how torchtitan runs FSDP
   under pipeline parallelism (reshard_after_forward=False): gathering each block just in time
   would repeat it for every micro-batch's forward and backward.
+HSDP (dp_replicate > 1, `labkit.compose.dims`): a group that spans the replicas is sharded over its ranks
+inside one replica (`hsdp_split`), and after the reduce-scatter there, each shard's gradient is all-reduced
+across the dp_replicate replicas (`sync_replicas`): reduce-scatter, all-reduce, and the all-gather of the
+updated shard inside the replica. (The learner's HSDP exercise, solutions/hsdp.py, is the same three steps
+on one model; this is the composition's own, on the placement groups.)
 The ZeRO optimizer averages its group's gradients (in notebook 09 each rank holds a MEAN loss);
 here each rank holds a SHARE of the one loss, so the gradient is the sum: the gradients are
 multiplied by the group's size before the optimizer averages them.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
-from labkit.compose.dims import live_axes
+from labkit.compose.dims import hsdp_split, live_axes
 from labkit.grading import impl
 from labkit.measure.timeline import NullTimeline
 from labkit.mesh import Mesh
@@ -50,7 +54,7 @@ def gradient_groups(stage, *, mesh: Mesh) -> dict:
         if "pp" in where.summed_over:
             raise ValueError(f"{name}: summed over pp, but no parameter is on two pipeline stages: each stage "
                              "owns its layers, and nothing is summed across pp")
-        groups.setdefault(live_axes(where.summed_over, mesh.sizes), []).append((name, p))
+        groups.setdefault(live_axes(where.summed_over, mesh), []).append((name, p))
     return groups
 
 
@@ -63,7 +67,9 @@ class ComposedOptimizer:
         their own (one ZeRO shard each), after the decayed ones of the same gradient group."""
         self.mesh, self.zero, self.hyper = mesh, zero, {**ADAMW, **adamw}
         self.groups = []  # (axes, [params], optimizer)
+        self.replicas = {}  # id(optimizer): (shard axes, replica axes) of its group under HSDP
         for axes, named in gradient_groups(stage, mesh=mesh).items():
+            shard_axes, replica_axes = hsdp_split(axes, mesh) if zero else (axes, ())
             params = [p for _, p in named]
             off = [p for p in params if no_decay is not None and no_decay(p)]
             for part, hyper in (([p for p in params if all(p is not q for q in off)], self.hyper),
@@ -71,9 +77,10 @@ class ComposedOptimizer:
                 if not part:
                     continue
                 if zero and axes:
-                    opt = impl("zero").ShardedOptimizer(part, torch.optim.AdamW, group=mesh.group(axes), **hyper)
+                    opt = impl("zero").ShardedOptimizer(part, torch.optim.AdamW, group=mesh.group(shard_axes), **hyper)
                 else:
                     opt = torch.optim.AdamW(part, **hyper)
+                self.replicas[id(opt)] = (shard_axes, replica_axes)
                 self.groups.append((axes, part, opt))
         self.shapes = {p: p.shape for _, params, _ in self.groups for p in params}
         if zero == 3:
@@ -99,7 +106,7 @@ class ComposedOptimizer:
             if axes:
                 for p in params:
                     p.data = torch.empty(self.shapes[p], dtype=p.dtype, device=p.device)
-                write_back(all_gather_flat(opt.shards[0].detach(), group=self.mesh.group(axes)), params)
+                write_back(all_gather_flat(opt.shards[0].detach(), group=self.shard_group(opt)), params)
 
     @torch.no_grad()
     def step(self, max_norm: float | None = None) -> None:
@@ -128,21 +135,34 @@ class ComposedOptimizer:
             for p, g in zip(params, flat.split([p.numel() for p in params])):
                 p.grad = g.view_as(p)
             return
-        n = self.mesh.size(axes)
+        n = self.mesh.size(self.replicas[id(opt)][0])
         for p in params:
             if p.grad is not None:
-                p.grad.mul_(n)  # the optimizer averages: times n, the sum of the shares
+                p.grad.mul_(n)  # the optimizer averages over its shard group: times n, the sum of the shares
         opt.sync_gradients()
+        self.sync_replicas(opt)
         if self.zero >= 2:
             for p in params:
                 p.grad = None  # the shards' .grad hold what the step needs
+
+    def shard_group(self, opt):
+        """The process group a ZeRO optimizer shards over: its gradient group inside one HSDP replica."""
+        return self.mesh.group(self.replicas[id(opt)][0])
+
+    def sync_replicas(self, opt) -> None:
+        """HSDP: sum each shard's gradient (already summed inside its replica) across the dp_replicate replicas."""
+        replica_axes = self.replicas[id(opt)][1]
+        if replica_axes:
+            for shard in opt.shards:
+                dist.all_reduce(shard.grad, group=self.mesh.group(replica_axes))
 
     def _gradients(self):
         """(tensor, replicas): every gradient this rank holds after the sync, with how many ranks hold
         the same values (a ZeRO shard: 1, the shards of a group partition it)."""
         for axes, params, opt in self.groups:
-            if self.zero and axes:
-                yield opt.shards[0].grad, 1
+            if self.zero and axes:  # a ZeRO shard: the shards of a replica partition it; HSDP: R replicas
+                replica_axes = self.replicas[id(opt)][1]
+                yield opt.shards[0].grad, self.mesh.size(replica_axes) if replica_axes else 1
             else:
                 for p in params:
                     if p.grad is not None:
@@ -189,7 +209,7 @@ def train_step(stage, optimizer: ComposedOptimizer, tokens, targets, *, mesh: Me
     optimizer.zero_grad()
     optimizer.begin_step()
     stage.begin_step(B, s)
-    rows = B // mesh.size(("dp", "ep"))
+    rows = B // mesh.size("batch")
     act_shape = (rows // microbatches, s // mesh.size("cp") // mesh.size("tp"), stage.config.d_model)
     pipeline = impl("pipeline")
     schedule = pipeline.one_f_one_b_schedule(mesh.size("pp"), microbatches)
@@ -208,6 +228,6 @@ def global_loss(stage, ce, *, mesh: Mesh) -> float:
     if ce is not None:
         total += ce.detach().to(total.dtype) / mesh.size("tp")  # every tp rank holds the same cross-entropy
     total += torch.as_tensor(stage.aux_total, dtype=total.dtype)
-    if dist.is_initialized() and math.prod(mesh.sizes.values()) > 1:
+    if dist.is_initialized() and mesh.world_size > 1:
         dist.all_reduce(total)
     return float("nan") if is_fake(total) else float(total)  # a simulated rank (labkit.scale) has no values

@@ -110,10 +110,9 @@ def params_by_axes(model, dims, coords: dict) -> dict:
     """{live axes its gradient is summed over: elements} this rank holds, from the full `model`, the layout and
     labkit's placement classes: a tp shard is 1/tp of its tensor, an expert lives on ep rank e // (E/ep) only,
     nothing is on two stages. The sum of the values is this rank's parameter count."""
-    from labkit.compose.dims import live_axes
+    from labkit.compose.dims import live_axes, summed_axes
     from labkit.compose.model import param_class
-    cfg, sizes = model.config, dims.mesh_sizes()
-    summed = {"tp_shard": ("dp", "ep", "cp"), "sp_replica": ("dp", "ep", "cp", "tp"), "expert": ("dp", "cp", "tp")}
+    cfg, mesh = model.config, dims.layout_mesh()
     out: dict = {}
     for name, p in model.named_parameters():
         if _owner_stage(name, cfg.n_layers, dims.pp) != coords["pp"]:
@@ -121,7 +120,7 @@ def params_by_axes(model, dims, coords: dict) -> dict:
         kind = param_class(name)
         if kind == "expert" and int(name.split(".experts.")[1].split(".")[0]) // (cfg.n_experts // dims.ep) != coords["ep"]:
             continue
-        key = live_axes(summed[kind], sizes)
+        key = live_axes(summed_axes(kind, mesh), mesh)
         out[key] = out.get(key, 0) + p.numel() // (dims.tp if kind == "tp_shard" else 1)
     return out
 
@@ -147,7 +146,7 @@ def bytes_by_axes(model, dims, coords: dict, *, batch: int, seq_len: int, elemen
     if cfg.n_experts:
         raise ValueError("bytes_by_axes covers dense models: a MoE's all-to-all sizes depend on the routing")
     from labkit.model import split_layers
-    sizes = dims.mesh_sizes()
+    mesh = dims.layout_mesh()
     m, tp, cp, pp = dims.microbatches, dims.tp, dims.cp, dims.pp
     b = batch // dims.dp // m
     first, last = coords["pp"] == 0, coords["pp"] == pp - 1
@@ -155,7 +154,7 @@ def bytes_by_axes(model, dims, coords: dict, *, batch: int, seq_len: int, elemen
     out: dict = {}
 
     def add(axes, n):
-        key = live_axes(axes, sizes)
+        key = live_axes(axes, mesh)
         if key and n:
             out[key] = out.get(key, 0) + n
 
