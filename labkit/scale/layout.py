@@ -111,11 +111,6 @@ class Layout:
         return asdict(self)
 
 
-def _need(ok: bool, message: str) -> None:
-    if not ok:
-        raise LayoutError(message)
-
-
 def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_batch: int, seq_len: int) -> int:
     """Raise LayoutError naming the first thing that does not split; return the micro-batch count.
 
@@ -130,70 +125,79 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
     """
     for axis in ("dp", "pp", "cp", "tp", "ep", "micro_batch", "virtual_stages", "dp_replicate"):
         value = getattr(layout, axis)
-        _need(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-              f"{axis}={value!r}: must be an int >= 1")
-    _need(layout.zero in ZERO_STAGES, f"zero={layout.zero!r}: choose one of {ZERO_STAGES}")
-    _need(layout.recompute in RECOMPUTE, f"recompute={layout.recompute!r}: choose one of {RECOMPUTE}")
-    _need(layout.schedule in SCHEDULES, f"schedule={layout.schedule!r}: choose one of {SCHEDULES}")
-    _need(layout.cp_method in CP_METHODS, f"cp_method={layout.cp_method!r}: choose one of {CP_METHODS}")
-    _need(isinstance(layout.ep_overlap, bool), f"ep_overlap={layout.ep_overlap!r}: must be True or False")
-    _need(layout.dp % layout.dp_replicate == 0,
-          f"dp_replicate={layout.dp_replicate} does not divide dp={layout.dp}: HSDP splits dp into "
-          f"dp_replicate x dp_shard, use a dp_replicate among {[d for d in range(1, layout.dp + 1) if layout.dp % d == 0]}")
-    _need(layout.dp_replicate == 1 or layout.zero != "dp",
-          f"dp_replicate={layout.dp_replicate} with zero='dp': plain data parallelism already replicates every "
-          "state, there is no shard group; use zero='zero1', 'zero2' or 'zero3' (HSDP), or dp_replicate=1")
-    _need(layout.world_size == n_gpus,
-          f"dp x pp x cp x tp = {layout.dp} x {layout.pp} x {layout.cp} x {layout.tp} = {layout.world_size} "
-          f"GPUs, but the cluster has {n_gpus}: choose sizes whose product is {n_gpus}")
-    _need(n_gpus % gpus_per_node == 0 or n_gpus < gpus_per_node,
-          f"{n_gpus} GPUs is not a whole number of nodes of {gpus_per_node}: use a multiple of {gpus_per_node}")
+        if type(value) is not int or value < 1:  # noqa: E721 (bool, an int subclass, is refused too)
+            raise LayoutError(f"{axis}={value!r}: must be an int >= 1")
+    if layout.zero not in ZERO_STAGES:
+        raise LayoutError(f"zero={layout.zero!r}: choose one of {ZERO_STAGES}")
+    if layout.recompute not in RECOMPUTE:
+        raise LayoutError(f"recompute={layout.recompute!r}: choose one of {RECOMPUTE}")
+    if layout.schedule not in SCHEDULES:
+        raise LayoutError(f"schedule={layout.schedule!r}: choose one of {SCHEDULES}")
+    if layout.cp_method not in CP_METHODS:
+        raise LayoutError(f"cp_method={layout.cp_method!r}: choose one of {CP_METHODS}")
+    if not isinstance(layout.ep_overlap, bool):
+        raise LayoutError(f"ep_overlap={layout.ep_overlap!r}: must be True or False")
+    if not (layout.dp % layout.dp_replicate == 0):
+        raise LayoutError(f"dp_replicate={layout.dp_replicate} does not divide dp={layout.dp}: HSDP splits dp into "
+                          f"dp_replicate x dp_shard, use one of {[d for d in range(1, layout.dp + 1) if layout.dp % d == 0]}")
+    if not (layout.dp_replicate == 1 or layout.zero != "dp"):
+        raise LayoutError(f"dp_replicate={layout.dp_replicate} with zero='dp': plain data parallelism already replicates every "
+                          "state, there is no shard group; use zero='zero1', 'zero2' or 'zero3' (HSDP), or dp_replicate=1")
+    if not (layout.world_size == n_gpus):
+        raise LayoutError(f"dp x pp x cp x tp = {layout.dp} x {layout.pp} x {layout.cp} x {layout.tp} = {layout.world_size} "
+                          f"GPUs, but the cluster has {n_gpus}: choose sizes whose product is {n_gpus}")
+    if not (n_gpus % gpus_per_node == 0 or n_gpus < gpus_per_node):
+        raise LayoutError(f"{n_gpus} GPUs is not a whole number of nodes of {gpus_per_node}: use a multiple of {gpus_per_node}")
     m = model
-    _need(m.n_heads % layout.tp == 0 and m.n_kv_heads % layout.tp == 0,
-          f"tp={layout.tp} does not divide {m.name}'s {m.n_heads} heads and {m.n_kv_heads} KV heads: "
-          f"use a tp that divides {math.gcd(m.n_heads, m.n_kv_heads)}")
-    _need(m.hidden_dim % layout.tp == 0, f"tp={layout.tp} does not divide the MLP width {m.hidden_dim}")
+    if not (m.n_heads % layout.tp == 0 and m.n_kv_heads % layout.tp == 0):
+        raise LayoutError(f"tp={layout.tp} does not divide {m.name}'s {m.n_heads} heads and {m.n_kv_heads} KV heads: "
+                          f"use a tp that divides {math.gcd(m.n_heads, m.n_kv_heads)}")
+    if not (m.hidden_dim % layout.tp == 0):
+        raise LayoutError(f"tp={layout.tp} does not divide the MLP width {m.hidden_dim}")
     stages = layout.pp * (layout.virtual_stages if layout.schedule == "interleaved" else 1)
-    _need(layout.schedule == "1f1b" or layout.pp > 1, "schedule='interleaved' needs pp > 1")
-    _need(stages <= m.n_layers,
-          f"pp={layout.pp} x {stages // layout.pp} virtual stage(s) = {stages} stages for {m.name}'s "
-          f"{m.n_layers} layers: every stage needs a layer, use at most {m.n_layers} stages")
-    _need(seq_len % (2 * layout.cp) == 0 if layout.cp > 1 else True,
-          f"cp={layout.cp}: the sequence of {seq_len} tokens must split into 2 x cp = {2 * layout.cp} "
-          "zigzag chunks")
+    if not (layout.schedule == "1f1b" or layout.pp > 1):
+        raise LayoutError("schedule='interleaved' needs pp > 1")
+    if not (stages <= m.n_layers):
+        raise LayoutError(f"pp={layout.pp} x {stages // layout.pp} virtual stage(s) = {stages} stages for {m.name}'s "
+                          f"{m.n_layers} layers: every stage needs a layer, use at most {m.n_layers} stages")
+    if not (seq_len % (2 * layout.cp) == 0 if layout.cp > 1 else True):
+        raise LayoutError(f"cp={layout.cp}: the sequence of {seq_len} tokens must split into 2 x cp = {2 * layout.cp} "
+                          "zigzag chunks")
     heads = m.n_heads // layout.tp
     if layout.cp > 1 and layout.cp_method == "ulysses":
-        _need(heads % layout.cp == 0,
-              f"cp_method='ulysses' with cp={layout.cp}: {m.name}'s {heads} heads per tp rank (tp={layout.tp}) do "
-              f"not split over {layout.cp} cp ranks (the all-to-all gives each rank heads / cp whole heads): use a "
-              f"cp that divides {heads}, or cp_method='ring', 'allgather' or 'hybrid'")
+        if not (heads % layout.cp == 0):
+            raise LayoutError(f"cp_method='ulysses' with cp={layout.cp}: {m.name}'s {heads} heads per tp rank (tp={layout.tp}) do "
+                              f"not split over {layout.cp} cp ranks (the all-to-all gives each rank heads / cp whole heads): use a "
+                              f"cp that divides {heads}, or cp_method='ring', 'allgather' or 'hybrid'")
     if layout.cp > 1 and layout.cp_method == "hybrid":
         local = layout.cp_local(gpus_per_node)
-        _need(1 < local < layout.cp,
-              f"cp_method='hybrid' with cp={layout.cp}: {local} of each cp group's ranks share a node "
-              f"(tp={layout.tp}, {gpus_per_node} GPUs per node), so the hybrid would be "
-              f"{'the ring' if local == 1 else 'Ulysses'} alone: use cp_method='{'ring' if local == 1 else 'ulysses'}'")
-        _need(heads % local == 0,
-              f"cp_method='hybrid' with {local} cp ranks per node: {m.name}'s {heads} heads per tp rank "
-              f"(tp={layout.tp}) do not split over them: use cp_method='ring' or 'allgather', or another tp")
+        if not (1 < local < layout.cp):
+            raise LayoutError(f"cp_method='hybrid' with cp={layout.cp}: {local} of each cp group's ranks share a node "
+                              f"(tp={layout.tp}, {gpus_per_node} GPUs per node), so the hybrid would be "
+                              f"{'the ring' if local == 1 else 'Ulysses'} alone: use cp_method='{'ring' if local == 1 else 'ulysses'}'")
+        if not (heads % local == 0):
+            raise LayoutError(f"cp_method='hybrid' with {local} cp ranks per node: {m.name}'s {heads} heads per tp rank "
+                              f"(tp={layout.tp}) do not split over them: use cp_method='ring' or 'allgather', or another tp")
     if m.n_experts == 0:
-        _need(layout.ep == 1, f"ep={layout.ep} on the dense model {m.name}: ep needs experts (use ep=1)")
+        if layout.ep != 1:
+            raise LayoutError(f"ep={layout.ep} on the dense model {m.name}: ep needs experts (use ep=1)")
     else:
-        _need(m.n_experts % layout.ep == 0, f"ep={layout.ep} does not divide the {m.n_experts} experts")
-        _need((layout.dp_shard * layout.cp) % layout.ep == 0,
-              f"ep={layout.ep} borrows its ranks from dp x cp = {layout.dp * layout.cp}: it must divide it"
-              if layout.dp_replicate == 1 else
-              f"ep={layout.ep} borrows its ranks from dp_shard x cp = {layout.dp_shard} x {layout.cp} (inside a "
-              f"replica, dp_replicate={layout.dp_replicate}): it must divide {layout.dp_shard * layout.cp}")
-    _need(not layout.ep_overlap or layout.ep > 1,
-          "ep_overlap=True with ep=1: there is no all-to-all to hide; use ep > 1 or ep_overlap=False")
-    _need(global_batch % layout.dp == 0,
-          f"the global batch of {global_batch} sequences does not split over dp={layout.dp}")
+        if not (m.n_experts % layout.ep == 0):
+            raise LayoutError(f"ep={layout.ep} does not divide the {m.n_experts} experts")
+        if not ((layout.dp_shard * layout.cp) % layout.ep == 0):
+            raise LayoutError(f"ep={layout.ep} borrows its ranks from dp x cp = {layout.dp * layout.cp}: it must divide it"
+                              if layout.dp_replicate == 1 else
+                              f"ep={layout.ep} borrows its ranks from dp_shard x cp = {layout.dp_shard} x {layout.cp} (inside a "
+                              f"replica, dp_replicate={layout.dp_replicate}): it must divide {layout.dp_shard * layout.cp}")
+    if layout.ep_overlap and layout.ep == 1:
+        raise LayoutError("ep_overlap=True with ep=1: there is no all-to-all to hide; use ep > 1 or ep_overlap=False")
+    if not (global_batch % layout.dp == 0):
+        raise LayoutError(f"the global batch of {global_batch} sequences does not split over dp={layout.dp}")
     local = global_batch // layout.dp
-    _need(local % layout.micro_batch == 0,
-          f"each dp rank's {local} sequences do not split into micro-batches of {layout.micro_batch}")
+    if not (local % layout.micro_batch == 0):
+        raise LayoutError(f"each dp rank's {local} sequences do not split into micro-batches of {layout.micro_batch}")
     n_micro = local // layout.micro_batch
-    _need(layout.pp == 1 or n_micro >= layout.pp,
-          f"pp={layout.pp} needs at least {layout.pp} micro-batches per step, the layout has {n_micro}: "
-          "use smaller micro-batches or fewer stages")
+    if not (layout.pp == 1 or n_micro >= layout.pp):
+        raise LayoutError(f"pp={layout.pp} needs at least {layout.pp} micro-batches per step, the layout has {n_micro}: "
+                          "use smaller micro-batches or fewer stages")
     return n_micro
