@@ -171,7 +171,7 @@ def cp_attention_bytes(method: str, cp: int, q_bytes: float, kv_bytes: float, lo
     (solutions/ring_attention.py, solutions/cp_methods.py), as labkit.comm counts it (a collective's wire bytes,
     a point-to-point message's payload), the shape agreement of a few int64 left out:
         ring        {"p2p": 2 kv (3cp - 2)}: K,V sent cp-1 times forward, cp-1 times backward, dK,dV cp times
-                    (the last hop brings them home; `axis_traffic` above counts 3 (cp-1), without that hop)
+                    (the last hop brings them home; `axis_traffic` counts it too, via `cp_layer_traffic`)
         allgather   {"all_gather": 2 kv (cp-1), "reduce_scatter": 2 kv (cp-1)}: K,V gathered, dK,dV scattered
         ulysses     {"all_to_all": 4 (q + kv) (cp-1)/cp}: q, k, v in and out back forward; dout in, dq, dk, dv
                     back backward (needs the heads, and the K/V heads, divisible by cp)
