@@ -6,8 +6,8 @@ learner's loops: every value of every field of the search space (dp, pp, cp, tp 
 count, every micro-batch size from 1 to the global batch, every ZeRO stage and recompute mode,
 every ep for a MoE, every dp_replicate whose replicas are whole nodes, every cp_method when cp > 1,
 ep_overlap both ways when ep > 1), each layout predicted by labkit.scale.cost.predict, the ones check_layout
-refuses dropped, the ones that do not fit dropped, ranked by rank_key. About 5 s on 2 idle cores before
-those three choices, 20-40 s with them (on 2 shared cores): the MoE case is the longest.
+refuses dropped, the ones that do not fit dropped, ranked by rank_key. About 15 s on 2 busy cores (3.5-5 s
+before those three choices, measured back to back): the MoE case is the longest.
 """
 import re
 
