@@ -1,6 +1,6 @@
 # GENERATED from solutions/scale_search.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/15_at_scale.ipynb.
-# untouched-stub fingerprint: 08d35fb0f7313f1b
+# untouched-stub fingerprint: d029212ff8e4548d
 """The configuration search (notebook 15_at_scale): fit memory, reach the global batch, maximise throughput.
 
 The Ultra-Scale Playbook's recipe, done by the cost model instead of by 4,000 GPU runs:
@@ -14,13 +14,23 @@ The space searched (every layout `labkit.scale.layout.check_layout` accepts in i
     zero             "dp", "zero1", "zero2", "zero3"
     recompute        "none", "selective", "full"
     micro_batch      any size that splits each dp rank's share of the global batch
+    dp_replicate     HSDP's replicas (dp = dp_replicate x dp_shard): any divisor R of dp whose
+                     replicas are whole nodes, n_gpus / R a multiple of cluster.gpus_per_node
+                     (R = 1, full sharding, always)
+    cp_method        when cp > 1, each of labkit.scale.layout.CP_METHODS ("ring", "allgather",
+                     "ulysses", "hybrid"); "ring" when cp = 1
+    ep_overlap       when ep > 1, False and True (EP's two-micro-batch overlap); False when ep = 1
 with the 1F1B schedule and sequence parallelism (the Layout's defaults for the other fields).
+check_layout (called by predict) refuses what cannot run, such as Ulysses with heads that do
+not split over cp, or zero="dp" with dp_replicate > 1: skip those layouts.
 The order is `labkit.scale.cost.rank_key`: fastest first, then the least memory, then the
 layout's fields (so that ties break the same way everywhere).
 """
+from itertools import product
+
 from labkit.scale.cluster import load_cluster
 from labkit.scale.cost import no_layout_fits, predict, rank_key
-from labkit.scale.layout import RECOMPUTE, ZERO_STAGES, Layout, LayoutError
+from labkit.scale.layout import CP_METHODS, RECOMPUTE, ZERO_STAGES, Layout, LayoutError
 
 NOTEBOOK = "15_at_scale"
 

@@ -11,13 +11,23 @@ The space searched (every layout `labkit.scale.layout.check_layout` accepts in i
     zero             "dp", "zero1", "zero2", "zero3"
     recompute        "none", "selective", "full"
     micro_batch      any size that splits each dp rank's share of the global batch
+    dp_replicate     HSDP's replicas (dp = dp_replicate x dp_shard): any divisor R of dp whose
+                     replicas are whole nodes, n_gpus / R a multiple of cluster.gpus_per_node
+                     (R = 1, full sharding, always)
+    cp_method        when cp > 1, each of labkit.scale.layout.CP_METHODS ("ring", "allgather",
+                     "ulysses", "hybrid"); "ring" when cp = 1
+    ep_overlap       when ep > 1, False and True (EP's two-micro-batch overlap); False when ep = 1
 with the 1F1B schedule and sequence parallelism (the Layout's defaults for the other fields).
+check_layout (called by predict) refuses what cannot run, such as Ulysses with heads that do
+not split over cp, or zero="dp" with dp_replicate > 1: skip those layouts.
 The order is `labkit.scale.cost.rank_key`: fastest first, then the least memory, then the
 layout's fields (so that ties break the same way everywhere).
 """
+from itertools import product
+
 from labkit.scale.cluster import load_cluster
 from labkit.scale.cost import no_layout_fits, predict, rank_key
-from labkit.scale.layout import RECOMPUTE, ZERO_STAGES, Layout, LayoutError
+from labkit.scale.layout import CP_METHODS, RECOMPUTE, ZERO_STAGES, Layout, LayoutError
 
 NOTEBOOK = "15_at_scale"
 
@@ -44,19 +54,22 @@ def search(model, cluster, global_batch: int, seq_len: int, n_gpus: int, top: in
                 dp = n_gpus // (tp * pp * cp)
                 if global_batch % dp:
                     continue
+                replicas = [r for r in divisors(dp) if r == 1 or (n_gpus // r) % cluster.gpus_per_node == 0]
+                methods = CP_METHODS if cp > 1 else ("ring",)
                 for ep in divisors(model.n_experts) if model.n_experts else [1]:
                     for micro_batch in divisors(global_batch // dp):
-                        for zero in ZERO_STAGES:
-                            for recompute in RECOMPUTE:
-                                layout = Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, zero=zero,
-                                                recompute=recompute, micro_batch=micro_batch)
-                                try:
-                                    p = predict(model, layout, cluster, global_batch, seq_len, n_gpus)
-                                except LayoutError:
-                                    continue
-                                smallest = p.peak_bytes if smallest is None else min(smallest, p.peak_bytes)
-                                if p.fits:
-                                    fitting.append(p)
+                        for zero, recompute, r, method, overlap in product(
+                                ZERO_STAGES, RECOMPUTE, replicas, methods, (False, True) if ep > 1 else (False,)):
+                            layout = Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, zero=zero, recompute=recompute,
+                                            micro_batch=micro_batch, dp_replicate=r, cp_method=method,
+                                            ep_overlap=overlap)
+                            try:
+                                p = predict(model, layout, cluster, global_batch, seq_len, n_gpus)
+                            except LayoutError:
+                                continue
+                            smallest = p.peak_bytes if smallest is None else min(smallest, p.peak_bytes)
+                            if p.fits:
+                                fitting.append(p)
     if not fitting:
         raise no_layout_fits(model, cluster, n_gpus, smallest)
     return sorted(fitting, key=rank_key)[:top]

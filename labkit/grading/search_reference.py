@@ -3,8 +3,9 @@ place where a search's list differs from it, in words.
 
 Written independently of the learner's loops: every value of every field of the search space (dp,
 pp, cp, tp from 1 to the GPU count, every micro-batch size from 1 to the global batch, every ZeRO
-stage and recompute mode, every ep for a MoE), each layout predicted by labkit.scale.cost.predict,
-the ones check_layout refuses dropped, the ones that do not fit dropped, ranked by rank_key. Used by
+stage and recompute mode, every ep for a MoE; every dp_replicate from 1 to dp whose replicas are whole
+nodes, every cp_method when cp > 1, ep_overlap both ways when ep > 1), each layout predicted by
+labkit.scale.cost.predict, the ones check_layout refuses dropped, the ones that do not fit dropped, ranked by rank_key. Used by
 tests/grading/test_scale_search.py and by notebook 15's check after the search exercise.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import itertools
 
 from labkit.scale.cluster import load_cluster
 from labkit.scale.cost import predict, rank_key
-from labkit.scale.layout import RECOMPUTE, ZERO_STAGES, Layout, LayoutError
+from labkit.scale.layout import CP_METHODS, RECOMPUTE, ZERO_STAGES, Layout, LayoutError
 
 
 def brute_force(model, cluster, global_batch, seq_len, n_gpus, top):
@@ -24,10 +25,17 @@ def brute_force(model, cluster, global_batch, seq_len, n_gpus, top):
     for dp, pp, cp, tp in itertools.product(sizes, repeat=4):
         if dp * pp * cp * tp != n_gpus:
             continue
-        for ep, mb, zero, rc in itertools.product(eps, range(1, global_batch + 1), ZERO_STAGES, RECOMPUTE):
+        # HSDP as it is run: each replica a whole number of nodes (n_gpus / R GPUs), the replicas across them
+        replicas = [r for r in range(1, dp + 1)
+                    if r == 1 or (dp % r == 0 and (n_gpus // r) % cluster.gpus_per_node == 0)]
+        for ep, mb, zero, rc, r, method, overlap in (
+                (ep, *rest, overlap) for ep in eps for rest in itertools.product(
+                    range(1, global_batch + 1), ZERO_STAGES, RECOMPUTE, replicas, CP_METHODS if cp > 1 else ["ring"])
+                for overlap in ([False, True] if ep > 1 else [False])):
             try:
                 p = predict(model, Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, zero=zero, recompute=rc,
-                                          micro_batch=mb), cluster, global_batch, seq_len, n_gpus)
+                                          micro_batch=mb, dp_replicate=r, cp_method=method, ep_overlap=overlap),
+                            cluster, global_batch, seq_len, n_gpus)
             except LayoutError:
                 continue
             if p.fits:
@@ -52,4 +60,5 @@ def explain(got, want, everything) -> str:
         return head + mine + f": search found it, but ranked it #{[p.layout for p in everything].index(w.layout) + 1} " \
                              "(sort with rank_key)"
     return head + mine + (": search never kept it; do your loops try every divisor of the GPUs for each axis, "
-                          "every micro-batch size, every ZeRO stage and recompute mode, every ep of a MoE?")
+                          "every micro-batch size, every ZeRO stage and recompute mode, every ep of a MoE, every dp_replicate "
+                          "whose replicas are whole nodes, every cp_method when cp > 1, ep_overlap both ways when ep > 1?")

@@ -11,8 +11,8 @@
 Modules, one job each:
     cluster    the described GPUs and links (clusters/*.json, units checked)
     specs      Llama-3-shaped model shapes, parameter counts, FLOPs per token
-    layout     a layout (dp, pp, ep, cp, tp, ZeRO stage, recompute, micro-batches), its checks,
-               which link level each axis's group uses
+    layout     a layout (dp, pp, ep, cp, tp, ZeRO stage, recompute, micro-batches; HSDP's replicas,
+               the CP method, EP's overlap), its checks, which link level each axis's group uses
     footprint  peak memory per GPU (labkit.measure.memory's ZeRO formulas + activations)
     traffic    bytes per axis per step, closed forms, and their alpha-beta time
     cost       step time = compute + exposed traffic + bubble -> tokens/s/GPU, MFU

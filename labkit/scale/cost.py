@@ -7,8 +7,18 @@
                       reduction): exposed = max(0, t_dp - t_compute) + t_dp / L (the first
                       gather and the last reduction of a step have nothing to hide behind)
                 cp    the K/V ring overlaps attention (Liu et al. 2023): exposed =
-                      max(0, t_cp - t_attention)
-                tp, ep, pp   on the critical path: exposed in full (no async TP)
+                      max(0, t_ring - t_attention) + t_rest, t_rest the all-gather's and
+                      the all-to-alls' time (cp_method "allgather", "ulysses", the
+                      hybrid's inside a node), which attention waits for
+                ep    exposed in full; with `ep_overlap` (two half micro-batches, notebook 12)
+                      labkit.measure.overlap.two_batch_overlap's rule per layer and direction:
+                      of the 4 half all-to-alls (time t each) 2 are exposed in full and 2 by
+                      max(0, t - the other half's experts); backward's experts take twice
+                      forward's. Not modelled: the SMs the all-to-all takes from compute
+                      (DeepSeek-V3 gives it 20 of 132), half-size expert matmuls running below
+                      the efficiency, attention or the other half's dense layers hiding it too
+                      (DualPipe's pairing), the router's imbalance
+                tp, pp   on the critical path: exposed in full (no async TP)
     bubble    1F1B: (pp - 1) / m of the compute and TP/EP time of a step (m micro-batches);
               interleaved with v virtual stages: (pp - 1) / (v m) (Narayanan et al. 2021)
 Outputs tokens/s per GPU (the step's tokens / step time / GPUs), MFU (model FLOPs only, against
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from labkit.measure.overlap import two_batch_overlap
 from labkit.scale.footprint import peak_memory
 from labkit.scale.layout import Layout, check_layout
 from labkit.scale.traffic import axis_traffic
@@ -60,7 +71,8 @@ def rank_key(p: Prediction):
     """The search's order: fastest first, then the least memory, then the layout's fields."""
     lay = p.layout
     return (-round(p.tokens_per_s_per_gpu, 6), round(p.peak_bytes), lay.dp, lay.pp, lay.cp, lay.tp, lay.ep,
-            lay.zero, lay.recompute, lay.micro_batch, lay.schedule, lay.virtual_stages)
+            lay.zero, lay.recompute, lay.micro_batch, lay.schedule, lay.virtual_stages, lay.dp_replicate,
+            lay.cp_method, lay.ep_overlap)
 
 
 def _params_per_gpu(model, layout) -> dict:
@@ -72,23 +84,41 @@ def _params_per_gpu(model, layout) -> dict:
 
 
 def step_time(compute_s: float, attention_s: float, traffic_s: dict, layout: Layout, n_micro: int,
-              layers_per_rank: int, overlap: bool = True) -> tuple[float, dict]:
+              layers_per_rank: int, overlap: bool = True, *, cp_hideable_s: float | None = None,
+              experts_s: float = 0.0) -> tuple[float, dict]:
     """(step seconds, parts) from one GPU's compute time, its attention's share, and each axis's
     traffic time: the overlap rules and the bubble of the module's docstring. `predict` feeds it
     the closed forms; a measured step (labkit.scale.simulate) feeds it its own FLOPs and bytes.
     overlap=False: every axis's traffic is exposed in full (the lab's own steps communicate after
-    their compute, as notebooks 04-13 write them)."""
+    their compute, as notebooks 04-13 write them). cp_hideable_s: the part of cp's time that can
+    overlap attention (None: all of it, the ring); experts_s: the experts' compute time per step
+    (forward and backward), what hides the all-to-alls under layout.ep_overlap."""
     secs = {axis: traffic_s.get(axis, 0.0) for axis in ("dp", "cp", "tp", "ep", "pp")}
+    ring = secs["cp"] if cp_hideable_s is None else cp_hideable_s
     exposed = dict(secs) if not overlap else {
         "dp": max(0.0, secs["dp"] - compute_s) + secs["dp"] / layers_per_rank,
-        "cp": max(0.0, secs["cp"] - attention_s),
+        "cp": max(0.0, ring - attention_s) + secs["cp"] - ring,
         "tp": secs["tp"], "ep": secs["ep"], "pp": secs["pp"],
     }
+    if overlap and layout.ep_overlap and secs["ep"]:
+        exposed["ep"] = two_batch_exposed(secs["ep"], experts_s, layers_per_rank, n_micro)
     per_micro = compute_s + exposed["tp"] + exposed["ep"]
     stages_per_rank = layout.virtual_stages if layout.schedule == "interleaved" else 1
     bubble = (layout.pp - 1) / (stages_per_rank * n_micro) * per_micro if layout.pp > 1 else 0.0
     step = compute_s + sum(exposed.values()) + bubble
     return step, dict(compute=compute_s, bubble=bubble, **{f"exposed_{a}": v for a, v in exposed.items()})
+
+
+def two_batch_exposed(ep_s: float, experts_s: float, layers: int, n_micro: int) -> float:
+    """EP's exposed all-to-all time per step under the two-micro-batch overlap: ep_s is the time of the
+    8 half all-to-alls per layer and micro-batch (axis_traffic's count: dispatch and combine of two halves,
+    forward and backward), each t = ep_s / (8 L m); a half's experts take c = experts_s / (6 L m) forward
+    and 2c backward. Per layer and micro-batch: two_batch_overlap(t, c) + two_batch_overlap(t, 2c)'s
+    layer_exposed_s (with c = 0: 8t, all of it)."""
+    t = ep_s / (8 * layers * n_micro)
+    c = experts_s / (6 * layers * n_micro)
+    per_layer = two_batch_overlap(t, c)["layer_exposed_s"] + two_batch_overlap(t, 2 * c)["layer_exposed_s"]
+    return layers * n_micro * per_layer
 
 
 def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_gpus: int | None = None,
@@ -106,9 +136,13 @@ def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_g
     rate = cluster.peak_bf16_flops * efficiency
     traffic = axis_traffic(model, layout, cluster, n_micro, seq_len, _params_per_gpu(model, layout), value_bytes)
     attention = 12 * model.n_layers * model.d_model * seq_len * tokens / n_gpus / rate
+    # the experts' FLOPs on this GPU (forward + backward, the fullest pipeline rank's blocks): what hides EP's
+    # all-to-alls under ep_overlap
+    experts = 6 * model.top_k * model.expert_params * L * layout.pp * tokens / n_gpus / rate if model.n_experts else 0.0
     step, parts = step_time(flops / rate, attention, {a: v["seconds"] for a, v in traffic.items()}, layout,
-                            n_micro, L, overlap)
-    memory = peak_memory(model, layout, n_micro, seq_len)
+                            n_micro, L, overlap, cp_hideable_s=traffic.get("cp", {}).get("hideable_seconds"),
+                            experts_s=experts)
+    memory = peak_memory(model, layout, n_micro, seq_len, cp_local=layout.cp_local(cluster.gpus_per_node))
     return Prediction(
         layout=layout, step_s=step, tokens_per_s_per_gpu=tokens / step / n_gpus,
         mfu=model_flops / step / cluster.peak_bf16_flops, peak_bytes=memory["total"],

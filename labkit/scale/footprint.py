@@ -2,7 +2,8 @@
 
     model states   labkit.measure.memory.memory_per_rank (the ZeRO paper's formulas) for the parameters
                    this GPU's stage and tp shard hold, sharded over dp x cp (experts over the
-                   dp x cp / ep ranks that replicate them). ZeRO-3 is FSDP2's mixed precision,
+                   dp x cp / ep ranks that replicate them); under HSDP over the shard group
+                   only, dp_shard x cp (experts / ep), each replica holding a full copy. ZeRO-3 is FSDP2's mixed precision,
                    as torchtitan runs it: fp32 parameters, gradients and Adam moments, all
                    sharded (labkit.measure.memory's "fp32": 4 + 4 + 8 bytes); the other stages keep
                    Megatron's bf16 parameters and gradients with fp32 master + moments
@@ -25,12 +26,13 @@ them), the CUDA context, NCCL's buffers, temporary buffers of attention's backwa
 from __future__ import annotations
 
 from labkit.measure.memory import memory_per_rank
+from labkit.scale.traffic import cp_kv_heads
 
 BF16 = 2
 LOGIT_BYTES = 12
 
 
-def block_activation_bytes(model, layout, micro_batch: int, seq_len: int) -> dict:
+def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_local: int = 1) -> dict:
     """Bytes one block keeps for backward, for one micro-batch: {"saved", "rebuilt"}.
 
     "saved" lives from the block's forward to its backward; "rebuilt" exists during the
@@ -41,7 +43,12 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int) -> dic
         attention      q b s d, k and v 2 b s d_kv, output b s d, log-sum-exp a b s
         wo input       b s d
         SwiGLU         4 b s H  (x top_k for MoE: each token's activations in its k experts)
-    TP splits the heads and H; with sequence parallelism also the norms. CP splits s.
+    TP splits the heads and H; with sequence parallelism also the norms. CP splits s; by
+    `layout.cp_method`: "allgather" (Llama 3) also holds the other cp - 1 ranks' K and V,
+    2 b (cp - 1) s d_kv / tp, as attention's saved input; "ulysses" holds the whole sequence
+    (cp s) for heads / cp heads, the same count as the ring's except the K/V heads, replicated
+    to lcm(n_kv / tp, cp) under GQA (labkit.scale.traffic.cp_kv_heads), the hybrid the same
+    with `cp_local` ranks; the ring holds its own k, v only.
     Recompute "full" keeps the block's input only (b s d); "selective" keeps the block's input,
     the outputs of wq, wv, attention (and its log-sum-exp), w1 and w2.
     """
@@ -50,7 +57,11 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int) -> dic
     h = m.hidden_dim * (m.top_k if m.n_experts else 1)
     sp = tp if layout.sequence_parallel else 1
     norms = 2 * (3 * b * s * d + b * s) / sp
-    attention = (2 * b * s * d + 2 * b * s * dkv + a * b * s) / tp + b * s * d / tp
+    # k and v as attention saves them: this tp rank's K/V heads (replicated for the all-to-alls under GQA)
+    kv_held = 2 * b * s * d // a * cp_kv_heads(layout.cp_method, m.n_kv_heads // tp, cp, cp_local) if cp > 1 \
+        else 2 * b * s * dkv / tp
+    gathered = 2 * b * (cp - 1) * s * dkv / tp if cp > 1 and layout.cp_method == "allgather" else 0.0
+    attention = (2 * b * s * d + a * b * s) / tp + kv_held + gathered + b * s * d / tp
     everything = norms + attention + 4 * b * s * h / tp
     block_input = b * s * d / sp
     if layout.recompute == "none":
@@ -58,7 +69,8 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int) -> dic
     elif layout.recompute == "full":
         saved, rebuilt = block_input, everything
     else:
-        saved = block_input + (2 * b * s * d + b * s * dkv + a * b * s) / tp + b * s * h / tp + b * s * d / sp
+        saved = block_input + (2 * b * s * d + b * s * dkv + a * b * s) / tp + b * s * h / tp + b * s * d / sp \
+            + gathered
         rebuilt = everything - saved
     return {"saved": BF16 * saved, "rebuilt": BF16 * max(rebuilt, 0.0)}
 
@@ -77,7 +89,7 @@ def _states(model, layout, first: bool, last: bool) -> dict:
     """labkit.measure.memory's model states for one GPU of a stage."""
     dense, experts = stage_params(model, layout, first, last)
     precision = "fp32" if layout.zero == "zero3" else "mixed"
-    shard_over = layout.dp * layout.cp
+    shard_over = layout.dp_shard * layout.cp  # dp x cp without HSDP (dp_replicate = 1)
     out = memory_per_rank(dense, shard_over, layout.zero, precision)
     if experts:
         extra = memory_per_rank(experts, shard_over // layout.ep, layout.zero, precision)  # an expert's replicas
@@ -85,7 +97,7 @@ def _states(model, layout, first: bool, last: bool) -> dict:
     return out
 
 
-def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int) -> dict:
+def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int, cp_local: int = 1) -> dict:
     """Peak bytes of a GPU of pipeline stage `stage`, by part, and their "total"."""
     m, pp = model, layout.pp
     first, last = stage == 0, stage == pp - 1
@@ -101,7 +113,7 @@ def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int) -> dict:
         ends = max(last * m.head_params, first * m.embedding_params) / layout.tp
         gathered = 10 * max(block, ends)
     out["gathered"] = gathered
-    act = block_activation_bytes(model, layout, layout.micro_batch, seq_len)
+    act = block_activation_bytes(model, layout, layout.micro_batch, seq_len, cp_local)
     in_flight = min(n_micro, pp - stage) if pp > 1 else 1
     if layout.schedule == "interleaved" and pp > 1:
         # Narayanan et al. 2021: interleaving holds (1 + (p - 1)/(p v)) x 1F1B's activations
@@ -114,8 +126,9 @@ def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int) -> dict:
     return out
 
 
-def peak_memory(model, layout, n_micro: int, seq_len: int) -> dict:
-    """The stage with the largest total (PP ranks differ; torchtitan reports the max over GPUs)."""
-    stages = [stage_memory(model, layout, i, n_micro, seq_len) for i in range(layout.pp)]
+def peak_memory(model, layout, n_micro: int, seq_len: int, cp_local: int = 1) -> dict:
+    """The stage with the largest total (PP ranks differ; torchtitan reports the max over GPUs).
+    cp_local: the cp ranks per node (Layout.cp_local), read by the hybrid CP method only."""
+    stages = [stage_memory(model, layout, i, n_micro, seq_len, cp_local) for i in range(layout.pp)]
     worst = max(range(layout.pp), key=lambda i: stages[i]["total"])
     return dict(stages[worst], stage=worst)

@@ -10,6 +10,19 @@ node when stride x size <= gpus_per_node, so tp (innermost) is the first to stay
 batch is cut into micro-batches (gradient accumulation, or the pipeline's micro-batches).
 `schedule`: "1f1b" or "interleaved" (`virtual_stages` stages per pipeline rank).
 EP borrows its ranks from dp x cp (as torchtitan's ParallelDims): ep must divide dp x cp.
+
+Three choices of how an axis runs (issue 35), each defaulting to the lab's first form:
+`dp_replicate` (HSDP, torchtitan's dp_replicate x dp_shard): dp = dp_replicate x dp_shard, the
+replicas outermost (a replica group holds ranks world / dp_replicate apart: across nodes), the
+model states sharded over dp_shard x cp only (the shard group) and all-reduced across the
+replicas; 1 is full sharding over dp x cp. Under HSDP, EP borrows from dp_shard x cp (inside a
+replica, as torchtitan's efsdp x ep), so ep must divide dp_shard x cp.
+`cp_method`: how attention crosses the cp ranks (labkit.scale.traffic.CP_METHODS): "ring"
+(K/V passed around), "allgather" (Llama 3's all-gather of K/V), "ulysses" (all-to-alls swap
+sequence for heads: the query heads per tp rank must divide by cp), "hybrid" (Ulysses over the
+cp ranks inside a node, `cp_local`, a ring across nodes: the heads per tp rank must divide by it).
+`ep_overlap`: EP's two-micro-batch overlap (solutions/moe_overlap.py, notebook 12): each
+micro-batch runs as two halves whose all-to-alls hide behind the other half's experts.
 """
 from __future__ import annotations
 
@@ -17,6 +30,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from labkit.mesh import AXES
+
+from labkit.scale.traffic import CP_METHODS  # noqa: F401 (re-exported: the methods a Layout may name)
 
 ZERO_STAGES = ("dp", "zero1", "zero2", "zero3")
 RECOMPUTE = ("none", "selective", "full")
@@ -40,6 +55,19 @@ class Layout:
     sequence_parallel: bool = True
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    dp_replicate: int = 1
+    cp_method: str = "ring"
+    ep_overlap: bool = False
+
+    @property
+    def dp_shard(self) -> int:
+        """The data-parallel ranks inside one replica (HSDP's shard group is dp_shard x cp)."""
+        return self.dp // self.dp_replicate
+
+    def cp_local(self, gpus_per_node: int) -> int:
+        """The cp ranks of one cp group inside one node (tp ranks apart): gcd(cp, gpus_per_node / tp),
+        1 when a tp group fills a node or does not divide one."""
+        return math.gcd(self.cp, gpus_per_node // self.tp) if gpus_per_node % self.tp == 0 else 1
 
     @property
     def world_size(self) -> int:
@@ -55,7 +83,8 @@ class Layout:
 
     def level(self, axis: str, gpus_per_node: int) -> str:
         """"node" if every group along `axis` lies inside one node, else "network"."""
-        if axis == "ep":  # borrowed from dp x cp: cp's ranks first (stride tp), then dp's (stride pp cp tp)
+        if axis == "ep":  # borrowed from dp x cp: cp's ranks first (stride tp), then dp's (stride pp cp tp);
+            # under HSDP dp's inner part is dp_shard (stride pp cp tp too), so the same span
             span = self.ep * self.tp if self.ep <= self.cp else self.ep * self.pp * self.tp
         else:
             span = getattr(self, axis) * self.stride(axis)
@@ -70,64 +99,105 @@ class Layout:
     def short(self) -> str:
         axes = " ".join(f"{a}{getattr(self, a)}" for a in ("dp", "pp", "cp", "tp", "ep") if getattr(self, a) > 1)
         extra = f" {self.schedule}x{self.virtual_stages}" if self.pp > 1 and self.schedule == "interleaved" else ""
+        if self.dp_replicate > 1:
+            extra += f" hsdp{self.dp_replicate}x{self.dp_shard}"
+        if self.cp > 1 and self.cp_method != "ring":
+            extra += f" cp-{self.cp_method}"
+        if self.ep > 1 and self.ep_overlap:
+            extra += " ep-overlap"
         return f"{axes or 'single'} {self.zero} {self.recompute} mb{self.micro_batch}{extra}"
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def _need(ok: bool, message: str) -> None:
-    if not ok:
-        raise LayoutError(message)
-
-
 def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_batch: int, seq_len: int) -> int:
     """Raise LayoutError naming the first thing that does not split; return the micro-batch count.
 
-    Checks, in order: positive ints and known options; the axes' product is n_gpus (whole
+    Checks, in order: positive ints and known options (cp_method among CP_METHODS); dp_replicate
+    divides dp, and is 1 under zero="dp"; the axes' product is n_gpus (whole
     nodes); tp divides the heads, the KV heads and the MLP width (tp across nodes is a cost,
     not an error: the search may pick it); pp divides the layers (x virtual stages) at most once each; cp
-    splits the sequence into 2 cp zigzag chunks; ep divides the experts and dp x cp, and is
-    1 for a dense model; the global batch splits over dp and into micro-batches.
+    splits the sequence into 2 cp zigzag chunks; Ulysses: cp divides the heads per tp rank; the
+    hybrid: its cp ranks per node (`cp_local`) divide them, and are neither 1 nor cp (then it is
+    the ring, or Ulysses); ep divides the experts and dp x cp (dp_shard x cp under HSDP), and is
+    1 for a dense model; ep_overlap needs ep > 1; the global batch splits over dp and into micro-batches.
     """
-    for axis in ("dp", "pp", "cp", "tp", "ep", "micro_batch", "virtual_stages"):
+    for axis in ("dp", "pp", "cp", "tp", "ep", "micro_batch", "virtual_stages", "dp_replicate"):
         value = getattr(layout, axis)
-        _need(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-              f"{axis}={value!r}: must be an int >= 1")
-    _need(layout.zero in ZERO_STAGES, f"zero={layout.zero!r}: choose one of {ZERO_STAGES}")
-    _need(layout.recompute in RECOMPUTE, f"recompute={layout.recompute!r}: choose one of {RECOMPUTE}")
-    _need(layout.schedule in SCHEDULES, f"schedule={layout.schedule!r}: choose one of {SCHEDULES}")
-    _need(layout.world_size == n_gpus,
-          f"dp x pp x cp x tp = {layout.dp} x {layout.pp} x {layout.cp} x {layout.tp} = {layout.world_size} "
-          f"GPUs, but the cluster has {n_gpus}: choose sizes whose product is {n_gpus}")
-    _need(n_gpus % gpus_per_node == 0 or n_gpus < gpus_per_node,
-          f"{n_gpus} GPUs is not a whole number of nodes of {gpus_per_node}: use a multiple of {gpus_per_node}")
+        if type(value) is not int or value < 1:  # noqa: E721 (bool, an int subclass, is refused too)
+            raise LayoutError(f"{axis}={value!r}: must be an int >= 1")
+    if layout.zero not in ZERO_STAGES:
+        raise LayoutError(f"zero={layout.zero!r}: choose one of {ZERO_STAGES}")
+    if layout.recompute not in RECOMPUTE:
+        raise LayoutError(f"recompute={layout.recompute!r}: choose one of {RECOMPUTE}")
+    if layout.schedule not in SCHEDULES:
+        raise LayoutError(f"schedule={layout.schedule!r}: choose one of {SCHEDULES}")
+    if layout.cp_method not in CP_METHODS:
+        raise LayoutError(f"cp_method={layout.cp_method!r}: choose one of {CP_METHODS}")
+    if not isinstance(layout.ep_overlap, bool):
+        raise LayoutError(f"ep_overlap={layout.ep_overlap!r}: must be True or False")
+    if not (layout.dp % layout.dp_replicate == 0):
+        raise LayoutError(f"dp_replicate={layout.dp_replicate} does not divide dp={layout.dp}: HSDP splits dp into "
+                          f"dp_replicate x dp_shard, use one of {[d for d in range(1, layout.dp + 1) if layout.dp % d == 0]}")
+    if not (layout.dp_replicate == 1 or layout.zero != "dp"):
+        raise LayoutError(f"dp_replicate={layout.dp_replicate} with zero='dp': plain data parallelism already replicates every "
+                          "state, there is no shard group; use zero='zero1', 'zero2' or 'zero3' (HSDP), or dp_replicate=1")
+    if not (layout.world_size == n_gpus):
+        raise LayoutError(f"dp x pp x cp x tp = {layout.dp} x {layout.pp} x {layout.cp} x {layout.tp} = {layout.world_size} "
+                          f"GPUs, but the cluster has {n_gpus}: choose sizes whose product is {n_gpus}")
+    if not (n_gpus % gpus_per_node == 0 or n_gpus < gpus_per_node):
+        raise LayoutError(f"{n_gpus} GPUs is not a whole number of nodes of {gpus_per_node}: use a multiple of {gpus_per_node}")
     m = model
-    _need(m.n_heads % layout.tp == 0 and m.n_kv_heads % layout.tp == 0,
-          f"tp={layout.tp} does not divide {m.name}'s {m.n_heads} heads and {m.n_kv_heads} KV heads: "
-          f"use a tp that divides {math.gcd(m.n_heads, m.n_kv_heads)}")
-    _need(m.hidden_dim % layout.tp == 0, f"tp={layout.tp} does not divide the MLP width {m.hidden_dim}")
+    if not (m.n_heads % layout.tp == 0 and m.n_kv_heads % layout.tp == 0):
+        raise LayoutError(f"tp={layout.tp} does not divide {m.name}'s {m.n_heads} heads and {m.n_kv_heads} KV heads: "
+                          f"use a tp that divides {math.gcd(m.n_heads, m.n_kv_heads)}")
+    if not (m.hidden_dim % layout.tp == 0):
+        raise LayoutError(f"tp={layout.tp} does not divide the MLP width {m.hidden_dim}")
     stages = layout.pp * (layout.virtual_stages if layout.schedule == "interleaved" else 1)
-    _need(layout.schedule == "1f1b" or layout.pp > 1, "schedule='interleaved' needs pp > 1")
-    _need(stages <= m.n_layers,
-          f"pp={layout.pp} x {stages // layout.pp} virtual stage(s) = {stages} stages for {m.name}'s "
-          f"{m.n_layers} layers: every stage needs a layer, use at most {m.n_layers} stages")
-    _need(seq_len % (2 * layout.cp) == 0 if layout.cp > 1 else True,
-          f"cp={layout.cp}: the sequence of {seq_len} tokens must split into 2 x cp = {2 * layout.cp} "
-          "zigzag chunks")
+    if not (layout.schedule == "1f1b" or layout.pp > 1):
+        raise LayoutError("schedule='interleaved' needs pp > 1")
+    if not (stages <= m.n_layers):
+        raise LayoutError(f"pp={layout.pp} x {stages // layout.pp} virtual stage(s) = {stages} stages for {m.name}'s "
+                          f"{m.n_layers} layers: every stage needs a layer, use at most {m.n_layers} stages")
+    if not (seq_len % (2 * layout.cp) == 0 if layout.cp > 1 else True):
+        raise LayoutError(f"cp={layout.cp}: the sequence of {seq_len} tokens must split into 2 x cp = {2 * layout.cp} "
+                          "zigzag chunks")
+    heads = m.n_heads // layout.tp
+    if layout.cp > 1 and layout.cp_method == "ulysses":
+        if not (heads % layout.cp == 0):
+            raise LayoutError(f"cp_method='ulysses' with cp={layout.cp}: {m.name}'s {heads} heads per tp rank (tp={layout.tp}) do "
+                              f"not split over {layout.cp} cp ranks (the all-to-all gives each rank heads / cp whole heads): use a "
+                              f"cp that divides {heads}, or cp_method='ring', 'allgather' or 'hybrid'")
+    if layout.cp > 1 and layout.cp_method == "hybrid":
+        local = layout.cp_local(gpus_per_node)
+        if not (1 < local < layout.cp):
+            raise LayoutError(f"cp_method='hybrid' with cp={layout.cp}: {local} of each cp group's ranks share a node "
+                              f"(tp={layout.tp}, {gpus_per_node} GPUs per node), so the hybrid would be "
+                              f"{'the ring' if local == 1 else 'Ulysses'} alone: use cp_method='{'ring' if local == 1 else 'ulysses'}'")
+        if not (heads % local == 0):
+            raise LayoutError(f"cp_method='hybrid' with {local} cp ranks per node: {m.name}'s {heads} heads per tp rank "
+                              f"(tp={layout.tp}) do not split over them: use cp_method='ring' or 'allgather', or another tp")
     if m.n_experts == 0:
-        _need(layout.ep == 1, f"ep={layout.ep} on the dense model {m.name}: ep needs experts (use ep=1)")
+        if layout.ep != 1:
+            raise LayoutError(f"ep={layout.ep} on the dense model {m.name}: ep needs experts (use ep=1)")
     else:
-        _need(m.n_experts % layout.ep == 0, f"ep={layout.ep} does not divide the {m.n_experts} experts")
-        _need((layout.dp * layout.cp) % layout.ep == 0,
-              f"ep={layout.ep} borrows its ranks from dp x cp = {layout.dp * layout.cp}: it must divide it")
-    _need(global_batch % layout.dp == 0,
-          f"the global batch of {global_batch} sequences does not split over dp={layout.dp}")
+        if not (m.n_experts % layout.ep == 0):
+            raise LayoutError(f"ep={layout.ep} does not divide the {m.n_experts} experts")
+        if not ((layout.dp_shard * layout.cp) % layout.ep == 0):
+            raise LayoutError(f"ep={layout.ep} borrows its ranks from dp x cp = {layout.dp * layout.cp}: it must divide it"
+                              if layout.dp_replicate == 1 else
+                              f"ep={layout.ep} borrows its ranks from dp_shard x cp = {layout.dp_shard} x {layout.cp} (inside a "
+                              f"replica, dp_replicate={layout.dp_replicate}): it must divide {layout.dp_shard * layout.cp}")
+    if layout.ep_overlap and layout.ep == 1:
+        raise LayoutError("ep_overlap=True with ep=1: there is no all-to-all to hide; use ep > 1 or ep_overlap=False")
+    if not (global_batch % layout.dp == 0):
+        raise LayoutError(f"the global batch of {global_batch} sequences does not split over dp={layout.dp}")
     local = global_batch // layout.dp
-    _need(local % layout.micro_batch == 0,
-          f"each dp rank's {local} sequences do not split into micro-batches of {layout.micro_batch}")
+    if not (local % layout.micro_batch == 0):
+        raise LayoutError(f"each dp rank's {local} sequences do not split into micro-batches of {layout.micro_batch}")
     n_micro = local // layout.micro_batch
-    _need(layout.pp == 1 or n_micro >= layout.pp,
-          f"pp={layout.pp} needs at least {layout.pp} micro-batches per step, the layout has {n_micro}: "
-          "use smaller micro-batches or fewer stages")
+    if not (layout.pp == 1 or n_micro >= layout.pp):
+        raise LayoutError(f"pp={layout.pp} needs at least {layout.pp} micro-batches per step, the layout has {n_micro}: "
+                          "use smaller micro-batches or fewer stages")
     return n_micro

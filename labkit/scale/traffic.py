@@ -10,10 +10,16 @@ Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch =
 (b s d-sized activations in bf16: A = 2 mb s d):
     tp   with SP, per block: forward 2 all-gathers + 2 reduce-scatters of A, backward the same
          (without SP: 2 all-reduces each way, the same bytes); full recompute repeats forward's
-    cp   ring attention: forward passes its K and V (2 x 2 T d_kv bytes) cp-1 times around the
-         ring, backward passes K, V and their gradients (twice that); the other methods' bytes per
-         layer (all-gather, Ulysses, the hybrid) are `cp_attention_bytes`, not yet in `axis_traffic`
-    ep   dispatch and combine all-to-alls of top_k x T tokens of d (bf16), forward and backward
+    cp   per layer and micro-batch, `cp_layer_traffic` by `layout.cp_method`: the bytes of
+         `cp_attention_bytes` (the lab's code as labkit.comm counts it) with q = T d / tp and
+         kv = T d_kv / tp values (this tp rank's heads; Ulysses and the hybrid replicate K/V heads
+         to lcm(n_kv / tp, c) when there are fewer than the all-to-all's c ranks, GQA's price),
+         split into forward and backward; full recompute repeats the forward's. The ring's
+         sends (across nodes for the hybrid) overlap attention; the all-gather's and the
+         all-to-alls' are on the critical path (cost.step_time)
+    ep   dispatch and combine all-to-alls of top_k x T tokens of d (bf16), forward and backward;
+         with `ep_overlap` each micro-batch's are two halves' (half the bytes each, twice the
+         calls: the same bytes, twice the latency terms)
     pp   each micro-batch's activation forward and its gradient backward: A/(tp if SP) each way,
          v times with an interleaved schedule of v virtual stages per rank (each micro-batch goes
          round the ranks v times: "the amount of communication also increases by v", Narayanan
@@ -24,9 +30,13 @@ Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch =
          fp32 gradients (FSDP2 as torchtitan: 2 + 2 + 4 bytes per parameter)
     hsdp `hsdp_traffic`: dp split into R replicas x S shards (torchtitan's dp_replicate x dp_shard);
          the dp terms above inside the shard group, plus an all-reduce of the 1/S gradient shard
-         (fp32 under ZeRO-3) across the replicas: 2 (R-1)/R x 4 P/S, on the network
+         (fp32 under ZeRO-3) across the replicas: 2 (R-1)/R x 4 P/S, on the network. In
+         `axis_traffic` when layout.dp_replicate > 1: R = dp_replicate, S = dp_shard x cp
+         (experts: / ep), the shard group's level from its span dp_shard x pp x cp x tp
 """
 from __future__ import annotations
+
+import math
 
 BF16 = 2
 
@@ -75,14 +85,32 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         add("tp", "reduce_scatter", act, layout.tp, per_block // 2)
     else:
         add("tp", "all_reduce", act, layout.tp, per_block // 2)
-    kv = 2 * BF16 * mb * s * m.kv_dim
-    add("cp", "send", kv, layout.cp, L * n_micro * (layout.cp - 1) * (3 if layout.recompute != "full" else 4))
+    if layout.cp > 1:
+        local = layout.cp_local(cluster.gpus_per_node)
+        head_dim = m.d_model // m.n_heads
+        q = BF16 * mb * s * m.d_model / layout.tp
+        kv = BF16 * mb * s * head_dim * cp_kv_heads(layout.cp_method, m.n_kv_heads // layout.tp, layout.cp, local)
+        levels = {"cp": layout.level("cp", cluster.gpus_per_node), "node": "node", "network": "network"}
+        entry = out.setdefault("cp", {"bytes": 0.0, "seconds": 0.0, "count": 0, "hideable_seconds": 0.0})
+        passes = {"forward": 2 if layout.recompute == "full" else 1, "backward": 1}
+        for direction, parts in cp_layer_traffic(layout.cp_method, layout.cp, q, kv, local).items():
+            for where, sent, steps, calls, hideable in parts:
+                alpha, beta = cluster.link(levels[where])
+                times = L * n_micro * passes[direction]
+                entry["bytes"] += sent * times
+                entry["seconds"] += (steps * alpha + sent / beta) * times
+                entry["count"] += calls * times
+                entry["hideable_seconds"] += (steps * alpha + sent / beta) * times if hideable else 0.0
     if m.n_experts:
         tokens = BF16 * m.top_k * mb * s * m.d_model / (layout.tp if layout.sequence_parallel else 1)
-        add("ep", "all_to_all", tokens, layout.ep, 2 * 2 * L * n_micro)
+        halves = 2 if layout.ep_overlap else 1  # two half micro-batches: half the bytes each, twice the calls
+        add("ep", "all_to_all", tokens / halves, layout.ep, halves * 2 * 2 * L * n_micro)
     if layout.pp > 1:
         v = layout.virtual_stages if layout.schedule == "interleaved" else 1
         add("pp", "send", act / (layout.tp if layout.sequence_parallel else 1), 2, 2 * n_micro * v)
+    if layout.dp_replicate > 1:
+        _add_hsdp(out, layout, cluster, params_per_gpu, BF16)
+        return out
     n_dp = layout.dp * layout.cp
     for axis_params, ranks in ((params_per_gpu["dense"], n_dp), (params_per_gpu["experts"], n_dp // layout.ep)):
         if layout.zero == "zero3":
@@ -143,7 +171,7 @@ def cp_attention_bytes(method: str, cp: int, q_bytes: float, kv_bytes: float, lo
     (solutions/ring_attention.py, solutions/cp_methods.py), as labkit.comm counts it (a collective's wire bytes,
     a point-to-point message's payload), the shape agreement of a few int64 left out:
         ring        {"p2p": 2 kv (3cp - 2)}: K,V sent cp-1 times forward, cp-1 times backward, dK,dV cp times
-                    (the last hop brings them home; `axis_traffic` above counts 3 (cp-1), without that hop)
+                    (the last hop brings them home; `axis_traffic` counts it too, via `cp_layer_traffic`)
         allgather   {"all_gather": 2 kv (cp-1), "reduce_scatter": 2 kv (cp-1)}: K,V gathered, dK,dV scattered
         ulysses     {"all_to_all": 4 (q + kv) (cp-1)/cp}: q, k, v in and out back forward; dout in, dq, dk, dv
                     back backward (needs the heads, and the K/V heads, divisible by cp)
@@ -168,3 +196,71 @@ def cp_attention_bytes(method: str, cp: int, q_bytes: float, kv_bytes: float, lo
     if nodes > 1:
         out["p2p"] = 2 * kv_bytes * (3 * nodes - 2)
     return out
+
+
+def _add_hsdp(out: dict, layout, cluster, params_per_gpu: dict, value_bytes: int) -> None:
+    """axis_traffic's "dp" entry under HSDP: `hsdp_traffic` of the dense parameters over S = dp_shard x cp and
+    of the experts over S / ep, R = dp_replicate replicas; its bytes by level in "shard_bytes", "replica_bytes"."""
+    span = layout.dp_shard * layout.pp * layout.cp * layout.tp if layout.dp_shard > 1 else layout.cp * layout.tp
+    entry = out.setdefault("dp", {"bytes": 0.0, "seconds": 0.0, "count": 0})
+    entry.update(shard_bytes=0.0, replica_bytes=0.0)
+    shard = layout.dp_shard * layout.cp
+    for params, ranks in ((params_per_gpu["dense"], shard), (params_per_gpu["experts"], shard // layout.ep)):
+        if params == 0:
+            continue
+        levels = hsdp_traffic(params, layout.dp_replicate, ranks, cluster, zero=layout.zero,
+                              shard_stride=span / ranks, value_bytes=value_bytes)
+        for name, level in levels.items():
+            entry["bytes"] += level["bytes"]
+            entry["seconds"] += level["seconds"]
+            entry["count"] += level["count"]
+            entry[f"{name}_bytes"] += level["bytes"]
+
+
+def cp_kv_heads(method: str, kv_heads: int, cp: int, local: int = 1) -> int:
+    """K/V heads per tp rank as the method moves and holds them: the all-to-all of Ulysses (over cp) and of the
+    hybrid (over `local`) needs a multiple of its ranks, so GQA's fewer K/V heads are replicated up to
+    lcm(kv_heads, ranks) (solutions/cp_methods.py's docstring: "each K/V head replicated on c/n_kv ranks");
+    the ring and the all-gather move them as they are."""
+    ranks = {"ulysses": cp, "hybrid": local}.get(method, 1)
+    return math.lcm(kv_heads, ranks)
+
+
+def cp_layer_traffic(method: str, cp: int, q_bytes: float, kv_bytes: float, local: int = 1) -> dict:
+    """One attention layer's context-parallel traffic for one micro-batch, by direction:
+    {"forward": [...], "backward": [...]}, items (where, bytes sent, alpha steps, calls, hideable).
+
+    where: "cp" (the cp group's own level), "node" (the hybrid's all-to-alls among the cp ranks of a
+    node) or "network" (its ring across the o = cp / local nodes). hideable: the ring's K/V blocks,
+    which flow while attention computes on the previous block (Liu et al. 2023); the all-gather, the
+    all-to-alls and the dK/dV reduce-scatter are on the critical path ("the all-gather communication
+    latency is exposed in the critical path", Dubey et al. 2024, arXiv 2407.21783, section 3.3.2).
+    Per direction (c = cp, l = local, kv = one of K, V; the two directions add up to `cp_attention_bytes`):
+        ring       forward c-1 hops of K,V (2 kv each); backward 2c-1 (K,V c-1, dK,dV c: home included)
+        allgather  forward one all-gather (wire 2 kv (c-1), c-1 steps); backward one reduce-scatter, the same
+        ulysses    forward 4 all-to-alls (q, k, v in, out back: 2 (q + kv) (c-1)/c, c-1 steps each);
+                   backward 4 (dout in; dq, dk, dv back), the same
+        hybrid     the Ulysses terms over l ranks ("node"), and the ring's over o ("network")
+    """
+    if method not in CP_METHODS:
+        raise ValueError(f"method={method!r} is not a context-parallel method: choose one of {', '.join(CP_METHODS)}")
+
+    def ring(n, where):  # (forward, backward) of a ring of n: hops of one K,V pair, each one alpha
+        if n <= 1:
+            return [], []
+        return ([(where, 2 * kv_bytes * (n - 1), n - 1, n - 1, True)],
+                [(where, 2 * kv_bytes * (2 * n - 1), 2 * n - 1, 2 * n - 1, True)])
+
+    def swaps(n, where):  # one direction's 4 all-to-alls over n ranks
+        return [] if n <= 1 else [(where, 2 * (q_bytes + kv_bytes) * (n - 1) / n, 4 * (n - 1), 4, False)]
+
+    if method == "ring":
+        forward, backward = ring(cp, "cp")
+    elif method == "allgather":
+        forward = backward = [("cp", 2 * kv_bytes * (cp - 1), cp - 1, 1, False)] if cp > 1 else []
+    elif method == "ulysses":
+        forward = backward = swaps(cp, "cp")
+    else:
+        across_forward, across_backward = ring(cp // local, "network")
+        forward, backward = swaps(local, "node") + across_forward, swaps(local, "node") + across_backward
+    return {"forward": forward, "backward": backward}

@@ -4,8 +4,10 @@ Run: pytest tests/grading/test_scale_search.py   (add --impl=solutions for the r
 The reference is brute force (labkit/grading/search_reference.py), written independently of the
 learner's loops: every value of every field of the search space (dp, pp, cp, tp from 1 to the GPU
 count, every micro-batch size from 1 to the global batch, every ZeRO stage and recompute mode,
-every ep for a MoE), each layout predicted by labkit.scale.cost.predict, the ones check_layout
-refuses dropped, the ones that do not fit dropped, ranked by rank_key. About 5 s on 2 cores.
+every ep for a MoE, every dp_replicate whose replicas are whole nodes, every cp_method when cp > 1,
+ep_overlap both ways when ep > 1), each layout predicted by labkit.scale.cost.predict, the ones check_layout
+refuses dropped, the ones that do not fit dropped, ranked by rank_key. About 15 s on 2 busy cores (3.5-5 s
+before those three choices, measured back to back): the MoE case is the longest.
 """
 import re
 
