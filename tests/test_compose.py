@@ -68,7 +68,8 @@ def run_layouts(rank, world_size, layouts):
         try:
             dims.check(cfg, batch=BATCH, seq_len=SEQ, world_size=world_size)
             mesh = dims.build_mesh(world_size)
-            stage = parallelize(build_model(cfg, seed=0).double(), mesh=mesh, cp_method=dims.cp_method)
+            stage = parallelize(build_model(cfg, seed=0).double(), mesh=mesh, cp_method=dims.cp_method,
+                                ep_overlap=dims.ep_overlap)
             opt = ComposedOptimizer(stage, mesh=mesh, zero=dims.zero)
             X, Y = batches(cfg)
             losses = [train_step(stage, opt, X[k], Y[k], mesh=mesh, microbatches=dims.microbatches) for k in range(K)]
@@ -186,6 +187,9 @@ BAD = [  # (what the issue names, dims, model, batch, seq_len, world, words the 
      "dp_replicate x dp_shard = 2 x 3 = 6, but dp=4"),
     ("replicas not dividing dp", ParallelDims(dp=4, dp_replicate=3), False, 8, 16, 4, "dp_replicate x dp_shard = 3 x 1"),
     ("a MoE that can drop tokens under cp", ParallelDims(cp=2), "drops", 8, 16, 2, "dropless"),
+    ("ep_overlap without ep", ParallelDims(dp=2, ep_overlap=True), True, 8, 16, 2, "ep=1 has none"),
+    ("ep_overlap with one sequence per rank", ParallelDims(dp=2, ep=2, ep_overlap=True), True, 2, 16, 2,
+     "gives 1 sequence per rank: use a batch of at least 4"),
     ("ZeRO stage 4", ParallelDims(dp=2, zero=4), False, 8, 16, 2, "zero=4"),
     ("an unknown CP method", ParallelDims(cp=2, cp_method="tree"), False, 8, 16, 2,
      "cp_method='tree' is not a context-parallel method: choose one of ring, allgather, ulysses, hybrid"),

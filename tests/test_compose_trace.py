@@ -70,7 +70,7 @@ def _one_step_per_method(rank, world):
     for dims in METHODS:
         mesh = dims.build_mesh(world)
         model = build_model(_config(), seed=0).double()
-        stage = parallelize(model, mesh=mesh, cp_method=dims.cp_method)
+        stage = parallelize(model, mesh=mesh, cp_method=dims.cp_method, ep_overlap=dims.ep_overlap)
         opt = ComposedOptimizer(stage, mesh=mesh)
         tokens = torch.randint(0, 128, (8, 17), generator=torch.Generator().manual_seed(0))
         with intercept(AxisSpans(mesh)) as spans:

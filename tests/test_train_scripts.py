@@ -247,9 +247,11 @@ def _refusal(monkeypatch, extra, env_world) -> str:
     (["--ep", "2", "--ep-over", "dp,pp", "--model", "tiny-moe"], None, "--ep-over dp,pp: name the axes ep is folded"),
     (["--cp", "2", "--ep", "4", "--dp", "1", "--ep-over", "dp,cp", "--model", "tiny-moe", "--capacity-factor", "2"],
      None, "--ep 4 does not divide the ranks it is folded over, --dp-shard 1 x --cp 2 = 2"),
+    (["--dp", "2", "--ep-overlap", "--model", "tiny-moe"], None,
+     "ep_overlap hides expert parallelism's all-to-all, but --ep 1 has none"),
 ], ids=["product-not-world", "tp-heads", "ep-dense", "moe-drops-under-cp", "flags-of-another-strategy",
         "single-with-dp", "dp-with-pp", "pp-past-layers", "ulysses-heads", "hybrid-one-node", "cp-method-without-cp",
-        "replicas-x-shards-not-dp", "hsdp-zero0", "ep-over-pp", "ep-not-dividing-folded"])
+        "replicas-x-shards-not-dp", "hsdp-zero0", "ep-over-pp", "ep-not-dividing-folded", "ep-overlap-without-ep"])
 def test_train_bad_layout_fails_before_any_rank(extra, env_world, words, monkeypatch):
     """One line naming the flag and the fix, before any rank is started (in this process: it must not get as far
     as forking)."""

@@ -73,6 +73,8 @@ def parse_args(argv=None):
                    help="how attention crosses the --cp ranks (composed; default ring)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks, folded over --ep-over: no ranks of "
                    "their own (composed, MoE)")
+    p.add_argument("--ep-overlap", action="store_true", default=None, help="each MoE layer as two halves whose "
+                   "all-to-alls hide behind the other half's experts (solutions/moe_overlap.py, notebook 12; composed)")
     p.add_argument("--ep-over", default=None, help="the axes ep is folded over: dp (default: borrowed from the data "
                    "ranks), dp,cp or dp,cp,tp (torchtitan's); ep must divide their product (dp counting dp_shard)")
     p.add_argument("--dp-replicate", type=int, default=None, help="HSDP: the --dp data-parallel ranks as R replicas "

@@ -18,12 +18,13 @@ import re
 PROG = "python -m labkit.apps.train"
 STRATEGIES = ("single", "dp", "pp", "hybrid", "composed")
 AXES = ("dp", "pp", "cp", "tp", "ep")  # the report's axes; world size = dp x pp x cp x tp (ep is folded, no ranks)
-COMPOSED_FLAGS = ("tp", "cp", "ep", "zero", "ep_over", "dp_replicate", "dp_shard")
+COMPOSED_FLAGS = ("tp", "cp", "ep", "zero", "ep_over", "dp_replicate", "dp_shard", "ep_overlap")
 # labkit.compose's messages name its arguments; the app's name its flags
 FLAGS = {"dp": "--dp", "pp": "--pp", "cp": "--cp", "tp": "--tp", "ep": "--ep", "zero": "--zero",
          "ep_over": "--ep-over", "dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard",
          "microbatches": "--microbatches", "batch": "--batch-size", "seq_len": "--seq-len",
-         "capacity_factor": "--capacity-factor", "cp_method": "--cp-method"}
+         "capacity_factor": "--capacity-factor", "cp_method": "--cp-method",
+         "ep_overlap": "--ep-overlap"}
 
 
 def refuse(message: str):
@@ -91,6 +92,7 @@ def composed_dims(args):
 
     return ParallelDims(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, ep=args.ep, zero=args.zero,
                         microbatches=args.microbatches, cp_method=args.cp_method or "ring", ep_over=ep_over(args),
+                        ep_overlap=bool(getattr(args, "ep_overlap", None)),
                         dp_replicate=getattr(args, "dp_replicate", None) or 1, dp_shard=getattr(args, "dp_shard", None))
 
 

@@ -150,7 +150,7 @@ def composed_rank(world_size: int, args, cfg, model, tokens, device) -> dict:
 
     dims = composed_dims(args)
     mesh = dims.build_mesh(world_size)
-    stage = parallelize(model, mesh=mesh, cp_method=dims.cp_method)
+    stage = parallelize(model, mesh=mesh, cp_method=dims.cp_method, ep_overlap=dims.ep_overlap)
     opt = ComposedOptimizer(stage, mesh=mesh, zero=dims.zero, lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=cfg.weight_decay, no_decay=lambda p: p.dim() < 2)  # as make_optimizer
     losses, t_start = [], None

@@ -60,6 +60,7 @@ class ParallelDims:
     ep_over: tuple = ("dp",)
     dp_replicate: int = 1
     dp_shard: int | None = None
+    ep_overlap: bool = False  # each MoE layer as two halves whose all-to-alls hide behind the other's experts
 
     @property
     def world_size(self) -> int:
@@ -95,6 +96,7 @@ class ParallelDims:
             axes += "/" + "".join(self.folded)
         extra = (f" zero{self.zero}" if self.zero else "") + (f" m{self.microbatches}" if self.microbatches > 1 else "")
         extra += f" {self.cp_method}" if self.cp_method != "ring" else ""
+        extra += " overlap" if self.ep_overlap else ""
         return (axes or "single") + extra
 
     def as_dict(self) -> dict:
@@ -149,6 +151,9 @@ class ParallelDims:
         if batch % (self.dp * self.microbatches):
             raise ValueError(f"batch={batch} does not split into dp={self.dp} replicas x microbatches="
                              f"{self.microbatches}: use a batch that is a multiple of {self.dp * self.microbatches}")
+        if self.ep_overlap and self.ep < 2:
+            raise ValueError("ep_overlap hides expert parallelism's all-to-all, but ep=1 has none: use ep >= 2, "
+                             "or leave ep_overlap out")
         if self.ep > 1 and not c.n_experts:
             raise ValueError(f"ep={self.ep} on a dense model: expert parallelism splits the experts of MoE layers; "
                              "use --model tiny-moe (a config with n_experts > 0) or ep=1")
@@ -166,6 +171,11 @@ class ParallelDims:
                                  + (f", or fold it over more axes (ep_over={self.folded + tuple(more)}, --ep-over "
                                     f"{','.join(self.folded + tuple(more))})" if more else ""))
             Mesh(self.world_size, rank=0, groups=False, **self.mesh_kwargs())  # ep cutting across an axis: named
+            rows = batch // (self.dp * self.microbatches)
+            if self.ep_overlap and rows < 2:
+                raise ValueError(f"ep_overlap cuts each rank's micro-batch into two halves of whole sequences, but "
+                                 f"batch={batch} / (dp={self.dp} x microbatches={self.microbatches}) gives {rows} "
+                                 f"sequence per rank: use a batch of at least {2 * self.dp * self.microbatches}")
             if self.cp * self.tp > 1 and c.capacity_factor * c.top_k < c.n_experts:
                 raise ValueError(
                     f"a MoE with capacity_factor={c.capacity_factor} can drop tokens, and the lab's MoE "

@@ -17,7 +17,8 @@ def L(moe: bool = False, **sizes) -> tuple:
 
 LAYOUTS = {
     2: [L(dp=2), L(pp=2), L(cp=2), L(tp=2), L(True, dp=2, ep=2),
-        L(True, cp=2, ep=2, ep_over=DPCP), L(True, tp=2, ep=2, ep_over=DPCPTP), L(dp=2, dp_replicate=2, zero=1)],
+        L(True, cp=2, ep=2, ep_over=DPCP), L(True, tp=2, ep=2, ep_over=DPCPTP), L(dp=2, dp_replicate=2, zero=1),
+        L(True, dp=2, ep=2, ep_overlap=True)],
     4: [L(dp=2, pp=2, microbatches=2), L(dp=2, cp=2), L(dp=2, tp=2), L(pp=2, cp=2, microbatches=2),
         L(pp=2, tp=2, microbatches=2), L(cp=2, tp=2),
         L(True, dp=4, ep=2), L(True, dp=2, ep=2, pp=2, microbatches=2), L(True, dp=2, ep=2, cp=2),

@@ -12,7 +12,9 @@
          global positions, by `cp_method`: the learner's ring (default), or solutions/cp_methods.py's
          all-gather of K/V, Ulysses all-to-all (the learner's two swaps) or the a2a+p2p hybrid
     ep   each MoE layer the learner's EPMoE over the mesh's ep group (dispatch, compute, combine): a grid
-         axis carved out of dp, or folded over dp x cp (x tp) (`labkit.compose.dims`)
+         axis carved out of dp, or folded over dp x cp (x tp) (`labkit.compose.dims`); with `ep_overlap`,
+         the learner's TwoBatchEPMoE (solutions/moe_overlap.py): two halves, each all-to-all hidden
+         behind the other half's experts where it can be
     dp   nothing in the model: the data-parallel ranks read other rows, and their gradients are
          summed by `labkit.compose.step` over the groups the learner's placement table names
 
@@ -161,7 +163,8 @@ def aux_share(routing, *, group, seq_len: int, global_batch: int, coef: float) -
 
 
 class ComposedBlock(nn.Module):
-    def __init__(self, block: nn.Module, *, mesh: Mesh, layer: int, timeline=None, cp_method="ring", levels=None):
+    def __init__(self, block: nn.Module, *, mesh: Mesh, layer: int, timeline=None, cp_method="ring", levels=None,
+                 ep_overlap: bool = False):
         super().__init__()
         self.attention_norm, self.ffn_norm = _copy(block.attention_norm), _copy(block.ffn_norm)
         self.attention = ComposedAttention(block.attention, mesh=mesh, timeline=timeline, cp_method=cp_method,
@@ -172,6 +175,8 @@ class ComposedBlock(nn.Module):
             self.feed_forward = impl("expert_parallel").EPMoE(
                 _copy(block.feed_forward), group=mesh.group("ep"), ep_rank=mesh.coord("ep"),
                 ep_size=mesh.size("ep"), layer=layer, **extra)
+            if ep_overlap:  # the same router and experts (same names), run as two overlapped halves
+                self.feed_forward = impl("moe_overlap").TwoBatchEPMoE(self.feed_forward, timeline=timeline)
         else:
             self.feed_forward = ComposedMLP(block.feed_forward, mesh=mesh)
         axes = live_axes(("cp", "tp"), mesh)
@@ -198,7 +203,8 @@ class ComposedStage(nn.Module):
     GLOBAL batch's shape before each step (`labkit.compose.step.train_step` does).
     """
 
-    def __init__(self, model: nn.Module, *, mesh: Mesh, timeline=None, cp_method: str = "ring"):
+    def __init__(self, model: nn.Module, *, mesh: Mesh, timeline=None, cp_method: str = "ring",
+                 ep_overlap: bool = False):
         super().__init__()
         cfg = model.config
         levels = None
@@ -213,7 +219,8 @@ class ComposedStage(nn.Module):
             self.tok_embeddings = impl("vocab_parallel").VocabParallelEmbedding(model.tok_embeddings, group=self.tp_group)
         ids = split_layers(cfg.n_layers, self.n_stages)[self.stage]
         self.layers = nn.ModuleDict({str(i): ComposedBlock(model.layers[i], mesh=mesh, layer=i, timeline=timeline,
-                                                           cp_method=cp_method, levels=levels) for i in ids})
+                                                           cp_method=cp_method, levels=levels, ep_overlap=ep_overlap)
+                                     for i in ids})
         if self.is_last:
             self.norm = _copy(model.norm)
             self.output = impl("tensor_parallel").ColumnParallelLinear(model.output, group=self.tp_group)
@@ -255,7 +262,8 @@ class ComposedStage(nn.Module):
         return ce * targets.numel() / (self.global_batch * self.seq_len)  # mean over b s/cp -> share of B s
 
 
-def parallelize(model: nn.Module, *, mesh: Mesh, timeline=None, cp_method: str = "ring") -> ComposedStage:
+def parallelize(model: nn.Module, *, mesh: Mesh, timeline=None, cp_method: str = "ring",
+                ep_overlap: bool = False) -> ComposedStage:
     """This rank's `ComposedStage` of `model` (left unchanged) on `mesh` (see the module docstring);
-    `cp_method` as `ParallelDims.cp_method` (checked there, before any process work)."""
-    return ComposedStage(model, mesh=mesh, timeline=timeline, cp_method=cp_method)
+    `cp_method` and `ep_overlap` as `ParallelDims`'s (checked there, before any process work)."""
+    return ComposedStage(model, mesh=mesh, timeline=timeline, cp_method=cp_method, ep_overlap=ep_overlap)
