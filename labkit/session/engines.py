@@ -76,16 +76,18 @@ class Engines:
         """Stop the engines and the controller; kill what does not stop. Idempotent."""
         if self.cluster is None:
             return
-        pids = self.local_pids()
+        # Killed first: an engine holds nothing worth saving once its session stops, and the polite
+        # stop (SIGTERM, then SIGKILL after 5 s) waits out every engine whose process group or a
+        # collective it is stuck in keeps it from exiting: 7-9 s per `%ranks stop`, measured.
+        for pid in self.local_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
             if self.client is not None:
                 self.client.close()
             self.cluster.stop_cluster_sync()
         except Exception:
             pass
-        for pid in pids:  # an engine stuck in a collective may ignore the polite stop
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         self.cluster = self.client = None
