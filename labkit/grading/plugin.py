@@ -5,7 +5,8 @@
 
 Options:
   --impl exercises|solutions   sets LABKIT_IMPL for the run: tests, launched ranks and
-                               notebooks executed by nbval all use the same implementation.
+                               notebooks executed by tests/test_notebooks.py all use the same
+                               implementation (there, the stubs' runs use exercises/).
   --grade                      print the table: exercise, notebook, status.
   --grade-json PATH            write every grading test's outcome as JSON (used by the
                                test that proves every grading test fails on the stubs).
