@@ -101,3 +101,27 @@ def test_a_mean_over_dp_where_a_sum_was_due_is_named_with_the_inverse_factor(ref
     assert message.startswith("first divergence: "
                               "the gradient of output (step 1's backward; tp_shard: due summed over dp)")
     assert "1/2 = the size of dp: a mean where a sum was due" in message
+
+
+def hsdp_sum_across_replicas(stage, mesh):  # hsdp_sync without its division by R: a sum across the replicas
+    mod = impl("hsdp")
+
+    def summed(flat_grad, *, shard_group, replica_group):
+        import torch.distributed as dist
+        from labkit.parallel.sharding import reduce_scatter_mean
+        mine = reduce_scatter_mean(flat_grad, group=shard_group)
+        dist.all_reduce(mine, group=replica_group)
+        return mine
+    mod.hsdp_sync = summed
+
+
+def test_a_wrong_hsdp_sync_fails_the_composed_proof_naming_it(reference):
+    """The composed HSDP step runs the learner's hsdp_sync (labkit.compose.step.sync_replicas): one planted in
+    the ranks that forgets to divide by R is named at the first gradient, with hsdp_sync and the factor R."""
+    dims = ParallelDims(dp=4, dp_replicate=2, zero=1)
+    assert divergence.first_divergence(run(dims), reference) is None
+    message = divergence.first_divergence(run(dims, hsdp_sum_across_replicas), reference)
+    print(message)
+    assert message.startswith("first divergence: the gradient of output (step 1's backward; tp_shard: due summed over dp")
+    assert "summed by your hsdp_sync (exercises/hsdp.py, notebook 10)" in message
+    assert "2 = the size of dp_replicate: a sum where a mean was due" in message

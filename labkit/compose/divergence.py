@@ -74,8 +74,9 @@ def record_first_step(stage, optimizer, tokens, targets, *, mesh, microbatches: 
     if optimizer.zero == 3:
         optimizer.begin_step()  # the parameters whole again, to gather them
     named = [(n, grads[n]) for n, _ in stage.named_parameters()]
+    hsdp = [names[id(p)] for _, params, opt in optimizer.groups if optimizer.replicas[id(opt)][1] for p in params]
     return dict(loss=loss, acts=acts, grads=gather_full(named, mesh=mesh), weights=full_state(stage, mesh=mesh),
-                sizes={n: mesh.size(n) for n in mesh.names}, summed=_summed_words(mesh))
+                sizes={n: mesh.size(n) for n in mesh.names}, summed=_summed_words(mesh), hsdp=hsdp)
 
 
 def reference_first_step(model, tokens, targets, **adamw) -> dict:
@@ -152,6 +153,7 @@ def first_divergence(records, reference, *, rtol: float = 1e-9) -> str | None:
     order, in words. `records`: every rank's `record_first_step`; `reference`: `reference_first_step`."""
     records = list(records)
     sizes = records[0]["sizes"]
+    by_hsdp = {name for rec in records for name in rec.get("hsdp", ())}  # synced by the learner's hsdp_sync
     got = {"activation": {}, "gradient": {}, "weight": {}}
     for rec in records:
         for name, pieces in rec["acts"].items():
@@ -172,6 +174,11 @@ def first_divergence(records, reference, *, rtol: float = 1e-9) -> str | None:
             diff, scale = (g.double() - w.double()).abs().max().item(), w.double().abs().max().item()
             if diff > rtol * max(scale, 1e-30):
                 axes, why = _axes_of(kind, name, sizes, records[0].get("summed"))
+                if kind == "gradient" and name in by_hsdp:
+                    why += (f"; HSDP over {sizes['dp_replicate']} replicas: summed by your hsdp_sync "
+                            "(exercises/hsdp.py, notebook 10), reduce-scatter inside a replica, then all-reduce "
+                            "across the replicas")
+                    axes = list(axes) + ["dp_replicate", "dp_shard"]  # a factor of R or S: hsdp_sync's mean
                 return (f"first divergence: the {kind} of {layer} ({order[kind]}; {why}): max abs diff {diff:.3g}, "
                         f"relative {diff / max(scale, 1e-300):.3g}" + _hint(g.double(), w.double(), axes, sizes))
     return None
