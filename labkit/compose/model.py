@@ -40,6 +40,7 @@ from labkit.grading import impl
 from labkit.mesh import Mesh
 from labkit.model import causal_attention, check_tokens, split_layers
 from labkit.model import moe as moe_lib
+from labkit.parallel.context_methods import CPLevels
 
 # -------------------------------------------------------------------------- parameter classes
 # which dim of the weight a tp rank slices: rows (output features, or the vocabulary) or columns
@@ -79,7 +80,7 @@ class ComposedAttention(nn.Module):
     """Attention with its heads over tp (SP around it) and its sequence over cp (by `cp_method`).
 
     cp_method: "ring", "allgather", "ulysses" or "hybrid" (`labkit.compose.dims.CP_METHODS`); the hybrid
-    needs `levels`, the cp axis as nodes (solutions/cp_methods.CPLevels, built once per stage: collective)."""
+    needs `levels`, the cp axis as nodes (labkit.parallel.context_methods.CPLevels, built once per stage: collective)."""
 
     def __init__(self, attention: nn.Module, *, mesh: Mesh, timeline=None, cp_method: str = "ring", levels=None):
         super().__init__()
@@ -209,7 +210,7 @@ class ComposedStage(nn.Module):
         cfg = model.config
         levels = None
         if cp_method == "hybrid" and mesh.size("cp") > 1:  # its groups, made once (collective over the world)
-            levels = impl("cp_methods").CPLevels(mesh, local=HYBRID_LOCAL)
+            levels = CPLevels(mesh, local=HYBRID_LOCAL)
         self.config, self.mesh, self.timeline = cfg, mesh, timeline
         self.stage, self.n_stages = mesh.coord("pp"), mesh.size("pp")
         self.is_first, self.is_last = mesh.is_first("pp"), mesh.is_last("pp")
