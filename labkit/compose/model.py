@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from labkit.compose.dims import HYBRID_LOCAL, live_axes
 from labkit.grading import impl
@@ -266,5 +267,29 @@ class ComposedStage(nn.Module):
 def parallelize(model: nn.Module, *, mesh: Mesh, timeline=None, cp_method: str = "ring",
                 ep_overlap: bool = False) -> ComposedStage:
     """This rank's `ComposedStage` of `model` (left unchanged) on `mesh` (see the module docstring);
-    `cp_method` and `ep_overlap` as `ParallelDims`'s (checked there, before any process work)."""
-    return ComposedStage(model, mesh=mesh, timeline=timeline, cp_method=cp_method, ep_overlap=ep_overlap)
+    `cp_method` and `ep_overlap` as `ParallelDims`'s (checked there, before any process work). The learner's
+    tp slices are checked against `model` first (`check_slices`): a wrong block is named before any step."""
+    stage = ComposedStage(model, mesh=mesh, timeline=timeline, cp_method=cp_method, ep_overlap=ep_overlap)
+    check_slices(stage, model, mesh=mesh)
+    return stage
+
+
+def check_slices(stage, model, *, mesh: Mesh) -> None:
+    """ValueError naming the learner's class when a tp_shard parameter is not block coord("tp") of the full
+    weight along its `shard_dim` (a slice by the global rank, a block of another rank, a wrong shape)."""
+    full, t, i = dict(model.named_parameters()), mesh.size("tp"), mesh.coord("tp")
+    for name, p in stage.named_parameters():
+        dim = shard_dim(name)
+        if dim is None or name not in full:
+            continue
+        blocks = full[name].detach().chunk(t, dim)
+        fake = is_fake(p) or is_fake(blocks[i])  # labkit.scale's simulated ranks: shapes only
+        if p.shape == blocks[i].shape and (fake or torch.equal(p.detach(), blocks[i].to(p.dtype))):
+            continue
+        owner = ("VocabParallelEmbedding (exercises/vocab_parallel.py)" if name.startswith("tok_embeddings") else
+                 f"{'Row' if dim else 'Column'}ParallelLinear (exercises/tensor_parallel.py)")
+        held = [j for j, b in enumerate(blocks) if not fake and p.shape == b.shape and torch.equal(p.detach(), b.to(p.dtype))]
+        what = f"block {held[0]} (tp rank {held[0]}'s)" if held else f"shape {tuple(p.shape)}, not one of the blocks"
+        raise ValueError(f"{owner} built {name} on rank {mesh.rank} (tp rank {i} of {t}) with {what}; due: block {i} "
+                         f"of the full weight along dim {dim}, shape {tuple(blocks[i].shape)}: slice by the rank in the "
+                         "tp group, dist.get_rank(group), not the global rank")

@@ -217,6 +217,7 @@ def train_step(stage, optimizer: ComposedOptimizer, tokens, targets, *, mesh: Me
     device = next(stage.parameters()).device  # a GPU node: the batch goes where the stage is
     tokens, targets = tokens.to(device), targets.to(device)
     x, y = impl("placement").local_batch(tokens, targets, mesh=mesh)
+    check_local_batch(x, y, (B, s), mesh=mesh)
     optimizer.zero_grad()
     optimizer.begin_step()
     stage.begin_step(B, s)
@@ -229,6 +230,19 @@ def train_step(stage, optimizer: ComposedOptimizer, tokens, targets, *, mesh: Me
     with tl.span("reduce", mesh.coord("pp")):
         optimizer.step(max_norm)
     return global_loss(stage, ce, mesh=mesh)
+
+
+def check_local_batch(x, y, shape, *, mesh: Mesh) -> None:
+    """ValueError naming the learner's local_batch when what it returned is not this rank's share of the
+    global batch `shape` (B, s): B / batch rows and s / cp positions, x on the first stage, y on the last."""
+    (B, s), rows, n = shape, shape[0] // mesh.size("batch"), shape[1] // mesh.size("cp")
+    for what, t, due in (("x", x, mesh.is_first("pp")), ("y", y, mesh.is_last("pp"))):
+        if due and (t is None or tuple(t.shape) != (rows, n)):
+            got = "None" if t is None else f"shape {tuple(t.shape)}"
+            raise ValueError(f"local_batch (your exercises/placement.py) returned {what} = {got} on rank {mesh.rank} "
+                             f"{mesh.coords()}; this rank reads B / batch = {B} / {mesh.size('batch')} = {rows} rows "
+                             f"(shard_rows at mesh.index('batch'), of mesh.size('batch')) and s / cp = {s} / "
+                             f"{mesh.size('cp')} = {n} positions, {what} on the {'first' if what == 'x' else 'last'} stage")
 
 
 def global_loss(stage, ce, *, mesh: Mesh) -> float:
