@@ -32,36 +32,27 @@ all-to-all, now swapping which dimension is sharded, and the whole method is tho
 attention. The all-gather method and the hybrid are given: the first is an all-gather and a mask you have already
 met (notebook 11's positions, notebook 08's gather/reduce-scatter pair; tested in tests/test_cp_given_methods.py),
 the second composes your Ulysses swaps with the ring of notebook 11 (graded with your swaps in
-tests/grading/test_cp_methods.py).
+tests/grading/test_cp_methods.py). Their building blocks (the K/V gather, attention at global positions, the cp
+axis as nodes `CPLevels`, the ring across nodes, the heads check) are labkit's: labkit/parallel/context_methods.py.
 
 GQA: the lab's model has as many K/V heads as query heads (labkit/model/llama.py has no n_kv_heads). With GQA
 (n_kv < H K/V heads), the all-gather moves n_kv/H as many bytes (Llama 3's reason for it: 8 K/V heads of 128);
 Ulysses needs n_kv divisible by c as well, or each K/V head replicated on c/n_kv ranks (c/n_kv times the K/V
 bytes and memory that GQA saved), so its degree stops at n_kv (8 for Llama 3) unless replicated.
 """
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from labkit.grading import impl
 from labkit.mesh import Mesh
+from labkit.parallel.context_methods import CPLevels, GatherKV, NodeRing, attend_at_positions, check_heads  # given
 
 NOTEBOOK = "11_long_sequences"
 
 
 def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
-
-def check_heads(heads: int, ranks: int, what: str) -> None:
-    """ValueError unless `ranks` divides `heads`: an all-to-all over heads gives every rank the same number."""
-    if heads % ranks:
-        ok = [d for d in range(1, heads + 1) if heads % d == 0]
-        raise ValueError(f"{what}: {heads} heads (per tp rank) do not split over {ranks} ranks: the all-to-all gives "
-                         f"each rank heads/{ranks} whole heads; use a cp (or local) size among {ok}, or "
-                         "cp_method='ring' / 'allgather', which have no such constraint")
 
 
 def seq_to_heads(x, *, group: dist.ProcessGroup | None = None):
@@ -132,23 +123,6 @@ class _HeadsToSeq(torch.autograd.Function):
         return seq_to_heads(grad.contiguous(), group=ctx.group), None
 
 
-class _GatherKV(torch.autograd.Function):
-    """[2, ...] (K, V stacked) -> [c, 2, ...] in group-rank order by one all-gather; backward: reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, kv, group):
-        ctx.group, c = group, _world(group)
-        out = torch.empty((c * kv.shape[0],) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
-        dist.all_gather_single(out, kv.contiguous(), group=group)  # concatenated along dim 0
-        return out.view((c,) + kv.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_single(out, grad.flatten(0, 1).contiguous(), group=ctx.group)  # every rank's dK, dV of my pieces
-        return out, None
-
-
 def _plan(q, k, v, mesh: Mesh, split: str, mask, seq_len):
     """(c, every cp rank's positions, this rank's positions, mask) after the checks every method shares."""
     cp, ra = impl("context_parallel"), impl("ring_attention")
@@ -164,13 +138,6 @@ def _plan(q, k, v, mesh: Mesh, split: str, mask, seq_len):
     return c, every, every[mesh.coord("cp")], mask
 
 
-def _attend(q, k, v, q_pos, k_pos, mask):
-    """Softmax attention of q over k, v with key j hidden from query i when k_pos[j] > q_pos[i] (causal)."""
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos[None, :] <= q_pos[:, None])
-
-
 def allgather_attention(q, k, v, *, mesh: Mesh, split: str = "zigzag", mask="causal", seq_len=None):
     """Llama 3's context parallelism: all-gather K and V over the mesh's cp axis, attend locally (differentiable).
 
@@ -181,10 +148,10 @@ def allgather_attention(q, k, v, *, mesh: Mesh, split: str = "zigzag", mask="cau
     """
     c, every, mine, mask = _plan(q, k, v, mesh, split, mask, seq_len)
     if c == 1:
-        return _attend(q, k, v, mine, mine, mask)
-    kv = _GatherKV.apply(torch.stack([k, v]), mesh.group("cp"))  # [c, 2, B, H, n, hd]
+        return attend_at_positions(q, k, v, mine, mine, mask)
+    kv = GatherKV.apply(torch.stack([k, v]), mesh.group("cp"))  # [c, 2, B, H, n, hd]
     full_k, full_v = (kv[:, i].permute(1, 2, 0, 3, 4).flatten(2, 3) for i in (0, 1))  # [B, H, c n, hd]
-    return _attend(q, full_k, full_v, mine, torch.cat(every), mask)
+    return attend_at_positions(q, full_k, full_v, mine, torch.cat(every), mask)
 
 
 def _ulysses(q, k, v, group, every, mask):
@@ -210,111 +177,11 @@ def ulysses_attention(q, k, v, *, mesh: Mesh, split: str = "zigzag", mask="causa
     check_heads(q.shape[1], mesh.size("cp"), "Ulysses (cp_method='ulysses')")
     c, every, mine, mask = _plan(q, k, v, mesh, split, mask, seq_len)
     if c == 1:
-        return _attend(q, k, v, mine, mine, mask)
+        return attend_at_positions(q, k, v, mine, mine, mask)
     return _ulysses(q, k, v, mesh.group("cp"), every, mask)
 
 
 # ------------------------------------------------------------------------------------------ the hybrid
-
-
-class CPLevels:
-    """The cp axis as a cluster's two levels: groups of `local` consecutive cp ranks (a node), and a ring across.
-
-    Collective over the WHOLE world (``dist.new_group``): every rank builds it with the same arguments, once,
-    before any attention (``labkit.compose`` does it when it builds the stage). Cp index i sits on node
-    i // local at local index i % local: ``local_group`` holds this rank's node (the all-to-all), ``node_group``
-    the ranks with its local index on every node (the ring; `exchange` sends to the next node's and receives
-    from the previous node's, GLOBAL ranks). ValueError unless `local` divides cp.
-    """
-
-    def __init__(self, mesh: Mesh, *, local: int):
-        c = mesh.size("cp")
-        if isinstance(local, bool) or not isinstance(local, int) or local < 1 or c % local:
-            raise ValueError(f"local={local!r} does not divide cp={c}: the all-to-all runs inside groups of `local` "
-                             f"cp ranks (a node) and the ring across the cp/local groups; choose local among "
-                             f"{[d for d in range(1, c + 1) if c % d == 0]}")
-        self.mesh, self.local, self.nodes = mesh, local, c // local
-        index = mesh.coord("cp")
-        self.node_index, self.local_index = divmod(index, local)
-        self.local_group = self.node_group = None
-        for ranks in mesh.all_ranks("cp"):  # the same order on every rank: dist.new_group is collective
-            for node in range(self.nodes):
-                group = dist.new_group(ranks[node * local:(node + 1) * local])
-                if mesh.rank in ranks[node * local:(node + 1) * local]:
-                    self.local_group = group
-            for i in range(local):
-                group = dist.new_group(ranks[i::local])
-                if mesh.rank in ranks[i::local]:
-                    self.node_group = group
-        mine = mesh.ranks("cp")
-        self.next_rank = mine[((self.node_index + 1) % self.nodes) * local + self.local_index]
-        self.prev_rank = mine[((self.node_index - 1) % self.nodes) * local + self.local_index]
-
-    def exchange(self, send, recv, tag: int = 0):
-        """Start sending to the next node's rank and receiving from the previous node's: the two requests."""
-        return [dist.isend(send, self.next_rank, group=self.node_group, tag=tag),
-                dist.irecv(recv, self.prev_rank, group=self.node_group, tag=tag)]
-
-
-class _NodeRing(torch.autograd.Function):
-    """Ring attention across nodes on blocks at arbitrary positions (each node's gathered pieces).
-
-    Forward: the K, V block in hand is passed on while this rank attends to it; partials merged by their
-    log-sum-exp (your merge_partials). Backward: a second trip in which dK, dV travel with their block (as
-    ring_attention's backward does) and come home after `nodes` steps."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, levels, pos, mask):
-        ra, o, me = impl("ring_attention"), levels.nodes, levels.node_index
-        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        for step in range(o):
-            if step < o - 1:
-                incoming = torch.empty_like(kv)
-                requests = levels.exchange(kv, incoming)
-            held = pos[(me - step) % o]
-            part = ra.block_attention(q, kv[0], kv[1], *((pos[me], held) if mask else ()))
-            out, lse = ra.merge_partials(out, lse, *part)
-            if step < o - 1:
-                for request in requests:
-                    request.wait()
-                kv = incoming
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.levels, ctx.pos, ctx.mask = levels, pos, mask
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        levels, pos, o, me = ctx.levels, ctx.pos, ctx.levels.nodes, ctx.levels.node_index
-        dout, scale = dout.contiguous(), 1 / math.sqrt(q.shape[-1])
-        delta = (dout * out).sum(-1)
-        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        dq, kv = torch.zeros_like(q), torch.stack([k, v]).contiguous()
-        dkv = torch.zeros_like(kv)
-        for step in range(o):
-            if step < o - 1:
-                incoming = torch.empty_like(kv)
-                requests = levels.exchange(kv, incoming)
-            scores = q @ kv[0].transpose(-1, -2) * scale
-            if ctx.mask:
-                scores = scores.masked_fill(pos[(me - step) % o][None, :] > pos[me][:, None], float("-inf"))
-            p = torch.exp(scores - safe[..., None])
-            dkv[1] += p.transpose(-1, -2) @ dout
-            ds = p * (dout @ kv[1].transpose(-1, -2) - delta[..., None]) * scale
-            dq += ds @ kv[0]
-            dkv[0] += ds.transpose(-1, -2) @ q
-            arrived = torch.empty_like(dkv)
-            for request in levels.exchange(dkv, arrived, tag=1):
-                request.wait()
-            dkv = arrived
-            if step < o - 1:
-                for request in requests:
-                    request.wait()
-                kv = incoming
-        return dq, dkv[0], dkv[1], None, None, None
-
-
 def hybrid_attention(q, k, v, *, levels: CPLevels, split: str = "zigzag", mask="causal", seq_len=None):
     """Megatron's "a2a+p2p": Ulysses inside each node of `levels`, a ring across the nodes (differentiable).
 
@@ -326,9 +193,9 @@ def hybrid_attention(q, k, v, *, levels: CPLevels, split: str = "zigzag", mask="
     check_heads(q.shape[1], levels.local, "the hybrid's all-to-all (cp_method='hybrid')")
     c, every, mine, mask = _plan(q, k, v, levels.mesh, split, mask, seq_len)
     if c == 1:
-        return _attend(q, k, v, mine, mine, mask)
+        return attend_at_positions(q, k, v, mine, mine, mask)
     if levels.nodes == 1:  # one node: Ulysses
         return _ulysses(q, k, v, levels.local_group, every, mask)
     pos = [torch.cat(every[j * levels.local:(j + 1) * levels.local]) for j in range(levels.nodes)]
     qh, kh, vh = (_SeqToHeads.apply(t, levels.local_group) for t in (q, k, v))
-    return _HeadsToSeq.apply(_NodeRing.apply(qh, kh, vh, levels, pos, mask), levels.local_group)
+    return _HeadsToSeq.apply(NodeRing.apply(qh, kh, vh, levels, pos, mask, impl("ring_attention")), levels.local_group)

@@ -76,11 +76,12 @@ def check_bridge(mesh):
     import torch.distributed as dist
     dm = ckpt.to_device_mesh(mesh)
     assert ckpt.to_device_mesh(mesh) is dm  # cached: built once per Mesh
-    assert dm.mesh.tolist() == mesh.grid.tolist() and dm.mesh_dim_names == mesh.axes
-    for axis in mesh.axes:
+    # the grid's axes (a folded ep is a slice of dp, cp or tp, not a grid dim: no DTensor is placed on it)
+    assert dm.mesh.flatten().tolist() == mesh.grid.flatten().tolist() and dm.mesh_dim_names == mesh.grid_axes
+    for axis in mesh.grid_axes:
         assert dm.get_group(axis) is mesh.group(axis), axis
     sm = ckpt.stage_mesh(mesh)  # this stage's ranks: the grid at this rank's pp coordinate
-    assert sm.mesh.flatten().tolist() == mesh.grid.select(1, mesh.coord("pp")).flatten().tolist()
+    assert sm.mesh.flatten().tolist() == mesh.ranks(tuple(a for a in mesh.grid_axes if a != "pp"))
     assert all(dist.get_process_group_ranks(sm.get_group(a)) == mesh.ranks(a) for a in sm.mesh_dim_names)
 
 
@@ -193,6 +194,28 @@ def test_another_split_pp2_tp2_to_dp2_cp2(dense_pp2_tp2):
 
 def test_experts_dp2_ep2_zero1_to_pp2_tp2(moe_ep2):
     assert_equal_to_reference(*resume_on(ParallelDims(pp=2, tp=2), True, moe_ep2), True)
+
+
+def test_hsdp_saved_and_resumed(tmp_path):
+    """HSDP (dp=4 as 2 replicas x 2 shards, ZeRO-2 inside a replica): each replica's shard group gathers
+    its flat AdamW state for the save (the replicas hold equal copies: DCP keeps one); resumed on the
+    same layout, and on plain ZeRO-1 over dp x tp, it ends equal to the uninterrupted run."""
+    hsdp = ParallelDims(dp=4, dp_replicate=2, zero=2)
+    path = tmp_path / "hsdp"
+    torch.testing.assert_close(torch.tensor(save_on(hsdp, False, path)), torch.tensor(reference(False)[0][:K]), **TOL)
+    assert_equal_to_reference(*resume_on(hsdp, False, path), False)
+    assert_equal_to_reference(*resume_on(ParallelDims(dp=2, tp=2, zero=1), False, path), False)
+
+
+def test_ep_folded_over_cp_saved_and_resumed(tmp_path):
+    """EP=4 folded over dp x cp (4 ranks, every rank its own experts, ZeRO-1): the DeviceMesh is the grid
+    (dp, pp, cp, tp), experts plain tensors under their global names; resumed on the same layout, and on
+    ep borrowed from dp (dp=2, ep=2), it ends equal to the uninterrupted run."""
+    folded = ParallelDims(dp=2, cp=2, ep=4, ep_over=("dp", "cp"), zero=1)
+    path = tmp_path / "folded"
+    torch.testing.assert_close(torch.tensor(save_on(folded, True, path)), torch.tensor(reference(True)[0][:K]), **TOL)
+    assert_equal_to_reference(*resume_on(folded, True, path), True)
+    assert_equal_to_reference(*resume_on(ParallelDims(dp=2, ep=2, zero=2), True, path), True)
 
 
 def test_one_process_to_ep2(tmp_path):

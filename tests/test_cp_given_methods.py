@@ -1,5 +1,5 @@
-"""The given context-parallel methods (solutions/cp_methods.py): all-gather K/V proven equal to one process,
-the bytes of all four methods against their closed forms, and planted mistakes that the checks catch.
+"""The given context-parallel methods (solutions/cp_methods.py, built from labkit/parallel/context_methods.py):
+all-gather K/V proven equal to one process, the bytes of all four methods against their closed forms, and planted mistakes that the checks catch.
 
 Run on the solutions (the learner's Ulysses swaps are graded by tests/grading/test_cp_methods.py). Float64,
 assert_close's float64 tolerances: the all-gather method's softmax sums the same keys in another order (keys
@@ -84,9 +84,9 @@ def plant(mistake):
 
         def backward(ctx, grad):
             return grad[dist.get_rank(ctx.group)].clone(), None
-        cm._GatherKV.backward = staticmethod(backward)
+        cm.GatherKV.backward = staticmethod(backward)  # labkit.parallel.context_methods' class: restored by run_all
     elif mistake == "allgather mask by local index":  # the mask read from local indices, not global positions
-        cm._attend = lambda q, k, v, q_pos, k_pos, mask: F.scaled_dot_product_attention(
+        cm.attend_at_positions = lambda q, k, v, q_pos, k_pos, mask: F.scaled_dot_product_attention(
             q, k, v, attn_mask=torch.arange(k.shape[-2])[None, :] <= torch.arange(q.shape[-2])[:, None])
     elif mistake == "ulysses k and v swapped twice":  # one all-to-all too many: the bytes show it
         swap = cm.seq_to_heads
@@ -106,7 +106,9 @@ def run_all(rank, c):
     for method in ("ring", "allgather", "ulysses"):
         got, X = traffic_of(rank, c, method)
         out[("bytes", method)] = (got, closed_form(method, c, X))
-    for mistake in MISTAKES:  # each planted in turn; the module is reloaded after each
+    from labkit.parallel.context_methods import GatherKV
+    given_backward = GatherKV.__dict__["backward"]
+    for mistake in MISTAKES:  # each planted in turn; the module is reloaded (and the given class restored) after each
         import importlib
 
         from labkit.grading import impl
@@ -117,6 +119,7 @@ def run_all(rank, c):
         else:
             out[("planted", mistake)] = allgather_error(rank, c, "causal", "zigzag") is not None
         importlib.reload(impl("cp_methods"))
+        GatherKV.backward = given_backward
     return out
 
 

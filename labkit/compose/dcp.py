@@ -11,7 +11,10 @@ boxes its new layout needs and DCP reads them from whichever files hold them.
 The labels are DTensors. `to_device_mesh(mesh)` builds torch's `DeviceMesh` with the same grid and
 axis names as the lab's `Mesh`, from the process groups the Mesh already has (no new group, no
 collective). A parameter of this pipeline stage is a DTensor on the stage's sub-mesh
-(dp, ep, cp, tp) with placements from labkit's own table (`labkit.compose.model.param_class`):
+(dp, ep, cp, tp) with placements from labkit's own table (`labkit.compose.model.param_class`).
+Only the grid's axes are DeviceMesh dims: EP folded over dp x cp (x tp) is a slice of those axes, not a
+dim (the sub-mesh is then (dp, cp, tp)), and HSDP's replicas x shards split dp; neither needs a dim of
+its own, since no DTensor is placed on them (below), so folded and HSDP layouts save and reshard too:
   tp_shard    Shard(shard_dim) on tp, Replicate elsewhere: tp rank i holds rows (or columns) i of tp
   sp_replica  Replicate everywhere
   expert      a plain tensor under its global name (layers.1.feed_forward.experts.3.w1.weight):
@@ -64,21 +67,22 @@ def to_device_mesh(mesh: Mesh):
     rank); `DeviceMesh.from_group` wraps the groups the Mesh built already. Cached per Mesh."""
     if mesh in _DEVICE_MESHES:
         return _DEVICE_MESHES[mesh]
-    if mesh.grid_axes != mesh.axes or mesh.dp_replicate > 1:
-        raise ValueError(f"resharding checkpoints cover meshes whose axes are all grid axes: ep borrowed from dp "
-                         f"(ep_over=('dp',)) and no HSDP; this one has ep folded over {mesh.ep_over} or "
-                         f"dp_replicate={mesh.dp_replicate}: save it from an ep_over=('dp',) layout")
     from torch.distributed.device_mesh import DeviceMesh
     device = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"  # DTensors live where the parameters do
-    groups = [mesh.group(axis) for axis in mesh.axes]
-    dm = DeviceMesh.from_group(groups, device, mesh=mesh.grid, mesh_dim_names=tuple(mesh.axes))
+    # The grid's axes only: a folded ep (ep_over beyond dp) is a slice of other axes, not a grid dim, and
+    # no DTensor needs it (an expert is a plain tensor under its global name); HSDP's dp_replicate x
+    # dp_shard is a split of dp, and every non-expert parameter is Replicate over all of dp.
+    axes = mesh.grid_axes
+    grid = mesh.grid.view(*[mesh.grid.shape[mesh.axes.index(a)] for a in axes])
+    groups = [mesh.group(axis) for axis in axes]
+    dm = DeviceMesh.from_group(groups, device, mesh=grid, mesh_dim_names=tuple(axes))
     _DEVICE_MESHES[mesh] = dm
     return dm
 
 
 def stage_mesh(mesh: Mesh):
     """The DeviceMesh of this rank's pipeline stage: every axis but pp (a parameter lives on one stage)."""
-    return to_device_mesh(mesh)[tuple(a for a in mesh.axes if a != "pp")]
+    return to_device_mesh(mesh)[tuple(a for a in mesh.grid_axes if a != "pp")]
 
 
 def placements(name: str, dm) -> list:

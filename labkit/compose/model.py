@@ -34,12 +34,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from labkit.compose.dims import HYBRID_LOCAL, live_axes
 from labkit.grading import impl
 from labkit.mesh import Mesh
 from labkit.model import causal_attention, check_tokens, split_layers
 from labkit.model import moe as moe_lib
+from labkit.parallel.context_methods import CPLevels
 
 # -------------------------------------------------------------------------- parameter classes
 # which dim of the weight a tp rank slices: rows (output features, or the vocabulary) or columns
@@ -79,7 +81,7 @@ class ComposedAttention(nn.Module):
     """Attention with its heads over tp (SP around it) and its sequence over cp (by `cp_method`).
 
     cp_method: "ring", "allgather", "ulysses" or "hybrid" (`labkit.compose.dims.CP_METHODS`); the hybrid
-    needs `levels`, the cp axis as nodes (solutions/cp_methods.CPLevels, built once per stage: collective)."""
+    needs `levels`, the cp axis as nodes (labkit.parallel.context_methods.CPLevels, built once per stage: collective)."""
 
     def __init__(self, attention: nn.Module, *, mesh: Mesh, timeline=None, cp_method: str = "ring", levels=None):
         super().__init__()
@@ -209,7 +211,7 @@ class ComposedStage(nn.Module):
         cfg = model.config
         levels = None
         if cp_method == "hybrid" and mesh.size("cp") > 1:  # its groups, made once (collective over the world)
-            levels = impl("cp_methods").CPLevels(mesh, local=HYBRID_LOCAL)
+            levels = CPLevels(mesh, local=HYBRID_LOCAL)
         self.config, self.mesh, self.timeline = cfg, mesh, timeline
         self.stage, self.n_stages = mesh.coord("pp"), mesh.size("pp")
         self.is_first, self.is_last = mesh.is_first("pp"), mesh.is_last("pp")
@@ -265,5 +267,29 @@ class ComposedStage(nn.Module):
 def parallelize(model: nn.Module, *, mesh: Mesh, timeline=None, cp_method: str = "ring",
                 ep_overlap: bool = False) -> ComposedStage:
     """This rank's `ComposedStage` of `model` (left unchanged) on `mesh` (see the module docstring);
-    `cp_method` and `ep_overlap` as `ParallelDims`'s (checked there, before any process work)."""
-    return ComposedStage(model, mesh=mesh, timeline=timeline, cp_method=cp_method, ep_overlap=ep_overlap)
+    `cp_method` and `ep_overlap` as `ParallelDims`'s (checked there, before any process work). The learner's
+    tp slices are checked against `model` first (`check_slices`): a wrong block is named before any step."""
+    stage = ComposedStage(model, mesh=mesh, timeline=timeline, cp_method=cp_method, ep_overlap=ep_overlap)
+    check_slices(stage, model, mesh=mesh)
+    return stage
+
+
+def check_slices(stage, model, *, mesh: Mesh) -> None:
+    """ValueError naming the learner's class when a tp_shard parameter is not block coord("tp") of the full
+    weight along its `shard_dim` (a slice by the global rank, a block of another rank, a wrong shape)."""
+    full, t, i = dict(model.named_parameters()), mesh.size("tp"), mesh.coord("tp")
+    for name, p in stage.named_parameters():
+        dim = shard_dim(name)
+        if dim is None or name not in full:
+            continue
+        blocks = full[name].detach().chunk(t, dim)
+        fake = is_fake(p) or is_fake(blocks[i])  # labkit.scale's simulated ranks: shapes only
+        if p.shape == blocks[i].shape and (fake or torch.equal(p.detach(), blocks[i].to(p.dtype))):
+            continue
+        owner = ("VocabParallelEmbedding (exercises/vocab_parallel.py)" if name.startswith("tok_embeddings") else
+                 f"{'Row' if dim else 'Column'}ParallelLinear (exercises/tensor_parallel.py)")
+        held = [j for j, b in enumerate(blocks) if not fake and p.shape == b.shape and torch.equal(p.detach(), b.to(p.dtype))]
+        what = f"block {held[0]} (tp rank {held[0]}'s)" if held else f"shape {tuple(p.shape)}, not one of the blocks"
+        raise ValueError(f"{owner} built {name} on rank {mesh.rank} (tp rank {i} of {t}) with {what}; due: block {i} "
+                         f"of the full weight along dim {dim}, shape {tuple(blocks[i].shape)}: slice by the rank in the "
+                         "tp group, dist.get_rank(group), not the global rank")

@@ -20,10 +20,12 @@ a replica of it, with the learner's ZeRO-1 `ShardedOptimizer` (notebook 09) on e
   under pipeline parallelism (reshard_after_forward=False): gathering each block just in time
   would repeat it for every micro-batch's forward and backward.
 HSDP (dp_replicate > 1, `labkit.compose.dims`): a group that spans the replicas is sharded over its ranks
-inside one replica (`hsdp_split`), and after the reduce-scatter there, each shard's gradient is all-reduced
-across the dp_replicate replicas (`sync_replicas`): reduce-scatter, all-reduce, and the all-gather of the
-updated shard inside the replica. (The learner's HSDP exercise, solutions/hsdp.py, is the same three steps
-on one model; this is the composition's own, on the placement groups.)
+inside one replica (`hsdp_split`); its gradient is synced by the learner's `hsdp_sync` (notebook 10,
+``impl("hsdp")``): the reduce-scatter inside the replica, then the all-reduce of each shard across the
+dp_replicate replicas (`sync_replicas`), and the ZeRO optimizer's all-gather of the updated shard inside
+the replica. hsdp_sync returns the MEAN over the R x S ranks; each rank holds a SHARE of the loss, so the
+flat gradient is multiplied by R x S first (exact in float64 for powers of two, and off by one rounding
+otherwise: the same as the multiply-then-average of the plain ZeRO groups below).
 The ZeRO optimizer averages its group's gradients (in notebook 09 each rank holds a MEAN loss);
 here each rank holds a SHARE of the one loss, so the gradient is the sum: the gradients are
 multiplied by the group's size before the optimizer averages them.
@@ -135,12 +137,14 @@ class ComposedOptimizer:
             for p, g in zip(params, flat.split([p.numel() for p in params])):
                 p.grad = g.view_as(p)
             return
-        n = self.mesh.size(self.replicas[id(opt)][0])
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(n)  # the optimizer averages over its shard group: times n, the sum of the shares
-        opt.sync_gradients()
-        self.sync_replicas(opt)
+        if self.replicas[id(opt)][1]:
+            self.sync_replicas(opt)  # HSDP: the learner's hsdp_sync, the reduce-scatter and the all-reduce
+        else:
+            n = self.mesh.size(self.replicas[id(opt)][0])
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(n)  # the optimizer averages over its shard group: times n, the sum of the shares
+            opt.sync_gradients()
         if self.zero >= 2:
             for p in params:
                 p.grad = None  # the shards' .grad hold what the step needs
@@ -150,11 +154,18 @@ class ComposedOptimizer:
         return self.mesh.group(self.replicas[id(opt)][0])
 
     def sync_replicas(self, opt) -> None:
-        """HSDP: sum each shard's gradient (already summed inside its replica) across the dp_replicate replicas."""
+        """HSDP: each shard's gradient summed over its shard group and across the dp_replicate replicas, by the
+        learner's ``impl("hsdp").hsdp_sync`` (reduce-scatter inside the replica, all-reduce across), into
+        the ZeRO optimizer's shards."""
         replica_axes = self.replicas[id(opt)][1]
-        if replica_axes:
-            for shard in opt.shards:
-                dist.all_reduce(shard.grad, group=self.mesh.group(replica_axes))
+        hsdp_sync = impl("hsdp").hsdp_sync
+        replica_group = self.mesh.group(replica_axes)
+        ranks = opt.world_size * self.mesh.size(replica_axes)  # R x S: hsdp_sync's mean over them
+        for group, shard, size in zip(opt.param_groups, opt.shards, opt.shard_sizes):
+            flat = flatten(grads_or_zeros([p for p in group["params"] if p.requires_grad]), size * opt.world_size)
+            flat.mul_(ranks)  # shares of one loss: the sum is wanted, hsdp_sync returns the mean
+            shard.grad = hsdp_sync(flat, shard_group=opt.group, replica_group=replica_group)
+        opt.mark_synced()
 
     def _gradients(self):
         """(tensor, replicas): every gradient this rank holds after the sync, with how many ranks hold
@@ -206,6 +217,7 @@ def train_step(stage, optimizer: ComposedOptimizer, tokens, targets, *, mesh: Me
     device = next(stage.parameters()).device  # a GPU node: the batch goes where the stage is
     tokens, targets = tokens.to(device), targets.to(device)
     x, y = impl("placement").local_batch(tokens, targets, mesh=mesh)
+    check_local_batch(x, y, (B, s), mesh=mesh)
     optimizer.zero_grad()
     optimizer.begin_step()
     stage.begin_step(B, s)
@@ -218,6 +230,19 @@ def train_step(stage, optimizer: ComposedOptimizer, tokens, targets, *, mesh: Me
     with tl.span("reduce", mesh.coord("pp")):
         optimizer.step(max_norm)
     return global_loss(stage, ce, mesh=mesh)
+
+
+def check_local_batch(x, y, shape, *, mesh: Mesh) -> None:
+    """ValueError naming the learner's local_batch when what it returned is not this rank's share of the
+    global batch `shape` (B, s): B / batch rows and s / cp positions, x on the first stage, y on the last."""
+    (B, s), rows, n = shape, shape[0] // mesh.size("batch"), shape[1] // mesh.size("cp")
+    for what, t, due in (("x", x, mesh.is_first("pp")), ("y", y, mesh.is_last("pp"))):
+        if due and (t is None or tuple(t.shape) != (rows, n)):
+            got = "None" if t is None else f"shape {tuple(t.shape)}"
+            raise ValueError(f"local_batch (your exercises/placement.py) returned {what} = {got} on rank {mesh.rank} "
+                             f"{mesh.coords()}; this rank reads B / batch = {B} / {mesh.size('batch')} = {rows} rows "
+                             f"(shard_rows at mesh.index('batch'), of mesh.size('batch')) and s / cp = {s} / "
+                             f"{mesh.size('cp')} = {n} positions, {what} on the {'first' if what == 'x' else 'last'} stage")
 
 
 def global_loss(stage, ce, *, mesh: Mesh) -> float:
