@@ -85,6 +85,6 @@ if __name__ == "__main__":
     import sys
 
     flat = "--flat" in sys.argv  # the flat model (compute / (peak x 0.40)), as before the kernel model
-    kw = dict(efficiency=0.40) if flat else {}
+    kw = dict(efficiency=0.40) if flat else dict(efficiency=None)
     rows = torchtitan_rows(flags=not flat, **kw) + megatron_rows(**kw)
     print(format_table(rows))

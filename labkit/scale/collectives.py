@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import math
 
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0}
+from labkit.comm.ops import OPS
+
+# each kind's row of the lab's op table: its bus factor is the one labkit.comm counts wire bytes with
+_OP = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
+       "all_to_all": "all_to_all_single", "send": "send"}
+BUS_FACTOR = {kind: (lambda n, op=op: float(OPS[op].bus_factor(n))) for kind, op in _OP.items()}
 
 
 def steps(kind: str, n: int, level: str) -> int:
@@ -46,6 +50,6 @@ def collective_time(kind: str, nbytes: float, n: int, level: str, cluster) -> tu
     """(wire bytes per rank, seconds) of one collective of `nbytes` (nccl-tests' S) over n ranks at `level`."""
     if n <= 1 or nbytes <= 0:
         return 0.0, 0.0
-    wire = BUS_FACTOR[kind](n) * nbytes if kind != "send" else nbytes
+    wire = BUS_FACTOR[kind](n) * nbytes
     alpha = cluster.link(level)[0]
     return wire, steps(kind, n, level) * alpha + wire / busbw(cluster, level)

@@ -1,6 +1,7 @@
 """Step time of a layout on a cluster, built up from kernels and collectives (notebook 15).
 
-With a GPU kind (the cluster's `gpu` field, labkit/scale/gpus/*.json) and no `efficiency=`:
+With efficiency=None and a GPU kind (the cluster's `gpu` field, labkit/scale/gpus/*.json): the kernel
+model (opt-in until it meets issue 34's aims on the published set; see tests/scale_validation.py):
     ops        every op of a block, the embedding and the head at their shapes after TP, CP and SP
                (labkit.scale.layer_ops), each timed by a roofline (labkit.scale.kernels): one stage's
                forward F_s and backward B_s (recompute included) per micro-batch
@@ -26,10 +27,11 @@ With a GPU kind (the cluster's `gpu` field, labkit/scale/gpus/*.json) and no `ef
 optimizer; `bound_s` says how much of one block's forward and backward is compute-, memory- or
 launch-bound (a model this small that is mostly "launch" runs at the CPU's pace).
 
-Without a GPU kind (this CPU, notebook 15's predict-then-measure) or with `efficiency=` given: the
-flat model `step_time`, compute = FLOPs / (peak x efficiency) with the overlap rules above in closed
-form and the 1F1B bubble (pp - 1) / (v m) of the compute (Narayanan et al. 2021). `FLAT_EFFICIENCY`
-(0.40, Llama 3's 38-43% MFU, Dubey et al. 2024, table 4) is its default for a cluster without a GPU kind.
+Otherwise (the default `EFFICIENCY`, this CPU's fit in notebook 15's predict-then-measure, a cluster
+without a GPU kind): the flat model `step_time`, compute = FLOPs / (peak x efficiency) with the
+overlap rules above in closed form and the 1F1B bubble (pp - 1) / (v m) of the compute (Narayanan et
+al. 2021). EFFICIENCY = 0.40 is Llama 3's 38-43% MFU (Dubey et al. 2024, table 4), an end-to-end
+figure: the kernel model replaces it once it validates.
 Outputs tokens/s per GPU, MFU (model FLOPs against the cluster's bf16 peak) and the peak memory
 (labkit.scale.footprint). Not modelled: stragglers, link contention between axes sharing a NIC,
 power limits, the SMs a collective takes from the GEMMs.
@@ -43,8 +45,8 @@ from labkit.scale.footprint import peak_memory
 from labkit.scale.layout import Layout, check_layout
 from labkit.scale.traffic import axis_traffic
 
-EFFICIENCY = None  # predict's default: from kernels where the cluster names its GPU kind
-FLAT_EFFICIENCY = 0.40
+EFFICIENCY = 0.40  # predict's default: the flat model (efficiency=None: the kernel model)
+FLAT_EFFICIENCY = EFFICIENCY
 
 
 @dataclass

@@ -83,14 +83,24 @@ def gemm_efficiency(gpu: GPU) -> float:
 
 @lru_cache(maxsize=200_000)
 def gemm(name: str, m: int, n: int, k: int, gpu: GPU, dtype: str = "bf16", batch: int = 1) -> Op:
-    """(m x k) @ (k x n), `batch` times in one kernel, in bf16 or fp8 (inputs 1 byte, output bf16)."""
+    """(m x k) @ (k x n), `batch` times in one kernel, in bf16 or fp8 (inputs 1 byte, output bf16).
+    An output of fewer tiles than SMs is split along k (split-K, CUTLASS's media/docs/efficient_gemm.md,
+    'Parallelized Reductions'): s = min(SMs // tiles, k // 256) slices run side by side, their fp32 partial
+    sums written and read back (8 m n s bytes more); the better of split and not."""
     flops = 2.0 * m * n * k * batch
     in_bytes = 1 if dtype == "fp8" else 2
     nbytes = batch * (in_bytes * (m * k + k * n) + 2 * m * n)
     per_sm = gpu.peak_flops(dtype) * gemm_efficiency(gpu) / gpu.sm_count
-    best = min(math.ceil(waves(m, n, t, gpu.sm_count)[0] * batch / gpu.sm_count) * 2.0 * t[0] * t[1] * k / per_sm
-               for t in gpu.gemm_tiles)
-    return roofline(name, "gemm", flops, nbytes, 1, gpu, best)
+    best, extra = math.inf, 0.0
+    for t in gpu.gemm_tiles:
+        tiles = waves(m, n, t, gpu.sm_count)[0] * batch
+        for split in {1, max(1, min(gpu.sm_count // tiles, k // 256))}:
+            compute = math.ceil(tiles * split / gpu.sm_count) * 2.0 * t[0] * t[1] * math.ceil(k / split) / per_sm
+            partials = 8.0 * m * n * batch * split if split > 1 else 0.0
+            total = max(compute, (nbytes + partials) / gpu.hbm_bytes_per_s)
+            if total < best:
+                best, chosen, extra = total, compute, partials
+    return roofline(name, "gemm", flops, nbytes + extra, 1, gpu, chosen)
 
 
 def attention_rate(gpu: GPU, impl: str, kind: str, seq: int) -> float:
