@@ -10,7 +10,7 @@ from labkit.scale.gpu import load_gpu
 from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops, seconds
 from labkit.scale.kernels import optimizer_step
 from labkit.scale.layout import LayoutError
-from labkit.scale.pipeline import n_stages, pipeline_time, stage_layers, stage_roles
+from labkit.scale.pipeline import n_stages, pipeline_time, schedule_actions, stage_layers, stage_roles
 from labkit.scale.traffic import axis_traffic
 
 
@@ -62,10 +62,11 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     impl = options.get("attention") or ("fa2" if "fa2" in gpu.attention else "unfused")
     shape = Shape(layout.micro_batch, seq_len, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
                   layout.cp_method)
-    try:
+    try:  # a schedule that does not fit, an unknown recompute policy, fp8 on a GPU without it: before any arithmetic
+        actions = schedule_actions(layout, n_micro) if layout.pp > 1 else None
         opts = Options(options.get("compile", False), options.get("float8", False), impl, layout.recompute)
         blk = block_ops(model, shape, opts, gpu)
-    except ValueError as err:  # an unknown recompute policy, fp8 on a GPU without it: named, as a LayoutError
+    except ValueError as err:
         raise LayoutError(str(err)) from None
     emb, head = end_ops(model, shape, opts, gpu, "embedding"), end_ops(model, shape, opts, gpu, "head")
     L = layout.layers_per_rank(model.n_layers)
@@ -92,7 +93,7 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     if layout.pp > 1:
         pp = traffic.get("pp", {})
         message = pp["seconds"] / pp["count"] if pp.get("count") else 0.0
-        makespan = pipeline_time(layout, n_micro, fwd, bwd, message)["makespan"]
+        makespan = pipeline_time(layout, n_micro, fwd, bwd, message, actions)["makespan"]
     else:
         makespan = work
     backward = n_micro * sum(bwd[s] for s in busiest)

@@ -19,7 +19,8 @@ efficiency at the fp8 peak, 1-byte inputs, and a cast of each input (read bf16, 
 
 Attention, `attention`: FlashAttention's published TFLOP/s at head dim 128 against sequence length
 (FA3 paper, arXiv 2407.08608, figures 5 and 6: FA3, and FA2 on the same H100), log-linear between the
-measured lengths, flat beyond them. FLOPs: forward 4 b h s_q s_kv hd (half with a causal mask),
+measured lengths, flat beyond them (the causal backward: the backward figure x the forward's
+causal / full ratio at that length, as no causal backward is published). FLOPs: forward 4 b h s_q s_kv hd (half with a causal mask),
 backward 2.5 x forward (FlashAttention's own count). Without a table (A100 here), `unfused`: two
 batched GEMMs and a fused scale-mask-softmax over the b h s_q s_kv scores (Megatron-LM 2021).
 
@@ -130,8 +131,10 @@ def attention(direction: str, heads: int, q_len: int, kv_len: int, head_dim: int
     kind = "backward" if direction == "backward" else ("forward_causal" if causal else "forward")
     qkv = 2 * heads * head_dim * (2 * q_len + 2 * kv_len)  # q, k, v, out in bf16
     nbytes = qkv if direction == "forward" else 2 * qkv
-    return roofline(f"attention {direction}", "attention", flops, nbytes, 1, gpu,
-                    flops / attention_rate(gpu, impl, kind, q_len))
+    rate = attention_rate(gpu, impl, kind, q_len)
+    if direction == "backward" and causal:  # no causal backward is published: the forward's causal / full ratio
+        rate *= attention_rate(gpu, impl, "forward_causal", q_len) / attention_rate(gpu, impl, "forward", q_len)
+    return roofline(f"attention {direction}", "attention", flops, nbytes, 1, gpu, flops / rate)
 
 
 def _unfused(direction, heads, q_len, kv_len, head_dim, gpu) -> Op:
@@ -166,6 +169,13 @@ ELEMENTWISE = {
     "residual": {"forward": ((6, 1), (2, 0)), "backward": ((6, 1), (2, 0))},
     "cross_entropy": {"forward": ((14, 3), (6, 1)), "backward": ((14, 3), (6, 1))},
     "float8_cast": {"forward": ((5, 2), (3, 1)), "backward": ((5, 2), (3, 1))},
+    # GPT's GeLU per hidden element: read 2, write 2 (its backward reads x and dy, writes dx); a dropout: read 2,
+    # write 2 and a 1-byte mask (backward: read dy and the mask, write dx); fused RMSNorm / SwiGLU kernels
+    # (Apex, Transformer Engine, torchtitan's Triton norm): the compiled figures in eager too
+    "gelu": {"forward": ((4, 1), (4, 1)), "backward": ((6, 1), (6, 1))},
+    "dropout": {"forward": ((5, 1), (5, 1)), "backward": ((5, 1), (5, 1))},
+    "rmsnorm_fused": {"forward": ((4, 1), (4, 1)), "backward": ((6, 2), (6, 2))},
+    "swiglu_fused": {"forward": ((6, 1), (6, 1)), "backward": ((8, 1), (8, 1))},
 }
 
 

@@ -28,11 +28,12 @@ _ELEMENTWISE_FORWARD = {"norm1", "norm2", "rotary", "swiglu", "residual1", "resi
 RECOMPUTED = {
     "none": frozenset(),
     # torchtitan's op policy: the outputs of every other matmul kept (wq, wv, w1, w2) and attention's
-    "selective": frozenset({"wk", "wo", "w3"} | _ELEMENTWISE_FORWARD),
+    "selective-op": frozenset({"wk", "wo", "w3"} | _ELEMENTWISE_FORWARD),
     # Megatron-LM's selective recomputation (Korthikanti et al. 2022): the attention core only
-    "attention": frozenset({"attention"}),
+    "selective-attn": frozenset({"attention"}),
     "full": None,  # every forward op of the block
 }
+RECOMPUTED["selective"] = RECOMPUTED["selective-op"]  # torchtitan's name for its op policy
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,9 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
         add(name, ([K.ew(op, "forward", elements, gpu, opts.compile, name)],
                    [K.ew(op, "backward", elements, gpu, opts.compile, name)]))
 
-    ew("norm1", "rmsnorm", rows_sp * d)
+    fused = getattr(m, "fused_kernels", False)  # a fused RMSNorm and SwiGLU: compiled-like bytes, one kernel
+    norm = "rmsnorm_fused" if fused else "rmsnorm"
+    ew("norm1", norm, rows_sp * d)
     add("wq", _linear("wq", T, d // s.tp, d, gpu, opts))
     add("wk", _linear("wk", T, m.kv_dim // s.tp, d, gpu, opts))
     add("wv", _linear("wv", T, m.kv_dim // s.tp, d, gpu, opts))
@@ -99,11 +102,13 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
         heads, q_len = heads // s.cp, s.seq_len  # every position, 1/cp of the heads
     else:
         q_len = s.seq_len // s.cp  # this rank's positions against every key (the ring's, the gather's, the hybrid's)
-    add("attention", ([K.attention("forward", heads, q_len, s.seq_len, hd, True, gpu, opts.attention)],
-                      [K.attention("backward", heads, q_len, s.seq_len, hd, True, gpu, opts.attention)]))
+    impl = "unfused" if getattr(m, "attention", "flash") == "materialized" else opts.attention
+    add("attention", ([K.attention("forward", heads, q_len, s.seq_len, hd, True, gpu, impl)],
+                      [K.attention("backward", heads, q_len, s.seq_len, hd, True, gpu, impl)]))
     add("wo", _linear("wo", T, d, d // s.tp, gpu, opts))
     ew("residual1", "residual", rows_sp * d)
-    ew("norm2", "rmsnorm", rows_sp * d)
+    ew("norm2", norm, rows_sp * d)
+    mlp = getattr(m, "mlp", "swiglu")
     if m.n_experts:
         add("router", _linear("router", T, m.n_experts, d, gpu, opts, fp8_ok=False))
         local = max(1, m.n_experts // s.ep)
@@ -113,11 +118,17 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
         for name, (f, b) in zip(("w1", "w3", "w2"), pairs):
             add(name, ([o.scaled(times=local) for o in f], [o.scaled(times=local) for o in b]))
         ew("swiglu", "swiglu", rows * local * m.hidden_dim // s.tp)
+    elif mlp == "gelu":  # GPT's MLP: d x H, GeLU, H x d
+        add("w1", _linear("w1", T, m.hidden_dim // s.tp, d, gpu, opts))
+        ew("gelu", "gelu", T * m.hidden_dim // s.tp)
+        add("w2", _linear("w2", T, d, m.hidden_dim // s.tp, gpu, opts))
     else:
         add("w1", _linear("w1", T, m.hidden_dim // s.tp, d, gpu, opts))
         add("w3", _linear("w3", T, m.hidden_dim // s.tp, d, gpu, opts))
-        ew("swiglu", "swiglu", T * m.hidden_dim // s.tp)
+        ew("swiglu", "swiglu_fused" if fused else "swiglu", T * m.hidden_dim // s.tp)
         add("w2", _linear("w2", T, d, m.hidden_dim // s.tp, gpu, opts))
+    if getattr(m, "dropout", False):  # GPT's dropouts: on the attention scores and after each sublayer's output
+        ew("dropout", "dropout", heads * q_len * s.seq_len + 2 * rows_sp * d)
     ew("residual2", "residual", rows_sp * d)
     again = recomputed(opts.recompute)
     again = set(fwd) if again is None else again
@@ -125,6 +136,7 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
     backward = [op for name in reversed(list(bwd)) for op in bwd[name]]
     recompute = [op for name in fwd if name in again for op in fwd[name]]
     return {"forward": forward, "backward": recompute + backward, "recompute": recompute}
+
 
 
 @lru_cache(maxsize=50_000)

@@ -69,11 +69,13 @@ def schedule_actions(layout, n_micro: int) -> list[list[str]]:
     raise ValueError(f"schedule={name!r}: the simulator knows '1f1b', 'interleaved' and 'zb'")
 
 
-def pipeline_time(layout, n_micro: int, forward_s: list[float], backward_s: list[float], message_s: float) -> dict:
+def pipeline_time(layout, n_micro: int, forward_s: list[float], backward_s: list[float], message_s: float,
+                  actions: list | None = None) -> dict:
     """{"makespan", "busy" (the busiest rank's compute), "bubble" (makespan - busy)} of one step.
 
-    forward_s, backward_s: per stage, one micro-batch's seconds; message_s: one send's seconds."""
-    actions = schedule_actions(layout, n_micro)
+    forward_s, backward_s: per stage, one micro-batch's seconds; message_s: one send's seconds;
+    actions: `schedule_actions(layout, n_micro)` when the caller has them already."""
+    actions = schedule_actions(layout, n_micro) if actions is None else actions
     t_w = [b / 3 for b in backward_s] if layout.schedule == "zb" else None
     sim = simulate(actions, list(forward_s), list(backward_s), t_w=t_w, t_msg=message_s)
     busy = max(sim.busy)
