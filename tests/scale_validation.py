@@ -81,8 +81,29 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
+def small_end() -> str:
+    """The lab's own models on one H200 (bench/single_device.py, /work/shared/gpu-2026-11-26/single_bf16.txt:
+    tiny 409.1k tok/s at batch 64 x 128, seed 523.1k at 64 x 256, bf16, eager): predicted, and what bounds a block."""
+    from labkit.model import get_config
+    from labkit.scale.specs import spec_from_config
+
+    cluster, lines = load_cluster("h200-sxm"), []
+    for name, batch, seq, measured in (("tiny", 64, 128, 409.1e3), ("seed", 64, 256, 523.1e3)):
+        spec = spec_from_config(get_config(name, context=seq))
+        p = predict(spec, Layout(zero="dp", recompute="none", micro_batch=batch, sequence_parallel=False), cluster,
+                    batch, seq, n_gpus=1, efficiency=None)
+        bound = {k: f"{v / sum(p.bound_s.values()):.0%}" for k, v in p.bound_s.items()}
+        lines.append(f"{name}: measured {measured:,.0f} tok/s, predicted {p.tokens_per_s_per_gpu:,.0f} "
+                     f"({p.tokens_per_s_per_gpu / measured - 1:+.0%}); a block's time by bound: {bound}")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     import sys
+
+    if "--small" in sys.argv:
+        print(small_end())
+        raise SystemExit
 
     flat = "--flat" in sys.argv  # the flat model (compute / (peak x 0.40)), as before the kernel model
     kw = dict(efficiency=0.40) if flat else dict(efficiency=None)
