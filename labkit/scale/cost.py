@@ -148,8 +148,13 @@ def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_g
 def _from_kernels(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, value_bytes, options) -> Prediction:
     tokens = global_batch * seq_len
     model_flops = model.flops_per_token(seq_len) * tokens / n_gpus
-    flops = model_flops + model.recompute_flops_per_token(seq_len, layout.recompute) * tokens / n_gpus \
-        if layout.recompute in ("none", "selective", "full") else model_flops
+    try:
+        recompute = model.recompute_flops_per_token(seq_len, layout.recompute)
+    except ValueError:  # a policy the kernel model knows (layer_ops.RECOMPUTED) that this spec's formula does not
+        recompute = 0.0
+    flops = model_flops + recompute * tokens / n_gpus
+    if layout.pp > 1:  # the fullest rank's blocks, as the flat model counts them
+        flops *= layout.layers_per_rank(model.n_layers) * layout.pp / model.n_layers
     got = kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, value_bytes, options)
     memory = peak_memory(model, layout, n_micro, seq_len, cp_local=layout.cp_local(cluster.gpus_per_node))
     step = got["step_s"]
