@@ -3,6 +3,9 @@ and Megatron-LM 2021's Table 1 (Narayanan et al., arXiv 2104.04473), kept here, 
 validation set of bench/scale.py lands.
 
     PYTHONPATH=. python tests/scale_validation.py           # the table, median and worst |error|
+    PYTHONPATH=. python tests/scale_validation.py --flat    # the same rows by the flat model (before)
+    PYTHONPATH=. python tests/scale_validation.py --small   # the lab's tiny and seed models on one H200
+    PYTHONPATH=. python tests/scale_validation.py --sets    # after merging s40-published: its 47 runs
 
 Megatron-LM 2021 Table 1 (GPT models on Selene, DGX A100 80GB, 8 x 200 Gb/s HDR per node; sequence
 2048, vocabulary 51,200): its "achieved teraFLOP/s per GPU" counts FLOPs with its own formula,
@@ -98,9 +101,35 @@ def small_end() -> str:
     return "\n".join(lines)
 
 
+def validation_sets(kernels: bool = True) -> str:
+    """After the merge with the validation set (labkit.scale.validation, published_runs.json): every set's rows
+    predicted by the kernel model, each row's flags from its "outside_model" list (torch.compile, float8,
+    async TP), or by the flat model (kernels=False)."""
+    import labkit.scale.validation as V
+
+    plain = V.predict
+
+    def predict_row(row, set_info, _row=V.predict_row):
+        out = row.get("outside_model", [])
+        flags = dict(efficiency=None, compile="torch.compile" in out, float8="float8" in out,
+                     async_tp="async TP" in out) if kernels else {}
+        V.predict = lambda *a, **k: plain(*a, **k, **flags)
+        try:
+            return _row(row, set_info)
+        finally:
+            V.predict = plain
+
+    results = {name: [predict_row(r, info) for r in info["rows"]] for name, info in V.load_sets().items()}
+    rows = [r for got in results.values() for r in got]
+    return V.format_sets(results) + f"\nall sets: {V.summarize(rows)}"
+
+
 if __name__ == "__main__":
     import sys
 
+    if "--sets" in sys.argv:  # needs labkit.scale.validation (branch s40-published)
+        print(validation_sets(kernels="--flat" not in sys.argv))
+        raise SystemExit
     if "--small" in sys.argv:
         print(small_end())
         raise SystemExit
