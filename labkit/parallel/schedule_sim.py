@@ -49,6 +49,8 @@ def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, *, t_w: float | None 
 
     ``schedule``: action lists or a `Lowered`. A backward split by a ``W`` action takes
     t_b - t_w for B and t_w for W (t_w defaults to t_b / 2); its activations are held until W.
+    t_f, t_b, t_w may also be sequences indexed by stage (uneven stages: labkit.scale.pipeline feeds
+    each stage's own op times); the makespan and bubble then read those times.
 
     strict (default): raises ScheduleError for a malformed schedule and DeadlockError,
     naming every stuck rank and what it waits on, if the ranks can never finish.
@@ -65,8 +67,13 @@ def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, *, t_w: float | None 
         error, p = err, lowered.n_stages
         m = 1 + max((a.mb for ops in lowered.ops for a in ops), default=0)
     ops, split = lowered.ops, lowered.split
-    t_w = t_b / 2 if t_w is None else t_w
+    t_w = (t_b / 2 if not isinstance(t_b, (list, tuple)) else [b / 2 for b in t_b]) if t_w is None else t_w
     cost = {"F": t_f, "B": t_b, "W": t_w}
+
+    def time_of(kind, stage):  # a unit time, or a stage's own
+        value = cost[kind]
+        return value[stage] if isinstance(value, (list, tuple)) else value
+
     n = len(ops)
     pc, clock = [0] * n, [0.0] * n  # next op and current time per rank
     sent = {}  # message -> time it is available (isend)
@@ -80,7 +87,7 @@ def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, *, t_w: float | None 
             while pc[r] < len(ops[r]):
                 a = ops[r][pc[r]]
                 if a.kind in COMPUTE:
-                    t = cost[a.kind] - (t_w if a.kind == "B" and (a.stage, a.mb) in split else 0)
+                    t = time_of(a.kind, a.stage) - (time_of("W", a.stage) if a.kind == "B" and (a.stage, a.mb) in split else 0)
                     spans[r].append((clock[r], clock[r] + t, a))
                     clock[r] += t
                     if a.kind == "F":
@@ -122,7 +129,8 @@ def simulate(schedule, t_f: float = 1.0, t_b: float = 2.0, *, t_w: float | None 
     busy = [sum(e - s for s, e, _ in rank_spans) for rank_spans in spans]
     makespan = max([rank_spans[-1][1] for rank_spans in spans if rank_spans] + [t for t, _ in stuck.values()],
                    default=0.0)
-    return SimResult(spans, makespan, busy, peak, p, m, t_f, t_b, error, stuck)
+    return SimResult(spans, makespan, busy, peak, p, m, t_f if not isinstance(t_f, (list, tuple)) else sum(t_f) / len(t_f),
+                     t_b if not isinstance(t_b, (list, tuple)) else sum(t_b) / len(t_b), error, stuck)
 
 
 def _at_recv(ops, pc, rank, message) -> bool:

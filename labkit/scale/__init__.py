@@ -15,7 +15,10 @@ Modules, one job each:
                the CP method, EP's overlap), its checks, which link level each axis's group uses
     footprint  peak memory per GPU (labkit.measure.memory's ZeRO formulas + activations)
     traffic    bytes per axis per step, closed forms, and their alpha-beta time
-    cost       step time = compute + exposed traffic + bubble -> tokens/s/GPU, MFU
+    cost       step time = compute + exposed traffic + bubble -> tokens/s/GPU, MFU; efficiency=None:
+               built up from kernels (gpu, kernels, layer_ops, collectives, pipeline, cost_kernels:
+               every op by a roofline with cited figures, one overlap rule per mechanism, pipelines
+               through labkit.parallel.schedules' simulator)
     published  torchtitan's published Llama 3.1 H100 runs, and our predictions of them
     simulate   one rank of a large world on fake tensors and the fake process group: the
                place where a composed parallel step plugs in (`measure_step`)

@@ -11,6 +11,12 @@ fields, in these units, and a "sources" object saying where each figure comes fr
     nvlink_latency_us     us      latency of one step over NVLink (alpha)
     network_latency_us    us      latency of one step across nodes (alpha)
 
+Two optional fields connect it to the kernel model (labkit.scale.kernels, labkit.scale.collectives):
+    gpu                        the GPU kind (labkit/scale/gpus/<gpu>.json): without it, `predict`
+                               can only use a flat FLOP rate (its `efficiency=`)
+    node_busbw_gbytes_per_s    GB/s  measured large-message bus bandwidth of a collective inside one
+                               node (nccl-tests); without it the NVLink datasheet rate is used
+
 Each figure is checked against a plausible range, so a unit off by 1,000 (TFLOP/s written as
 FLOP/s, MB/s for GB/s, ms for us) is caught and named with the unit expected.
 """
@@ -19,6 +25,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from labkit.scale.gpu import load_gpu
 
 CLUSTER_DIR = Path(__file__).resolve().parent / "clusters"
 
@@ -50,6 +58,8 @@ class Cluster:
     nvlink_latency_us: float
     network_latency_us: float
     description: str = ""
+    gpu: str = ""
+    node_busbw_gbytes_per_s: float = 0.0
 
     @property
     def memory_bytes(self) -> float:
@@ -57,8 +67,8 @@ class Cluster:
 
     def link(self, level: str) -> tuple[float, float]:
         """(alpha seconds, beta bytes/s) of one GPU's link at `level`: "node" (NVLink) or "network"."""
-        if level == "node":
-            return self.nvlink_latency_us * 1e-6, self.nvlink_gbytes_per_s * 1e9
+        if level == "node":  # the measured bus bandwidth where the file gives one, else the datasheet link
+            return self.nvlink_latency_us * 1e-6, (self.node_busbw_gbytes_per_s or self.nvlink_gbytes_per_s) * 1e9
         if level == "network":
             return self.network_latency_us * 1e-6, self.network_gbits_per_s * 1e9 / 8
         raise ValueError(f"link level must be 'node' or 'network', got {level!r}")
@@ -105,4 +115,15 @@ def load_cluster(name_or_path: str | Path | dict | Cluster) -> Cluster:
         values, where = json.loads(path.read_text()), str(path)
     fields = check_fields(values, where)
     name = values.get("name") or (Path(where).stem if where.endswith(".json") else "custom")
-    return Cluster(name=name, description=values.get("description", ""), **fields)
+    extra = {}
+    if values.get("gpu"):
+        load_gpu(values["gpu"])  # a missing or wrong GPU file is named now, not at the first prediction
+        extra["gpu"] = values["gpu"]
+    if "node_busbw_gbytes_per_s" in values:
+        busbw = values["node_busbw_gbytes_per_s"]
+        if isinstance(busbw, bool) or not isinstance(busbw, (int, float)) or not 5 <= busbw <= 5000:
+            hint = " (a unit off by 1,000?)" if isinstance(busbw, (int, float)) and 5 <= busbw * 1e-3 <= 5000 else ""
+            raise ClusterError(f"{where}: node_busbw_gbytes_per_s={busbw!r} is outside 5..5000{hint}: the unit "
+                               "expected is GB/s (e.g. 460 for nccl-tests all_reduce on 8 H100 SXM)")
+        extra["node_busbw_gbytes_per_s"] = float(busbw)
+    return Cluster(name=name, description=values.get("description", ""), **fields, **extra)

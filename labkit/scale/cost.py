@@ -1,51 +1,52 @@
-"""Step time of a layout on a cluster: compute + exposed traffic + bubble (notebook 15).
+"""Step time of a layout on a cluster, built up from kernels and collectives (notebook 15).
 
-    compute   the GPU's FLOPs per step (model FLOPs + recomputation) / (peak x efficiency)
-    traffic   each axis's alpha-beta time (labkit.scale.traffic), of which only the part
-              that cannot hide behind compute is paid:
-                dp    overlaps the whole forward and backward (FSDP prefetch, bucketed
-                      reduction): exposed = max(0, t_dp - t_compute) + t_dp / L (the first
-                      gather and the last reduction of a step have nothing to hide behind)
-                cp    the K/V ring overlaps attention (Liu et al. 2023): exposed =
-                      max(0, t_ring - t_attention) + t_rest, t_rest the all-gather's and
-                      the all-to-alls' time (cp_method "allgather", "ulysses", the
-                      hybrid's inside a node), which attention waits for
-                ep    exposed in full; with `ep_overlap` (two half micro-batches, notebook 12)
-                      labkit.measure.overlap.two_batch_overlap's rule per layer and direction:
-                      of the 4 half all-to-alls (time t each) 2 are exposed in full and 2 by
-                      max(0, t - the other half's experts); backward's experts take twice
-                      forward's. Not modelled: the SMs the all-to-all takes from compute
-                      (DeepSeek-V3 gives it 20 of 132), half-size expert matmuls running below
-                      the efficiency, attention or the other half's dense layers hiding it too
-                      (DualPipe's pairing), the router's imbalance
-                tp, pp   on the critical path: exposed in full (no async TP)
-    bubble    1F1B: (pp - 1) / m of the compute and TP/EP time of a step (m micro-batches);
-              interleaved with v virtual stages: (pp - 1) / (v m) (Narayanan et al. 2021)
-Outputs tokens/s per GPU (the step's tokens / step time / GPUs), MFU (model FLOPs only, against
-the cluster's peak) and the peak memory (labkit.scale.footprint).
+With efficiency=None and a GPU kind (the cluster's `gpu` field, labkit/scale/gpus/*.json): the kernel
+model (opt-in until it meets issue 34's aims on the published set; see tests/scale_validation.py):
+    ops        every op of a block, the embedding and the head at their shapes after TP, CP and SP
+               (labkit.scale.layer_ops), each timed by a roofline (labkit.scale.kernels): one stage's
+               forward F_s and backward B_s (recompute included) per micro-batch
+    traffic    each axis's closed-form bytes (labkit.scale.traffic), timed from measured bus bandwidth
+               and latency (labkit.scale.collectives, via Cluster.link), then ONE overlap rule per
+               mechanism, the same everywhere:
+        tp     on the critical path of its block; with `async_tp` hidden behind the GEMM it feeds:
+               exposed = max(0, t_tp - t_gemms) per block and direction
+        cp     the ring's K/V hops hidden only where a chunk's attention outlasts its transfer:
+               exposed = max(0, t_ring - t_attention) + the all-gathers' / all-to-alls' time, per block
+        ep     exposed in full; with `ep_overlap` labkit.measure.overlap.two_batch_overlap's rule
+               (`two_batch_exposed`): each half's all-to-alls behind the other half's experts
+        pp     each send/recv a message of the schedule simulator (t_msg): hidden where the
+               schedule leaves room, else it shows up as bubble
+        dp     FSDP (ZeRO-3) prefetches one layer ahead: hidden behind the step's compute except the
+               first gather and the last reduction, exposed = max(0, t_dp - compute) + t_dp / L;
+               plain DP / ZeRO-1/2 reduce buckets during the backward only:
+               exposed = max(0, t_dp - backward) + t_dp / L (the last bucket, one layer's, waits)
+    pipeline   per-stage F_s + exposed tp/cp/ep, B_s likewise, through the lab's schedule simulator
+               (labkit.scale.pipeline): makespan = the busiest rank's work + the bubble
+    step       makespan + exposed dp + the optimizer step (AdamW over this GPU's shard)
+`parts_s` splits it: compute (the busiest rank's kernels), exposed_tp / _cp / _ep / _dp, bubble,
+optimizer; `bound_s` says how much of one block's forward and backward is compute-, memory- or
+launch-bound (a model this small that is mostly "launch" runs at the CPU's pace).
 
-`EFFICIENCY` is the one achieved-efficiency constant: the fraction of the bf16 peak a
-transformer's forward and backward reach once every kernel, not only the matmuls, is counted.
-It is not fitted to any row we predict: it is Meta's own measurement of Llama 3 pre-training
-in bf16 on H100s, 38-43% MFU on 8,192-16,384 GPUs ("The Llama 3 Herd of Models", Dubey et al.
-2024, table 4); we take 0.40, the middle, as the efficiency of compute alone (their MFU also pays
-the bubble and exposed traffic, so it is a slight underestimate).
-
-Left out: kernel fusion and torch.compile (fewer, faster non-matmul kernels), float8 matmuls,
-async TP (TP traffic hidden behind matmuls), stragglers and jitter between ranks, the
-efficiency's dependence on matrix size (small TP shards and micro-batches run below it),
-NCCL's protocol choices and link contention between axes that share a NIC, power limits.
+Otherwise (the default `EFFICIENCY`, this CPU's fit in notebook 15's predict-then-measure, a cluster
+without a GPU kind): the flat model `step_time`, compute = FLOPs / (peak x efficiency) with the
+overlap rules above in closed form and the 1F1B bubble (pp - 1) / (v m) of the compute (Narayanan et
+al. 2021). EFFICIENCY = 0.40 is Llama 3's 38-43% MFU (Dubey et al. 2024, table 4), an end-to-end
+figure: the kernel model replaces it once it validates.
+Outputs tokens/s per GPU, MFU (model FLOPs against the cluster's bf16 peak) and the peak memory
+(labkit.scale.footprint). Not modelled: stragglers, link contention between axes sharing a NIC,
+power limits, the SMs a collective takes from the GEMMs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from labkit.measure.overlap import two_batch_overlap
+from labkit.scale.cost_kernels import kernel_step, params_per_gpu, two_batch_exposed  # noqa: F401 (re-exported)
 from labkit.scale.footprint import peak_memory
 from labkit.scale.layout import Layout, check_layout
 from labkit.scale.traffic import axis_traffic
 
-EFFICIENCY = 0.40
+EFFICIENCY = 0.40  # predict's default: the flat model (efficiency=None: the kernel model)
+FLAT_EFFICIENCY = EFFICIENCY
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Prediction:
     memory: dict = field(default_factory=dict)   # bytes by part, for the worst stage
     traffic: dict = field(default_factory=dict)  # per axis: bytes, seconds, count
     flops_per_gpu: float = 0.0                   # model + recompute FLOPs per step
+    bound_s: dict = field(default_factory=dict)  # one block, forward + backward: compute / memory / launch seconds
 
     @property
     def peak_gib(self) -> float:
@@ -75,12 +77,7 @@ def rank_key(p: Prediction):
             lay.cp_method, lay.ep_overlap)
 
 
-def _params_per_gpu(model, layout) -> dict:
-    m = model
-    layers = layout.layers_per_rank(m.n_layers)
-    head = max(m.embedding_params, m.head_params)  # the heavier end stage
-    dense = layers * m.layer_dense_params + (head if layout.pp > 1 else m.embedding_params + m.head_params)
-    return {"dense": dense / layout.tp, "experts": layers * m.expert_params * m.n_experts / (layout.tp * layout.ep)}
+_params_per_gpu = params_per_gpu  # the name before the kernel model
 
 
 def step_time(compute_s: float, attention_s: float, traffic_s: dict, layout: Layout, n_micro: int,
@@ -109,24 +106,21 @@ def step_time(compute_s: float, attention_s: float, traffic_s: dict, layout: Lay
     return step, dict(compute=compute_s, bubble=bubble, **{f"exposed_{a}": v for a, v in exposed.items()})
 
 
-def two_batch_exposed(ep_s: float, experts_s: float, layers: int, n_micro: int) -> float:
-    """EP's exposed all-to-all time per step under the two-micro-batch overlap: ep_s is the time of the
-    8 half all-to-alls per layer and micro-batch (axis_traffic's count: dispatch and combine of two halves,
-    forward and backward), each t = ep_s / (8 L m); a half's experts take c = experts_s / (6 L m) forward
-    and 2c backward. Per layer and micro-batch: two_batch_overlap(t, c) + two_batch_overlap(t, 2c)'s
-    layer_exposed_s (with c = 0: 8t, all of it)."""
-    t = ep_s / (8 * layers * n_micro)
-    c = experts_s / (6 * layers * n_micro)
-    per_layer = two_batch_overlap(t, c)["layer_exposed_s"] + two_batch_overlap(t, 2 * c)["layer_exposed_s"]
-    return layers * n_micro * per_layer
-
-
 def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_gpus: int | None = None,
-            efficiency: float = EFFICIENCY, value_bytes: int = 2, overlap: bool = True) -> Prediction:
+            efficiency: float | None = EFFICIENCY, value_bytes: int = 2, overlap: bool = True, *,
+            compile: bool = False, float8: bool = False, async_tp: bool = False,
+            attention: str | None = None) -> Prediction:
     """The cost model's figures for one layout (LayoutError if it cannot run, before any arithmetic).
-    value_bytes, overlap: see axis_traffic and step_time (the defaults: bf16 GPUs that overlap)."""
+    value_bytes, overlap: see axis_traffic and step_time (the defaults: bf16 GPUs that overlap).
+    efficiency=None and a cluster with a GPU kind: the kernel model (module docstring), with
+    compile (torch.compile's fusion), float8 (fp8 block GEMMs), async_tp (TP hidden behind its GEMMs)
+    and attention ("fa2", "fa3", "unfused"; default fa2 where the GPU has its figures, else unfused)."""
     n_gpus = layout.world_size if n_gpus is None else n_gpus
     n_micro = check_layout(model, layout, n_gpus, cluster.gpus_per_node, global_batch, seq_len)
+    if efficiency is None and getattr(cluster, "gpu", ""):
+        return _from_kernels(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, value_bytes,
+                             dict(compile=compile, float8=float8, async_tp=async_tp, attention=attention))
+    efficiency = FLAT_EFFICIENCY if efficiency is None else efficiency
     tokens = global_batch * seq_len
     model_flops = model.flops_per_token(seq_len) * tokens / n_gpus
     flops = model_flops + model.recompute_flops_per_token(seq_len, layout.recompute) * tokens / n_gpus
@@ -149,6 +143,25 @@ def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_g
         fits=memory["total"] <= cluster.memory_bytes, n_micro=n_micro,
         parts_s=parts,
         memory=memory, traffic=traffic, flops_per_gpu=flops)
+
+
+def _from_kernels(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, value_bytes, options) -> Prediction:
+    tokens = global_batch * seq_len
+    model_flops = model.flops_per_token(seq_len) * tokens / n_gpus
+    try:
+        recompute = model.recompute_flops_per_token(seq_len, layout.recompute)
+    except ValueError:  # a policy the kernel model knows (layer_ops.RECOMPUTED) that this spec's formula does not
+        recompute = 0.0
+    flops = model_flops + recompute * tokens / n_gpus
+    if layout.pp > 1:  # the fullest rank's blocks, as the flat model counts them
+        flops *= layout.layers_per_rank(model.n_layers) * layout.pp / model.n_layers
+    got = kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, value_bytes, options)
+    memory = peak_memory(model, layout, n_micro, seq_len, cp_local=layout.cp_local(cluster.gpus_per_node))
+    step = got["step_s"]
+    return Prediction(layout=layout, step_s=step, tokens_per_s_per_gpu=tokens / step / n_gpus,
+                      mfu=model_flops / step / cluster.peak_bf16_flops, peak_bytes=memory["total"],
+                      fits=memory["total"] <= cluster.memory_bytes, n_micro=n_micro, parts_s=got["parts_s"],
+                      memory=memory, traffic=got["traffic"], flops_per_gpu=flops, bound_s=got["bound_s"])
 
 
 def min_gpus(model, cluster) -> int:

@@ -4,7 +4,10 @@ Ring algorithms over a group of n (nccl-tests' bus factors): an all-gather or a 
 of a full tensor of B bytes sends (n-1)/n x B from each rank in n-1 steps; an all-reduce twice
 that in 2(n-1) steps; an all-to-all (n-1)/n x B in n-1 exchanges; a send is B in one step.
 Time of one collective: steps x alpha + bytes sent / beta, where (alpha, beta) is the link of
-the group's level (`Layout.level`): NVLink inside a node, the GPU's NIC across nodes.
+the group's level (`Layout.level`, `Cluster.link`): inside a node the measured nccl-tests bus
+bandwidth where the cluster file gives one (`node_busbw_gbytes_per_s`), else NVLink's datasheet
+rate; across nodes the GPU's NIC. (labkit.scale.collectives states the same time per collective,
+with NCCL's tree for all-reduces across nodes.)
 
 Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch = mb x s / cp
 (b s d-sized activations in bf16: A = 2 mb s d):

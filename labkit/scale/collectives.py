@@ -1,0 +1,55 @@
+"""Time of one collective from measured bus bandwidth and latency, per link level (notebook 15).
+
+nccl-tests' convention (the lab's `labkit.comm.ops` bus factors): a collective of S bytes over n
+ranks puts wire = S x bus factor on each rank's link (all-reduce 2(n-1)/n; all-gather, reduce-scatter,
+all-to-all (n-1)/n; send/recv 1), and its bus bandwidth busbw = wire / time is what nccl-tests
+reports, flat in n for a given link. So
+
+    time = steps x alpha + wire / busbw(level)
+
+busbw(level): the cluster's measured large-message figure where its file gives one
+(`node_busbw_gbytes_per_s`, nccl-tests all_reduce_perf on one NVSwitch node), else the link's
+datasheet rate (`Cluster.link`): an upper bound. alpha: the level's per-step latency. Steps, by
+NCCL's algorithm: ring all-gather / reduce-scatter / all-to-all n-1; all-reduce inside a node a ring,
+2(n-1); all-reduce across nodes NCCL's tree (double binary tree, Sanders et al. 2009, NCCL >= 2.4),
+2 log2(n) latency steps at the same bus bandwidth; send/recv 1. Message size enters through alpha:
+algbw = S / (steps alpha + wire / busbw) rises with S towards busbw / bus factor, the shape of an
+nccl-tests curve.
+"""
+from __future__ import annotations
+
+import math
+
+from labkit.comm.ops import OPS
+
+# each kind's row of the lab's op table: its bus factor is the one labkit.comm counts wire bytes with
+_OP = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
+       "all_to_all": "all_to_all_single", "send": "send"}
+BUS_FACTOR = {kind: (lambda n, op=op: float(OPS[op].bus_factor(n))) for kind, op in _OP.items()}
+
+
+def steps(kind: str, n: int, level: str) -> int:
+    """Latency steps of NCCL's algorithm for `kind` over n ranks at `level` ("node" or "network")."""
+    if kind not in BUS_FACTOR:
+        raise ValueError(f"kind={kind!r}: choose one of {sorted(BUS_FACTOR)}")
+    if n <= 1:
+        return 0
+    if kind == "send":
+        return 1
+    if kind == "all_reduce":
+        return 2 * math.ceil(math.log2(n)) if level == "network" else 2 * (n - 1)
+    return n - 1
+
+
+def busbw(cluster, level: str) -> float:
+    """Bytes/s one rank's link moves at `level`: the measured bus bandwidth, or the datasheet link."""
+    return cluster.link(level)[1]
+
+
+def collective_time(kind: str, nbytes: float, n: int, level: str, cluster) -> tuple[float, float]:
+    """(wire bytes per rank, seconds) of one collective of `nbytes` (nccl-tests' S) over n ranks at `level`."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0, 0.0
+    wire = BUS_FACTOR[kind](n) * nbytes
+    alpha = cluster.link(level)[0]
+    return wire, steps(kind, n, level) * alpha + wire / busbw(cluster, level)

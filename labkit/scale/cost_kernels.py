@@ -1,0 +1,110 @@
+"""One step's time from kernels, collectives and the schedule simulator: `labkit.scale.cost`'s kernel model.
+
+The rules are stated once, in `labkit.scale.cost`'s docstring; this module applies them:
+    kernel_step(...) -> {"step_s", "parts_s", "bound_s", "traffic"}
+"""
+from __future__ import annotations
+
+from labkit.measure.overlap import two_batch_overlap
+from labkit.scale.gpu import load_gpu
+from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops, seconds
+from labkit.scale.kernels import optimizer_step
+from labkit.scale.layout import LayoutError
+from labkit.scale.pipeline import n_stages, pipeline_time, schedule_actions, stage_layers, stage_roles
+from labkit.scale.traffic import axis_traffic
+
+
+def params_per_gpu(model, layout) -> dict:
+    """Parameters this GPU holds before ZeRO (its stage, its tp shard): dense and experts."""
+    m = model
+    layers = layout.layers_per_rank(m.n_layers)
+    head = max(m.embedding_params, m.head_params)  # the heavier end stage
+    dense = layers * m.layer_dense_params + (head if layout.pp > 1 else m.embedding_params + m.head_params)
+    return {"dense": dense / layout.tp, "experts": layers * m.expert_params * m.n_experts / (layout.tp * layout.ep)}
+
+
+def two_batch_exposed(ep_s: float, experts_s: float, layers: int, n_micro: int) -> float:
+    """EP's exposed all-to-all time per step under the two-micro-batch overlap: ep_s is the time of the
+    8 half all-to-alls per layer and micro-batch (axis_traffic's count: dispatch and combine of two halves,
+    forward and backward), each t = ep_s / (8 L m); a half's experts take c = experts_s / (6 L m) forward
+    and 2c backward. Per layer and micro-batch: two_batch_overlap(t, c) + two_batch_overlap(t, 2c)'s
+    layer_exposed_s (with c = 0: 8t, all of it)."""
+    t = ep_s / (8 * layers * n_micro)
+    c = experts_s / (6 * layers * n_micro)
+    per_layer = two_batch_overlap(t, c)["layer_exposed_s"] + two_batch_overlap(t, 2 * c)["layer_exposed_s"]
+    return layers * n_micro * per_layer
+
+
+def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool) -> dict:
+    """Exposed seconds of one block's tp, cp and ep traffic for one micro-batch, forward and backward."""
+    def share(axis, key="seconds"):
+        return traffic.get(axis, {}).get(key, 0.0) / per_block
+
+    passes = 3 if layout.recompute == "full" else 2  # axis_traffic repeats forward's TP for full recompute
+    gemms_f = sum(op.seconds for op in blk["forward"] if op.kind == "gemm")
+    gemms_b = sum(op.seconds for op in blk["backward"] if op.kind == "gemm")
+    tp_f, tp_b = share("tp") / passes, share("tp") * (passes - 1) / passes
+    if async_tp:  # TP's collectives run beside the GEMMs they feed
+        tp_f, tp_b = max(0.0, tp_f - gemms_f), max(0.0, tp_b - gemms_b)
+    attn = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.kind == "attention")
+    ring = share("cp", "hideable_seconds")
+    cp = max(0.0, ring - attn) + share("cp") - ring
+    ep = share("ep")
+    if layout.ep_overlap and ep:
+        experts = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.name.split()[0] in ("w1", "w2", "w3"))
+        ep = two_batch_exposed(ep, experts, 1, 1)
+    return {"tp": tp_f + tp_b, "cp": cp, "ep": ep, "forward": tp_f + cp / 2 + ep / 2,
+            "backward": tp_b + cp / 2 + ep / 2}
+
+
+def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, value_bytes, options) -> dict:
+    gpu = load_gpu(cluster.gpu)
+    impl = options.get("attention") or ("fa2" if "fa2" in gpu.attention else "unfused")
+    shape = Shape(layout.micro_batch, seq_len, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
+                  layout.cp_method)
+    try:  # a schedule that does not fit, an unknown recompute policy, fp8 on a GPU without it: before any arithmetic
+        actions = schedule_actions(layout, n_micro) if layout.pp > 1 else None
+        opts = Options(options.get("compile", False), options.get("float8", False), impl, layout.recompute)
+        blk = block_ops(model, shape, opts, gpu)
+    except ValueError as err:
+        raise LayoutError(str(err)) from None
+    emb, head = end_ops(model, shape, opts, gpu, "embedding"), end_ops(model, shape, opts, gpu, "head")
+    L = layout.layers_per_rank(model.n_layers)
+    traffic = axis_traffic(model, layout, cluster, n_micro, seq_len, params_per_gpu(model, layout), value_bytes)
+    comm = _block_comm(blk, traffic, layout, L * n_micro, options.get("async_tp", False))
+    layers, roles = stage_layers(layout, model.n_layers), stage_roles(layout, model.n_layers)
+    f_block, b_block = seconds(blk["forward"]), seconds(blk["backward"])
+    fwd, bwd, kern = [], [], []
+    for s, count in enumerate(layers):
+        f = count * (f_block + comm["forward"])
+        b = count * (b_block + comm["backward"])
+        k = count * (f_block + b_block)
+        if s == roles["embedding"]:
+            f, b, k = f + seconds(emb["forward"]), b + seconds(emb["backward"]), k + seconds(emb["forward"] + emb["backward"])
+        if s == roles["loss"]:
+            f, b, k = f + seconds(head["forward"]), b + seconds(head["backward"]), k + seconds(head["forward"] + head["backward"])
+        fwd.append(f), bwd.append(b), kern.append(k)
+    # the busiest pipeline rank: it holds stages r, r + pp, ...
+    ranks = [list(range(r, n_stages(layout), layout.pp)) for r in range(layout.pp)]
+    busiest = max(ranks, key=lambda st: sum(fwd[s] + bwd[s] for s in st))
+    work = n_micro * sum(fwd[s] + bwd[s] for s in busiest)
+    compute = n_micro * sum(kern[s] for s in busiest)
+    blocks = sum(layers[s] for s in busiest)
+    if layout.pp > 1:
+        pp = traffic.get("pp", {})
+        message = pp["seconds"] / pp["count"] if pp.get("count") else 0.0
+        makespan = pipeline_time(layout, n_micro, fwd, bwd, message, actions)["makespan"]
+    else:
+        makespan = work
+    backward = n_micro * sum(bwd[s] for s in busiest)
+    t_dp = traffic.get("dp", {}).get("seconds", 0.0)
+    hide = compute if layout.zero == "zero3" else backward
+    exposed_dp = max(0.0, t_dp - hide) + t_dp / max(1, L) if t_dp else 0.0
+    shards = layout.dp * layout.cp if layout.zero != "dp" else 1
+    params = sum(params_per_gpu(model, layout).values()) / shards
+    optimizer = optimizer_step(params, 9 * L + 3, gpu).seconds
+    parts = {"compute": compute, "exposed_tp": n_micro * blocks * comm["tp"], "exposed_cp": n_micro * blocks * comm["cp"],
+             "exposed_ep": n_micro * blocks * comm["ep"], "bubble": makespan - work, "exposed_dp": exposed_dp,
+             "exposed_pp": 0.0, "optimizer": optimizer}
+    bound = by_bound(blk["forward"] + blk["backward"])
+    return {"step_s": makespan + exposed_dp + optimizer, "parts_s": parts, "bound_s": bound, "traffic": traffic}

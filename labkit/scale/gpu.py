@@ -1,0 +1,163 @@
+"""A GPU kind's kernel-level figures: what `labkit.scale.kernels` times every op with (notebook 15).
+
+A GPU kind is a JSON file (`labkit/scale/gpus/<name>.json`, or any path) with these fields, in these
+units, and a "sources" object giving, for each, the measurement it comes from (URL + table/figure):
+
+    sm_count          int      streaming multiprocessors (wave quantization runs over them)
+    peak_bf16_tflops  TFLOP/s  dense bf16 tensor-core peak (989 for H100 SXM)
+    peak_fp8_tflops   TFLOP/s  dense fp8 peak; 0 where the GPU has no fp8 tensor cores
+    hbm_tbytes_per_s  TB/s     device memory bandwidth (datasheet)
+    hbm_fraction      1        the fraction of it a streaming kernel reaches (a measurement)
+    mamf_tflops       TFLOP/s  the best measured bf16 GEMM (Maximum Achievable Matmul FLOPS)
+    mamf_shape        [m,n,k]  the shape it was measured at (null when the source gives none)
+    gemm_tiles        [[m,n]]  the output tiles cuBLAS uses for large GEMMs
+    launch_us         us       CPU cost of issuing one kernel from eager PyTorch
+    attention         {impl: {"forward"|"forward_causal"|"backward": {seq_len: TFLOP/s}}}: published
+                      FlashAttention throughput against sequence length at head dim 128
+
+Every figure is checked against a plausible range, so a unit off by 1,000 (TB/s given in GB/s,
+TFLOP/s in FLOP/s, ms for us) is named with the unit expected. The figures validate, they are never
+tuned: none of them is fitted to an end-to-end training run.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GPU_DIR = Path(__file__).resolve().parent / "gpus"
+
+# field: (type, unit, plausible low, plausible high): about 100x wide, so a factor of 1,000 falls outside
+FIELDS = {
+    "sm_count": (int, "SMs (e.g. 132 for an H100 SXM)", 8, 1000),
+    "peak_bf16_tflops": (float, "TFLOP/s (e.g. 989 for an H100 SXM)", 10, 20000),
+    "hbm_tbytes_per_s": (float, "TB/s (e.g. 3.35 for an H100 SXM)", 0.1, 50),
+    "hbm_fraction": (float, "a fraction of the datasheet bandwidth (e.g. 0.84)", 0.2, 1.0),
+    "mamf_tflops": (float, "TFLOP/s (e.g. 792.1 for an H100 SXM)", 5, 20000),
+    "launch_us": (float, "microseconds (e.g. 5)", 0.1, 200),
+}
+ATTENTION_KINDS = ("forward", "forward_causal", "backward")
+
+
+class GPUError(ValueError):
+    """A GPU kind's file with a missing field, a wrong type or an implausible unit."""
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: kernels.py caches op times per GPU object
+class GPU:
+    name: str
+    sm_count: int
+    peak_bf16_tflops: float
+    peak_fp8_tflops: float
+    hbm_tbytes_per_s: float
+    hbm_fraction: float
+    mamf_tflops: float
+    mamf_shape: tuple | None
+    gemm_tiles: tuple
+    launch_us: float
+    attention: dict = field(default_factory=dict)  # impl -> kind -> ((seq, TFLOP/s), ...) ascending
+    description: str = ""
+
+    def peak_flops(self, dtype: str = "bf16") -> float:
+        """FLOP/s of the tensor cores for `dtype` ("bf16" or "fp8"); GPUError for fp8 on a GPU without it."""
+        if dtype == "bf16":
+            return self.peak_bf16_tflops * 1e12
+        if dtype == "fp8":
+            if not self.peak_fp8_tflops:
+                raise GPUError(f"{self.name} has no fp8 tensor cores (peak_fp8_tflops=0): run float8=False on it")
+            return self.peak_fp8_tflops * 1e12
+        raise GPUError(f"dtype={dtype!r}: choose 'bf16' or 'fp8'")
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        """The bandwidth a streaming kernel reaches: datasheet x measured fraction."""
+        return self.hbm_tbytes_per_s * 1e12 * self.hbm_fraction
+
+
+def _number(values: dict, name: str, where: str) -> float:
+    kind, unit, low, high = FIELDS[name]
+    if name not in values:
+        raise GPUError(f"{where} has no field {name!r}: give it in {unit}")
+    value = values[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise GPUError(f"{where}: {name}={value!r} must be a number in {unit}")
+    if kind is int and value != int(value):
+        raise GPUError(f"{where}: {name}={value!r} must be a whole number of {unit}")
+    if not low <= value <= high:
+        fixed = [value * f for f in (1e3, 1e-3, 1e12, 1e-12) if low <= value * f <= high]
+        hint = f" (a unit off by 1,000? {fixed[0]:g} would fit)" if fixed else ""
+        raise GPUError(f"{where}: {name}={value:g} is outside {low:g}..{high:g}{hint}: the unit expected is {unit}")
+    return kind(value)
+
+
+def check_gpu(values: dict, where: str = "the GPU kind") -> dict:
+    """The fields of `values`, typed and checked, or GPUError naming the first wrong field and the fix."""
+    out = {name: _number(values, name, where) for name in FIELDS}
+    fp8 = values.get("peak_fp8_tflops")
+    if fp8 is None:
+        raise GPUError(f"{where} has no field 'peak_fp8_tflops': give it in TFLOP/s, or 0 where the GPU has no fp8")
+    if fp8 and not 10 <= fp8 <= 40000:
+        raise GPUError(f"{where}: peak_fp8_tflops={fp8:g} is outside 10..40000 (or 0): the unit expected is TFLOP/s")
+    out["peak_fp8_tflops"] = float(fp8)
+    if out["mamf_tflops"] > out["peak_bf16_tflops"]:
+        raise GPUError(f"{where}: mamf_tflops={out['mamf_tflops']:g} exceeds peak_bf16_tflops="
+                       f"{out['peak_bf16_tflops']:g}: a measured GEMM cannot beat the peak; check both units")
+    shape = values.get("mamf_shape")
+    if shape is not None and not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(x, int) and x > 0 for x in shape)):
+        raise GPUError(f"{where}: mamf_shape={shape!r} must be [m, n, k] (positive ints) or null")
+    out["mamf_shape"] = tuple(shape) if shape else None
+    tiles = values.get("gemm_tiles")
+    if not (isinstance(tiles, list) and tiles and all(isinstance(t, list) and len(t) == 2 and all(
+            isinstance(x, int) and 8 <= x <= 1024 for x in t) for t in tiles)):
+        raise GPUError(f"{where}: gemm_tiles={tiles!r} must be a list of [rows, columns] tiles, e.g. [[256, 128], [128, 256]]")
+    out["gemm_tiles"] = tuple(tuple(t) for t in tiles)
+    attention = {}
+    for impl, kinds in (values.get("attention") or {}).items():
+        missing = [k for k in ATTENTION_KINDS if k not in kinds]
+        if missing:
+            raise GPUError(f"{where}: attention[{impl!r}] has no {missing[0]!r} table: give TFLOP/s against sequence length")
+        attention[impl] = {}
+        for kind in ATTENTION_KINDS:
+            points = sorted((int(s), float(v)) for s, v in kinds[kind].items())
+            for s, v in points:
+                if not 1 <= v <= 20000:
+                    raise GPUError(f"{where}: attention[{impl!r}][{kind!r}][{s}]={v:g} is outside 1..20000: "
+                                   "the unit expected is TFLOP/s")
+            attention[impl][kind] = tuple(points)
+    out["attention"] = attention
+    if "sources" not in values:
+        raise GPUError(f"{where} has no 'sources': every figure needs the measurement it comes from")
+    return out
+
+
+def list_gpus() -> list[str]:
+    return sorted(p.stem for p in GPU_DIR.glob("*.json"))
+
+
+_SHIPPED: dict = {}
+
+
+def load_gpu(name_or_path: str | Path | dict | GPU) -> GPU:
+    """A shipped GPU kind by name ("h100-sxm"), a JSON file's path, or a dict of the fields.
+    A shipped kind is read once per process (the search predicts ~10^5 layouts)."""
+    if isinstance(name_or_path, GPU):
+        return name_or_path
+    if isinstance(name_or_path, str) and not Path(name_or_path).suffix:
+        if name_or_path not in _SHIPPED:
+            _SHIPPED[name_or_path] = _load(name_or_path)
+        return _SHIPPED[name_or_path]
+    return _load(name_or_path)
+
+
+def _load(name_or_path) -> GPU:
+    if isinstance(name_or_path, dict):
+        values, where = name_or_path, "the GPU dict"
+    else:
+        path = Path(name_or_path)
+        if not path.suffix:
+            path = GPU_DIR / f"{name_or_path}.json"
+            if not path.exists():
+                raise GPUError(f"no GPU kind named {name_or_path!r}; shipped: {list_gpus()}, or give a path to a JSON file")
+        values, where = json.loads(path.read_text()), str(path)
+    fields = check_gpu(values, where)
+    return GPU(name=values.get("name", "custom"), description=values.get("description", ""), **fields)

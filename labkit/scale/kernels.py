@@ -1,0 +1,194 @@
+"""Every op of a transformer layer at its real shapes, each timed by a roofline (notebook 15).
+
+One op's time, on a GPU kind of `labkit.scale.gpu` (every constant cited in its JSON file):
+
+    t = max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x achieved fraction), kernels x launch)
+
+The CPU issues kernels while the GPU runs earlier ones (CUDA launches are asynchronous), so an op
+costs the longer of its run and its launches: an op shorter than its launches is launch-bound, and
+a model made of such ops (the lab's seed model) runs at the CPU's pace, not the GPU's.
+
+GEMM (m x k) @ (k x n), `gemm`: efficiency from the shape. Each tile of the output (`gemm_tiles`, the
+largest cuBLAS uses: NVIDIA's Matrix Multiplication Background guide, sections 2.3 and 3) goes to one
+SM; the tiles run in waves of `sm_count`; a wave takes a whole tile's FLOPs at one SM's rate:
+    t_compute = ceil(tiles / SMs) x 2 tm tn k / (per-SM rate),   tiles = ceil(m / tm) ceil(n / tn)
+(tile and wave quantization), the better of the tiles. The per-SM rate is the measured best GEMM
+(`mamf_tflops`) over the waves of its own shape: `gemm_efficiency` = MAMF / (peak x its quantization),
+so the model reproduces the MAMF figure at the MAMF shape. Float8 GEMMs: the same tiles and
+efficiency at the fp8 peak, 1-byte inputs, and a cast of each input (read bf16, write fp8).
+
+Attention, `attention`: FlashAttention's published TFLOP/s at head dim 128 against sequence length
+(FA3 paper, arXiv 2407.08608, figures 5 and 6: FA3, and FA2 on the same H100), log-linear between the
+measured lengths, flat beyond them (the causal backward: the backward figure x the forward's
+causal / full ratio at that length, as no causal backward is published). FLOPs: forward 4 b h s_q s_kv hd (half with a causal mask),
+backward 2.5 x forward (FlashAttention's own count). Without a table (A100 here), `unfused`: two
+batched GEMMs and a fused scale-mask-softmax over the b h s_q s_kv scores (Megatron-LM 2021).
+
+Elementwise ops (norms, rotary, SwiGLU, residuals, loss, embedding, optimizer) are memory-bound:
+their bytes, per element, are counted below for eager PyTorch as torchtitan writes them (RMSNorm as
+x.float(), pow, mean, rsqrt, mul, type_as, x weight; rotary as complex multiplication) and for
+torch.compile, modelled as fusion: every elementwise op between two GEMMs becomes one kernel that
+reads its inputs and writes its outputs once (no intermediate tensors, no extra launches).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from labkit.scale.gpu import GPU
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    kind: str          # "gemm", "attention", "elementwise", "optimizer"
+    flops: float
+    bytes: float
+    kernels: int
+    seconds: float
+    bound: str         # "compute", "memory" or "launch"
+
+    def scaled(self, name: str | None = None, times: float = 1.0) -> "Op":
+        return Op(name or self.name, self.kind, self.flops * times, self.bytes * times,
+                  round(self.kernels * times), self.seconds * times, self.bound)
+
+
+def roofline(name: str, kind: str, flops: float, nbytes: float, kernels: int, gpu: GPU,
+             compute_s: float | None = None) -> Op:
+    """An op's time: max(compute, memory, launches), and which of the three bounds it."""
+    compute = compute_s if compute_s is not None else 0.0
+    memory = nbytes / gpu.hbm_bytes_per_s
+    launch = kernels * gpu.launch_us * 1e-6
+    seconds = max(compute, memory, launch)
+    bound = "compute" if seconds == compute else "memory" if seconds == memory else "launch"
+    return Op(name, kind, flops, nbytes, kernels, seconds, bound)
+
+
+def waves(m: int, n: int, tile: tuple, sm_count: int) -> tuple[int, int]:
+    """(tiles, waves) of an m x n output cut into `tile`-sized pieces over `sm_count` SMs."""
+    tiles = math.ceil(m / tile[0]) * math.ceil(n / tile[1])
+    return tiles, math.ceil(tiles / sm_count)
+
+
+def quantization(m: int, n: int, gpu: GPU) -> float:
+    """Useful fraction of the SMs' work for an m x n output, with the best tile: m n / (waves x SMs x tile)."""
+    return max(m * n / (waves(m, n, t, gpu.sm_count)[1] * gpu.sm_count * t[0] * t[1]) for t in gpu.gemm_tiles)
+
+
+def gemm_efficiency(gpu: GPU) -> float:
+    """Fraction of the peak one SM reaches inside a full wave: MAMF / (peak x the MAMF shape's quantization)."""
+    q = quantization(gpu.mamf_shape[0], gpu.mamf_shape[1], gpu) if gpu.mamf_shape else 1.0
+    return gpu.mamf_tflops / (gpu.peak_bf16_tflops * q)
+
+
+@lru_cache(maxsize=200_000)
+def gemm(name: str, m: int, n: int, k: int, gpu: GPU, dtype: str = "bf16", batch: int = 1) -> Op:
+    """(m x k) @ (k x n), `batch` times in one kernel, in bf16 or fp8 (inputs 1 byte, output bf16).
+    An output of fewer tiles than SMs is split along k (split-K, CUTLASS's media/docs/efficient_gemm.md,
+    'Parallelized Reductions'): s = min(SMs // tiles, k // 256) slices run side by side, their fp32 partial
+    sums written and read back (8 m n s bytes more); the better of split and not."""
+    flops = 2.0 * m * n * k * batch
+    in_bytes = 1 if dtype == "fp8" else 2
+    nbytes = batch * (in_bytes * (m * k + k * n) + 2 * m * n)
+    per_sm = gpu.peak_flops(dtype) * gemm_efficiency(gpu) / gpu.sm_count
+    best, extra = math.inf, 0.0
+    for t in gpu.gemm_tiles:
+        tiles = waves(m, n, t, gpu.sm_count)[0] * batch
+        for split in {1, max(1, min(gpu.sm_count // tiles, k // 256))}:
+            compute = math.ceil(tiles * split / gpu.sm_count) * 2.0 * t[0] * t[1] * math.ceil(k / split) / per_sm
+            partials = 8.0 * m * n * batch * split if split > 1 else 0.0
+            total = max(compute, (nbytes + partials) / gpu.hbm_bytes_per_s)
+            if total < best:
+                best, chosen, extra = total, compute, partials
+    return roofline(name, "gemm", flops, nbytes + extra, 1, gpu, chosen)
+
+
+def attention_rate(gpu: GPU, impl: str, kind: str, seq: int) -> float:
+    """Published FLOP/s of attention `impl` ("fa2", "fa3") at sequence length `seq`: log-linear between
+    the figure's lengths, its end values beyond them."""
+    if impl not in gpu.attention:
+        raise ValueError(f"{gpu.name} has no {impl!r} attention figures (it has {sorted(gpu.attention) or 'none'}): "
+                         "use attention='unfused', or add the table to its JSON file")
+    points = gpu.attention[impl][kind]
+    if seq <= points[0][0]:
+        return points[0][1] * 1e12
+    for (s0, v0), (s1, v1) in zip(points, points[1:]):
+        if seq <= s1:
+            w = math.log(seq / s0) / math.log(s1 / s0)
+            return (v0 + w * (v1 - v0)) * 1e12
+    return points[-1][1] * 1e12
+
+
+@lru_cache(maxsize=200_000)
+def attention(direction: str, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool, gpu: GPU,
+              impl: str = "fa2") -> Op:
+    """Attention of `heads` (batch x heads) sequences, forward or backward, FlashAttention or "unfused"."""
+    forward = 4.0 * heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
+    flops = forward if direction == "forward" else 2.5 * forward
+    if impl == "unfused":
+        return _unfused(direction, heads, q_len, kv_len, head_dim, gpu)
+    kind = "backward" if direction == "backward" else ("forward_causal" if causal else "forward")
+    qkv = 2 * heads * head_dim * (2 * q_len + 2 * kv_len)  # q, k, v, out in bf16
+    nbytes = qkv if direction == "forward" else 2 * qkv
+    rate = attention_rate(gpu, impl, kind, q_len)
+    if direction == "backward" and causal:  # no causal backward is published: the forward's causal / full ratio
+        rate *= attention_rate(gpu, impl, "forward_causal", q_len) / attention_rate(gpu, impl, "forward", q_len)
+    return roofline(f"attention {direction}", "attention", flops, nbytes, 1, gpu, flops / rate)
+
+
+def _unfused(direction, heads, q_len, kv_len, head_dim, gpu) -> Op:
+    """Megatron-LM 2021's attention: QK^T and AV as batched GEMMs, a fused scale-mask-softmax (read and
+    write the bf16 scores); backward: two GEMMs each, and the softmax's gradient (read 2, write 1)."""
+    scores = 2.0 * heads * q_len * kv_len
+    times = 1 if direction == "forward" else 2
+    qk = gemm("attention QK^T", q_len, kv_len, head_dim, gpu, batch=heads)
+    av = gemm("attention AV", q_len, head_dim, kv_len, gpu, batch=heads)
+    soft = roofline("softmax", "elementwise", 0, scores * (2 if direction == "forward" else 3), 1, gpu)
+    return Op(f"attention {direction} (unfused)", "attention", times * (qk.flops + av.flops),
+              times * (qk.bytes + av.bytes) + soft.bytes, 2 * times + 1,
+              times * (qk.seconds + av.seconds) + soft.seconds, "compute")
+
+
+def elementwise(name: str, elements: float, eager: tuple, compiled: tuple, gpu: GPU, compile: bool) -> Op:
+    """A memory-bound op over `elements` values: (bytes per element, kernels) eager or compiled."""
+    per_element, kernels = compiled if compile else eager
+    return roofline(name, "elementwise", 0.0, per_element * elements, kernels, gpu)
+
+
+# bytes per element and kernels of each elementwise op, (eager, compiled), forward and backward.
+# eager RMSNorm (torchtitan's): x.float() 2+4, pow 4+4, mean 4, rsqrt -, x*r 4+4, type_as 4+2, *weight 2+2 = 36
+# bytes in 7 kernels; its autograd about twice that. Compiled: read x, write y (4), backward read x and dy,
+# write dx (6) plus the weight's gradient reduction. Rotary per q/k element: float 2+4, complex mul 4+4, back 4+2.
+# SwiGLU per hidden element: silu(a) 2+2, * b 4+2 = 10 (compiled 6). Residual add 6 (compiled: inside the norm, 2).
+# Cross-entropy per logit: float 2+4, log_softmax 4+4, gather - (compiled: read 2, write 4 for the backward).
+ELEMENTWISE = {
+    "rmsnorm": {"forward": ((36, 7), (4, 1)), "backward": ((72, 12), (6, 2))},
+    "rotary": {"forward": ((20, 3), (4, 1)), "backward": ((20, 3), (4, 1))},
+    "swiglu": {"forward": ((10, 2), (6, 1)), "backward": ((16, 4), (8, 1))},
+    "residual": {"forward": ((6, 1), (2, 0)), "backward": ((6, 1), (2, 0))},
+    "cross_entropy": {"forward": ((14, 3), (6, 1)), "backward": ((14, 3), (6, 1))},
+    "float8_cast": {"forward": ((5, 2), (3, 1)), "backward": ((5, 2), (3, 1))},
+    # GPT's GeLU per hidden element: read 2, write 2 (its backward reads x and dy, writes dx); a dropout: read 2,
+    # write 2 and a 1-byte mask (backward: read dy and the mask, write dx); fused RMSNorm / SwiGLU kernels
+    # (Apex, Transformer Engine, torchtitan's Triton norm): the compiled figures in eager too
+    "gelu": {"forward": ((4, 1), (4, 1)), "backward": ((6, 1), (6, 1))},
+    "dropout": {"forward": ((5, 1), (5, 1)), "backward": ((5, 1), (5, 1))},
+    "rmsnorm_fused": {"forward": ((4, 1), (4, 1)), "backward": ((6, 2), (6, 2))},
+    "swiglu_fused": {"forward": ((6, 1), (6, 1)), "backward": ((8, 1), (8, 1))},
+}
+
+
+def ew(op: str, direction: str, elements: float, gpu: GPU, compile: bool, name: str | None = None) -> Op:
+    eager, compiled = ELEMENTWISE[op][direction]
+    return elementwise(name or op, elements, eager, compiled, gpu, compile)
+
+
+def optimizer_step(params: float, tensors: int, gpu: GPU) -> Op:
+    """AdamW over this GPU's `params` fp32 parameters in `tensors` tensors, torch's foreach implementation:
+    about 8 passes (lerp, mul, addcmul, sqrt, div, add, addcdiv, weight decay), each reading about two
+    fp32 tensors and writing one (12 bytes), plus the gradient norm's read for clipping: 100 bytes per
+    parameter; each pass launches one kernel per 36 tensors (multi_tensor_apply's depth-4 limit,
+    aten/src/ATen/native/cuda/MultiTensorApply.cuh) or per 320 x 65,536 elements, whichever is more."""
+    launches = 9 * max(math.ceil(tensors / 36), math.ceil(params / (320 * 65536)))
+    return roofline("optimizer", "optimizer", 0.0, 100.0 * params, launches, gpu)

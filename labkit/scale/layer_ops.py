@@ -1,0 +1,170 @@
+"""The ops of one micro-batch on one GPU, at their shapes after TP, CP and SP, timed by `labkit.scale.kernels`.
+
+Shapes, per micro-batch and GPU: T = mb x s / cp tokens enter the GEMMs (TP's all-gather has made
+the sequence whole; Ulysses swaps sequence for heads, so its attention sees the whole s and h/cp
+heads); the elementwise ops between GEMMs see T / tp rows with sequence parallelism (SP). A
+linear layer Y = X W with X (T x k), W (k x n) runs forward gemm(T, n, k), backward its input's
+gradient gemm(T, k, n) and its weight's gemm(k, n, T). Per block (torchtitan's Llama, 3 separate
+projections wq, wk, wv; Megatron fuses them, the same FLOPs):
+    forward   norm, wq (n = d/tp), wk and wv (n = kv_dim/tp), rotary, attention, wo (k = d/tp), residual,
+              norm, w1 and w3 (n = H/tp), SwiGLU, w2 (k = H/tp), residual; MoE: a router GEMM (n = E) and
+              the local experts' GEMMs as one grouped GEMM of the T top_k ep / E rows each receives
+    backward  the same in reverse (two GEMMs per linear, attention's backward), plus the recomputed
+              forward ops of the recompute policy (`RECOMPUTED`)
+The first stage adds the embedding (a gather forward, a scatter-add into fp32 backward), the last
+the final norm, the head GEMM (n = V/tp, vocabulary-parallel) and the cross-entropy. Float8
+(torchao's dynamic scaling, as torchtitan's float8 rows): every block linear (not the head) in fp8,
+each input cast (forward X and W; backward dY twice, W, X).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from labkit.scale import kernels as K
+
+# forward ops each recompute policy runs again in backward (names as in `block_ops`)
+_ELEMENTWISE_FORWARD = {"norm1", "norm2", "rotary", "swiglu", "residual1", "residual2"}
+RECOMPUTED = {
+    "none": frozenset(),
+    # torchtitan's op policy: the outputs of every other matmul kept (wq, wv, w1, w2) and attention's
+    "selective-op": frozenset({"wk", "wo", "w3"} | _ELEMENTWISE_FORWARD),
+    # Megatron-LM's selective recomputation (Korthikanti et al. 2022): the attention core only
+    "selective-attn": frozenset({"attention"}),
+    "full": None,  # every forward op of the block
+}
+RECOMPUTED["selective"] = RECOMPUTED["selective-op"]  # torchtitan's name for its op policy
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What sets one GPU's op shapes: micro-batch sequences, sequence length, and the parallel degrees."""
+    micro_batch: int
+    seq_len: int
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = True
+    cp_method: str = "ring"
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the kernels run: torch.compile's fusion, float8 GEMMs, the attention kernel, the recompute policy."""
+    compile: bool = False
+    float8: bool = False
+    attention: str = "fa2"
+    recompute: str = "none"
+
+
+def recomputed(policy: str) -> frozenset | None:
+    if policy not in RECOMPUTED:
+        raise ValueError(f"recompute={policy!r} is not a policy the kernel model knows: choose one of {sorted(RECOMPUTED)}")
+    return RECOMPUTED[policy]
+
+
+def _linear(name, rows, n, k, gpu, opts, fp8_ok=True):
+    """Forward and backward ops of a linear layer on `rows` rows: Y (rows x n) = X (rows x k) W (k x n)."""
+    dtype = "fp8" if opts.float8 and fp8_ok else "bf16"
+    fwd = [K.gemm(name, rows, n, k, gpu, dtype)]
+    bwd = [K.gemm(f"{name} dgrad", rows, k, n, gpu, dtype), K.gemm(f"{name} wgrad", k, n, rows, gpu, dtype)]
+    if dtype == "fp8":
+        fwd.append(K.ew("float8_cast", "forward", rows * k + k * n, gpu, opts.compile, f"{name} cast"))
+        bwd.append(K.ew("float8_cast", "backward", 2 * rows * n + k * n + rows * k, gpu, opts.compile, f"{name} cast"))
+    return fwd, bwd
+
+
+@lru_cache(maxsize=50_000)
+def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
+    """{"forward": [Op], "backward": [Op]} of one block for one micro-batch (backward includes the recompute)."""
+    m, s = model, shape
+    d, hd = m.d_model, m.d_model // m.n_heads
+    T = s.micro_batch * s.seq_len // s.cp
+    rows_sp = T // s.tp if s.sequence_parallel else T
+    fwd, bwd = {}, {}
+
+    def add(name, pair):
+        fwd[name], bwd[name] = pair
+
+    def ew(name, op, elements):
+        add(name, ([K.ew(op, "forward", elements, gpu, opts.compile, name)],
+                   [K.ew(op, "backward", elements, gpu, opts.compile, name)]))
+
+    fused = getattr(m, "fused_kernels", False)  # a fused RMSNorm and SwiGLU: compiled-like bytes, one kernel
+    norm = "rmsnorm_fused" if fused else "rmsnorm"
+    ew("norm1", norm, rows_sp * d)
+    add("wq", _linear("wq", T, d // s.tp, d, gpu, opts))
+    add("wk", _linear("wk", T, m.kv_dim // s.tp, d, gpu, opts))
+    add("wv", _linear("wv", T, m.kv_dim // s.tp, d, gpu, opts))
+    ew("rotary", "rotary", T * (d + m.kv_dim) // s.tp)
+    heads = s.micro_batch * m.n_heads // s.tp
+    if s.cp > 1 and s.cp_method == "ulysses":
+        heads, q_len = heads // s.cp, s.seq_len  # every position, 1/cp of the heads
+    else:
+        q_len = s.seq_len // s.cp  # this rank's positions against every key (the ring's, the gather's, the hybrid's)
+    impl = "unfused" if getattr(m, "attention", "flash") == "materialized" else opts.attention
+    add("attention", ([K.attention("forward", heads, q_len, s.seq_len, hd, True, gpu, impl)],
+                      [K.attention("backward", heads, q_len, s.seq_len, hd, True, gpu, impl)]))
+    add("wo", _linear("wo", T, d, d // s.tp, gpu, opts))
+    ew("residual1", "residual", rows_sp * d)
+    ew("norm2", norm, rows_sp * d)
+    mlp = getattr(m, "mlp", "swiglu")
+    if m.n_experts:
+        add("router", _linear("router", T, m.n_experts, d, gpu, opts, fp8_ok=False))
+        local = max(1, m.n_experts // s.ep)
+        rows = max(1, T * m.top_k * s.ep // m.n_experts)
+        pairs = [_linear(n, rows, width, k, gpu, opts) for n, width, k in
+                 (("w1", m.hidden_dim // s.tp, d), ("w3", m.hidden_dim // s.tp, d), ("w2", d, m.hidden_dim // s.tp))]
+        for name, (f, b) in zip(("w1", "w3", "w2"), pairs):
+            add(name, ([o.scaled(times=local) for o in f], [o.scaled(times=local) for o in b]))
+        ew("swiglu", "swiglu", rows * local * m.hidden_dim // s.tp)
+    elif mlp == "gelu":  # GPT's MLP: d x H, GeLU, H x d
+        add("w1", _linear("w1", T, m.hidden_dim // s.tp, d, gpu, opts))
+        ew("gelu", "gelu", T * m.hidden_dim // s.tp)
+        add("w2", _linear("w2", T, d, m.hidden_dim // s.tp, gpu, opts))
+    else:
+        add("w1", _linear("w1", T, m.hidden_dim // s.tp, d, gpu, opts))
+        add("w3", _linear("w3", T, m.hidden_dim // s.tp, d, gpu, opts))
+        ew("swiglu", "swiglu_fused" if fused else "swiglu", T * m.hidden_dim // s.tp)
+        add("w2", _linear("w2", T, d, m.hidden_dim // s.tp, gpu, opts))
+    if getattr(m, "dropout", False):  # GPT's dropouts: on the attention scores and after each sublayer's output
+        ew("dropout", "dropout", heads * q_len * s.seq_len + 2 * rows_sp * d)
+    ew("residual2", "residual", rows_sp * d)
+    again = recomputed(opts.recompute)
+    again = set(fwd) if again is None else again
+    forward = [op for name in fwd for op in fwd[name]]
+    backward = [op for name in reversed(list(bwd)) for op in bwd[name]]
+    recompute = [op for name in fwd if name in again for op in fwd[name]]
+    return {"forward": forward, "backward": recompute + backward, "recompute": recompute}
+
+
+
+@lru_cache(maxsize=50_000)
+def end_ops(model, shape: Shape, opts: Options, gpu, which: str) -> dict:
+    """The first stage's embedding ("embedding") or the last stage's norm, head and loss ("head")."""
+    m, s = model, shape
+    T = s.micro_batch * s.seq_len // s.cp
+    rows_sp = T // s.tp if s.sequence_parallel else T
+    if which == "embedding":
+        gather = K.roofline("embedding", "elementwise", 0.0, 4.0 * rows_sp * m.d_model, 1, gpu)
+        scatter = K.roofline("embedding grad", "elementwise", 0.0,
+                             6.0 * rows_sp * m.d_model + 4.0 * m.vocab_size * m.d_model / s.tp, 3, gpu)
+        return {"forward": [gather], "backward": [scatter]}
+    norm_f = K.ew("rmsnorm", "forward", rows_sp * m.d_model, gpu, opts.compile, "final norm")
+    norm_b = K.ew("rmsnorm", "backward", rows_sp * m.d_model, gpu, opts.compile, "final norm")
+    head_f, head_b = _linear("head", T, m.vocab_size // s.tp, m.d_model, gpu, opts, fp8_ok=False)
+    loss = T * m.vocab_size // s.tp
+    return {"forward": [norm_f, *head_f, K.ew("cross_entropy", "forward", loss, gpu, opts.compile, "loss")],
+            "backward": [K.ew("cross_entropy", "backward", loss, gpu, opts.compile, "loss"), *head_b, norm_b]}
+
+
+def seconds(ops) -> float:
+    return sum(op.seconds for op in ops)
+
+
+def by_bound(ops) -> dict:
+    """Seconds by what bounds each op: {"compute": ..., "memory": ..., "launch": ...}."""
+    out = {"compute": 0.0, "memory": 0.0, "launch": 0.0}
+    for op in ops:
+        out[op.bound] += op.seconds
+    return out

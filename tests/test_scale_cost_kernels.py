@@ -1,0 +1,101 @@
+"""cost.predict's kernel model (efficiency=None): the step is the sum of its parts, each overlap rule as its
+docstring states it, pipelines through the schedule simulator. Pure arithmetic, no process: a few seconds."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from labkit.scale.cluster import CLUSTER_DIR, load_cluster
+from labkit.scale.cost import predict
+from labkit.scale.cost_kernels import _block_comm
+from labkit.scale.gpu import load_gpu
+from labkit.scale.layer_ops import Options, Shape, block_ops, end_ops, seconds
+from labkit.scale.layout import Layout, LayoutError
+from labkit.scale.specs import LLAMA3
+
+H100 = load_cluster("h100-sxm")
+H100_PATH = CLUSTER_DIR / "h100-sxm.json"
+GPU = load_gpu("h100-sxm")
+SPEC = LLAMA3["8b"]
+
+
+def test_single_stage_step_is_micro_batches_times_forward_and_backward_plus_dp_and_optimizer():
+    """pp = tp = 1: step = m (L (F_block + B_block) + embedding + head) + exposed dp + optimizer, exactly."""
+    lay = Layout(dp=8, zero="zero3", recompute="selective", micro_batch=1)
+    p = predict(SPEC, lay, H100, 16, 4096, efficiency=None)
+    shape, opts = Shape(1, 4096), Options(recompute="selective")
+    blk = block_ops(SPEC, shape, opts, GPU)
+    ends = [op for which in ("embedding", "head") for d in ("forward", "backward") for op in end_ops(SPEC, shape, opts, GPU, which)[d]]
+    work = p.n_micro * (SPEC.n_layers * seconds(blk["forward"] + blk["backward"]) + seconds(ends))
+    assert p.n_micro == 2 and p.parts_s["compute"] == pytest.approx(work, rel=1e-12)
+    assert p.step_s == pytest.approx(work + p.parts_s["exposed_dp"] + p.parts_s["optimizer"], rel=1e-12)
+    assert p.step_s == pytest.approx(sum(p.parts_s.values()), rel=1e-12)
+
+
+def test_fsdp_hides_behind_all_compute_dp_buckets_behind_the_backward_only():
+    """The same rule, two windows: ZeRO-3 exposes max(0, t - compute) + t/L, plain DP max(0, t - backward) + t/L
+    (t: the dp traffic's seconds). A slow network (1 Gb/s) makes both windows too short to hide it."""
+    shape, opts = Shape(1, 4096), Options(recompute="none")
+    blk = block_ops(SPEC, shape, opts, GPU)
+    ends_b = sum(seconds(end_ops(SPEC, shape, opts, GPU, w)["backward"]) for w in ("embedding", "head"))
+    slow = load_cluster(dict(json.loads(H100_PATH.read_text()), network_gbits_per_s=1))
+    for cluster in (H100, slow):
+        for zero in ("zero3", "dp"):
+            p = predict(SPEC, Layout(dp=16, zero=zero, recompute="none"), cluster, 16, 4096, efficiency=None)
+            t = p.traffic["dp"]["seconds"]
+            window = p.parts_s["compute"] if zero == "zero3" else p.n_micro * (SPEC.n_layers * seconds(blk["backward"]) + ends_b)
+            assert p.parts_s["exposed_dp"] == pytest.approx(max(0.0, t - window) + t / SPEC.n_layers, rel=1e-12)
+
+
+def _comm(traffic, layout, async_tp=False):
+    blk = block_ops(SPEC, Shape(1, 8192, cp=layout.cp, tp=layout.tp), Options(), GPU)
+    return blk, _block_comm(blk, traffic, layout, 1, async_tp)
+
+
+def test_cp_ring_hidden_only_where_attention_outlasts_its_transfer():
+    """exposed = max(0, t_ring - t_attention) + the non-hideable part. Planted mistake: a ring always hidden
+    (the rule before issue 34) would expose 0 for a ring longer than attention."""
+    lay = Layout(cp=2)
+    blk, _ = _comm({}, lay)
+    attn = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.kind == "attention")
+    short = _comm({"cp": {"seconds": 0.5 * attn, "hideable_seconds": 0.5 * attn}}, lay)[1]["cp"]
+    long = _comm({"cp": {"seconds": 3 * attn, "hideable_seconds": 3 * attn}}, lay)[1]["cp"]
+    mixed = _comm({"cp": {"seconds": 1.0, "hideable_seconds": 0.0}}, lay)[1]["cp"]
+    assert short == 0 and long == pytest.approx(2 * attn) and mixed == 1.0
+    planted_always_hidden = 0.0
+    assert long != planted_always_hidden
+
+
+def test_tp_exposed_unless_async_then_hidden_behind_its_gemms():
+    lay = Layout(tp=8, recompute="none")
+    blk, plain = _comm({"tp": {"seconds": 1.0}}, lay)
+    gemm_f = sum(op.seconds for op in blk["forward"] if op.kind == "gemm")
+    gemm_b = sum(op.seconds for op in blk["backward"] if op.kind == "gemm")
+    assert plain["tp"] == 1.0
+    _, hidden = _comm({"tp": {"seconds": 1.0}}, lay, async_tp=True)
+    assert hidden["tp"] == pytest.approx(max(0, 0.5 - gemm_f) + max(0, 0.5 - gemm_b))
+
+
+def test_pipeline_step_goes_through_the_simulator_and_the_last_stage_carries_the_head():
+    """pp = 4 of 8B: the bubble is the simulator's (makespan - busiest rank's work), never below zero; the rank
+    with the head (vocabulary 128K) is the busiest; interleaving (v = 2) shrinks the bubble."""
+    one = predict(SPEC, Layout(dp=2, pp=4, zero="zero1", recompute="none", micro_batch=1), H100, 16, 4096,
+                  efficiency=None)
+    inter = predict(SPEC, Layout(dp=2, pp=4, zero="zero1", recompute="none", micro_batch=1, schedule="interleaved",
+                                 virtual_stages=2), H100, 16, 4096, efficiency=None)
+    assert one.parts_s["bubble"] > 0 and inter.parts_s["bubble"] < one.parts_s["bubble"]
+    with pytest.raises(LayoutError, match="not a multiple"):
+        predict(SPEC, Layout(dp=2, pp=4, zero="zero1", micro_batch=1, schedule="interleaved", virtual_stages=2),
+                H100, 12, 4096, efficiency=None)
+
+
+def test_compile_and_float8_make_the_step_shorter_flat_model_unchanged_by_them():
+    lay = Layout(dp=8, zero="zero3", recompute="selective", micro_batch=2)
+    eager, comp = (predict(SPEC, lay, H100, 16, 8192, efficiency=None, compile=c) for c in (False, True))
+    f8 = predict(SPEC, lay, H100, 16, 8192, efficiency=None, compile=True, float8=True)
+    assert f8.step_s < comp.step_s < eager.step_s
+    flat = predict(SPEC, lay, H100, 16, 8192)
+    assert flat.step_s == predict(SPEC, lay, H100, 16, 8192, compile=True).step_s
+    with pytest.raises(LayoutError, match="no fp8"):
+        predict(SPEC, Layout(dp=8), load_cluster("a100-sxm"), 8, 4096, efficiency=None, float8=True)

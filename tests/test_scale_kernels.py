@@ -1,0 +1,179 @@
+"""The kernel model (labkit.scale.gpu, kernels, layer_ops, pipeline): each kernel-level constant reproduces its
+cited figure, the roofline's closed form, wave quantization on hand-worked shapes, bad files named, planted
+mistakes caught. Pure arithmetic, no process: well under a second."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from labkit.scale import kernels as K
+from labkit.scale.gpu import GPU_DIR, GPUError, load_gpu
+from labkit.scale.layer_ops import Options, Shape, block_ops, seconds
+from labkit.scale.pipeline import one_f_one_b, pipeline_time, stage_layers
+from labkit.scale.layout import Layout
+from labkit.parallel.schedule_sim import simulate
+from labkit.scale.specs import LLAMA3
+
+H100 = load_gpu("h100-sxm")
+
+
+@pytest.mark.parametrize("name", ["h100-sxm", "a100-sxm", "h200"])
+def test_gemm_at_the_mamf_shape_reproduces_the_cited_mamf(name):
+    """The per-SM efficiency is derived from the MAMF figure at its shape: the model gives that figure back."""
+    gpu = load_gpu(name)
+    m, n, k = gpu.mamf_shape or (132 * 256 * 4, 128 * 8, 8192)  # no shape given: any shape of full waves
+    if gpu.mamf_shape is None:
+        m = gpu.sm_count * 256
+    op = K.gemm("mamf", m, n, k, gpu)
+    assert op.bound == "compute"
+    assert op.flops / op.seconds / 1e12 == pytest.approx(gpu.mamf_tflops, rel=1e-9)
+
+
+def test_attention_figures_reproduce_fa3_paper_figures_at_their_lengths():
+    """FA3 paper (arXiv 2407.08608) figure 5, causal, head dim 128, FA3: 292 ... 616 TFLOP/s; figure 6 backward."""
+    for seq, want in ((512, 292), (2048, 521), (16384, 616)):
+        assert K.attention_rate(H100, "fa3", "forward_causal", seq) == pytest.approx(want * 1e12)
+    assert K.attention_rate(H100, "fa2", "backward", 8192) == pytest.approx(318e12)
+    # between two lengths: log-linear; beyond: flat
+    assert K.attention_rate(H100, "fa3", "forward_causal", 724) == pytest.approx(
+        (292 + math.log(724 / 512) / math.log(2) * (423 - 292)) * 1e12)
+    assert K.attention_rate(H100, "fa3", "forward_causal", 131072) == pytest.approx(616e12)
+
+
+def test_wave_quantization_hand_worked():
+    """132 SMs, tiles 256x128 / 128x256. 4096 x 4096: 16 x 32 = 512 tiles -> 4 waves (3.88): 512 / 528 useful.
+    4096 x 1024 (TP 8's MLP shard width... 1024): 16 x 8 = 128 tiles, one wave of 132: 128 / 132.
+    1024 x 128: 4 tiles (256x128) on 132 SMs: 4 / 132 of the GPU busy."""
+    assert K.quantization(4096, 4096, H100) == pytest.approx(512 / 528)
+    assert K.quantization(4096, 1024, H100) == pytest.approx(128 / 132)
+    assert K.quantization(1024, 128, H100) == pytest.approx(4 / 132)
+    eff = K.gemm_efficiency(H100)
+    op = K.gemm("g", 4096, 4096, 4096, H100)
+    per_sm = 989e12 * eff / 132
+    assert op.seconds == pytest.approx(4 * 2 * 256 * 128 * 4096 / per_sm)
+
+
+def test_roofline_closed_form_and_its_bound():
+    """max(compute, bytes / (HBM x fraction), kernels x launch): each bound wins in its regime."""
+    bw = 3.35e12 * 0.84
+    op = K.roofline("x", "elementwise", 0.0, 1e9, 1, H100)
+    assert op.seconds == pytest.approx(1e9 / bw) and op.bound == "memory"
+    op = K.roofline("x", "elementwise", 0.0, 1e3, 3, H100)
+    assert op.seconds == pytest.approx(3 * 5e-6) and op.bound == "launch"
+    op = K.roofline("x", "gemm", 1e15, 1e3, 1, H100, compute_s=1.0)
+    assert op.seconds == 1.0 and op.bound == "compute"
+
+
+def test_fp8_gemm_runs_at_the_fp8_peak_with_the_same_tiles():
+    bf16, fp8 = K.gemm("g", 8192, 8192, 8192, H100), K.gemm("g", 8192, 8192, 8192, H100, "fp8")
+    assert bf16.seconds / fp8.seconds == pytest.approx(1979 / 989)
+    with pytest.raises(GPUError, match="no fp8"):
+        K.gemm("g", 256, 256, 256, load_gpu("a100-sxm"), "fp8")
+
+
+def test_block_flops_equal_the_model_flops_formula():
+    """The block's GEMM and attention FLOPs, forward + backward, no recompute, tp 1, equal 6 N_block + 12 d s per
+    token with attention's causal half (the specs count the full square; FlashAttention the causal half)."""
+    spec, mb, s = LLAMA3["8b"], 1, 4096
+    blk = block_ops(spec, Shape(mb, s), Options(recompute="none"), H100)
+    gemm = sum(op.flops for op in blk["forward"] + blk["backward"] if op.kind == "gemm")
+    attn = sum(op.flops for op in blk["forward"] + blk["backward"] if op.kind == "attention")
+    tokens = mb * s
+    assert gemm == pytest.approx(6 * (spec.layer_params - 2 * spec.d_model) * tokens, rel=1e-12)
+    # forward 4 s^2 d / 2 (causal), backward 2.5x: 3.5 x 2 s^2 d = 7 s^2 d = (12 d s per token) x 7/12
+    assert attn == pytest.approx(7 * s * s * spec.d_model * mb, rel=1e-12)
+
+
+def test_compile_fuses_elementwise_ops_fewer_kernels_fewer_bytes():
+    spec = LLAMA3["8b"]
+    eager = block_ops(spec, Shape(1, 2048), Options(), H100)
+    fused = block_ops(spec, Shape(1, 2048), Options(compile=True), H100)
+    ew = lambda ops: [op for op in ops if op.kind == "elementwise"]  # noqa: E731
+    assert sum(op.kernels for op in ew(fused["forward"])) < sum(op.kernels for op in ew(eager["forward"]))
+    assert sum(op.bytes for op in ew(fused["forward"])) < sum(op.bytes for op in ew(eager["forward"]))
+    assert seconds(fused["forward"]) < seconds(eager["forward"])
+
+
+def test_full_recompute_repeats_every_forward_op_in_backward():
+    spec = LLAMA3["8b"]
+    none = block_ops(spec, Shape(1, 2048), Options(recompute="none"), H100)
+    full = block_ops(spec, Shape(1, 2048), Options(recompute="full"), H100)
+    assert seconds(full["backward"]) == pytest.approx(seconds(none["backward"]) + seconds(none["forward"]))
+    with pytest.raises(ValueError, match="recompute='everything' is not a policy"):
+        block_ops(spec, Shape(1, 2048), Options(recompute="everything"), H100)
+
+
+def test_tiny_model_at_the_bench_batch_is_launch_bound():
+    """The lab's tiny model (d 64) on an H200 at the bench's batch 64 x 128: every op of a block is shorter than
+    its launch, so it runs at the CPU's pace (measured 409k tok/s, MFU 0.1%, /work/shared/gpu-2026-11-26). Its
+    weight gradients (64 x 64 outputs over k = 8192 rows) fit one tile: without split-K (planted: one slice) the
+    model would call them compute-bound at 88 us each."""
+    from labkit.scale.specs import spec_from_config
+
+    spec, h200 = spec_from_config("tiny"), load_gpu("h200")
+    blk = block_ops(spec, Shape(64, 128, sequence_parallel=False), Options(), h200)
+    assert all(op.bound == "launch" for op in blk["forward"] + blk["backward"])
+    per_sm = h200.peak_flops() * K.gemm_efficiency(h200) / h200.sm_count
+    one_slice = 2 * 256 * 128 * 8192 / per_sm
+    assert one_slice > 15 * h200.launch_us * 1e-6 and K.gemm("w", 64, 64, 8192, h200).seconds < one_slice / 10
+
+
+def test_split_k_gemm_closed_form():
+    """64 x 64 x 8192 on 132 SMs: one 256x128 tile, split into min(132, 8192 / 256 = 32) = 32 slices, one wave:
+    2 x 256 x 128 x 256 FLOPs at one SM's rate, against the memory of its inputs and 32 fp32 partials."""
+    h200 = load_gpu("h200")
+    per_sm = h200.peak_flops() * K.gemm_efficiency(h200) / h200.sm_count
+    op = K.gemm("w", 64, 64, 8192, h200)
+    compute = 2 * 256 * 128 * 256 / per_sm
+    memory = (2 * (64 * 8192 * 2) + 2 * 64 * 64 + 8 * 64 * 64 * 32) / h200.hbm_bytes_per_s
+    assert op.seconds == pytest.approx(max(compute, memory, h200.launch_us * 1e-6))
+
+
+def test_gpu_file_missing_field_and_unit_off_by_1000_are_named():
+    values = json.loads((GPU_DIR / "h100-sxm.json").read_text())
+    with pytest.raises(GPUError, match="no field 'sm_count'"):
+        load_gpu({k: v for k, v in values.items() if k != "sm_count"})
+    with pytest.raises(GPUError, match=r"hbm_tbytes_per_s=3350 .*a unit off by 1,000\? 3.35 would fit"):
+        load_gpu(dict(values, hbm_tbytes_per_s=3350))
+    with pytest.raises(GPUError, match="launch_us=0.005 .*a unit off by 1,000"):
+        load_gpu(dict(values, launch_us=0.005))
+    with pytest.raises(GPUError, match="TFLOP/s"):
+        load_gpu(dict(values, attention={"fa3": dict(values["attention"]["fa3"], backward={"512": 3.16e14})}))
+    with pytest.raises(GPUError, match="sources"):
+        load_gpu({k: v for k, v in values.items() if k != "sources"})
+
+
+def test_pipeline_equal_stages_reproduce_the_1f1b_closed_form():
+    """Equal stages, free messages: the simulated bubble is (p - 1)(F + B), as theoretical_bubble says."""
+    lay = Layout(dp=1, pp=4, micro_batch=1)
+    got = pipeline_time(lay, 8, [1.0] * 4, [2.0] * 4, 0.0)
+    assert got["busy"] == 8 * 3.0 and got["bubble"] == pytest.approx(3 * 3.0)
+
+
+def test_pipeline_uneven_last_stage_sets_the_pace_and_a_planted_unit_time_misses_it():
+    """A last stage 50% heavier (the head and the loss): every rank waits for it. The simulator with per-stage
+    times sees it; the unit-time mean (a planted mistake: one t_f, t_b for all stages) predicts less."""
+    lay = Layout(dp=1, pp=4, micro_batch=1)
+    f, b = [1.0, 1.0, 1.0, 1.5], [2.0, 2.0, 2.0, 3.0]
+    got = pipeline_time(lay, 8, f, b, 0.0)["makespan"]
+    planted = simulate(one_f_one_b(4, 8), sum(f) / 4, sum(b) / 4).makespan
+    assert got >= 8 * 4.5 and planted < got
+
+
+def test_even_stage_split_and_its_refusal():
+    assert stage_layers(Layout(pp=8), 126) == [16] * 6 + [15] * 2
+    from labkit.scale.pipeline import schedule_actions
+
+    with pytest.raises(ValueError, match="not a multiple"):
+        schedule_actions(Layout(pp=4, schedule="interleaved", virtual_stages=2), 6)
+
+
+def test_zero_bubble_schedule_through_the_same_simulator_beats_1f1b():
+    """The greedy ZB schedule (labkit.parallel.schedule_variants), W a third of each backward: with equal stages
+    its makespan is below 1F1B's and its busy time the same (the work moves, it does not shrink)."""
+    f, b = [1.0] * 4, [2.0] * 4
+    one = pipeline_time(Layout(pp=4), 8, f, b, 0.0)
+    zb = pipeline_time(Layout(pp=4, schedule="zb"), 8, f, b, 0.0)
+    assert zb["busy"] == pytest.approx(one["busy"]) and zb["makespan"] < one["makespan"]
