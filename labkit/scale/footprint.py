@@ -80,6 +80,7 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
         attention      q b s d, k and v 2 b s d_kv, output b s d, log-sum-exp a b s
         wo input       b s d
         SwiGLU         4 b s H  (x top_k for MoE: each token's activations in its k experts)
+    With `model.fused_kernels` a norm saves b s d + b s and SwiGLU 3 b s H (specs' docstring).
     TP splits the heads and H; with sequence parallelism also the norms. CP splits s; by
     `layout.cp_method`: "allgather" (Llama 3) also holds the other cp - 1 ranks' K and V,
     2 b (cp - 1) s d_kv / tp, as attention's saved input; "ulysses" holds the whole sequence
@@ -96,13 +97,14 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
     b, s, d, dkv, a = micro_batch, seq_len // cp, m.d_model, m.kv_dim, m.n_heads
     h = m.hidden_dim * (m.top_k if m.n_experts else 1)
     sp = tp if layout.sequence_parallel else 1
-    norms = 2 * (3 * b * s * d + b * s) / sp
+    norms = 2 * ((1 if m.fused_kernels else 3) * b * s * d + b * s) / sp
+    mlp = (3 if m.fused_kernels else 4) * b * s * h / tp
     # k and v as attention saves them: this tp rank's K/V heads (replicated for the all-to-alls under GQA)
     kv_held = 2 * b * s * d // a * cp_kv_heads(layout.cp_method, m.n_kv_heads // tp, cp, cp_local) if cp > 1 \
         else 2 * b * s * dkv / tp
     gathered = 2 * b * (cp - 1) * s * dkv / tp if cp > 1 and layout.cp_method == "allgather" else 0.0
     attention = (2 * b * s * d + a * b * s) / tp + kv_held + gathered + b * s * d / tp
-    everything = norms + attention + 4 * b * s * h / tp
+    everything = norms + attention + mlp
     block_input = b * s * d / sp
     if layout.recompute == "none":
         saved, rebuilt = everything, 0.0

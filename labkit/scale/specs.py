@@ -27,7 +27,10 @@ which eq. 3 leaves out; `paper_flops_per_token` is eq. 3 itself, for the publish
 Recompute policies (`RECOMPUTE`): "none"; "full" (each block's input only, the block's forward
 run again in backward); "selective-attn" (Korthikanti et al. 2022, arXiv 2205.05198, sec. 4:
 only the attention core, the scores, softmax, its dropout and the weighted sum, is recomputed);
-"selective-op" (torchtitan's op-level policy: every other matmul's output kept). "selective",
+"selective-op" (torchtitan's op-level policy: every other matmul's output kept).
+`fused_kernels=True`: a fused RMSNorm (saves its input and 1/rms) and a fused SwiGLU (saves w1's and
+w3's outputs and their product; silu is recomputed inside the kernel), as production stacks run them;
+False: labkit.model's eager modules, whose saved tensors labkit.measure.activations counts. "selective",
 torchtitan's name, means "selective-op" (`normalize_recompute`).
 """
 from __future__ import annotations
@@ -64,6 +67,7 @@ class ModelSpec:
     mlp: str = "swiglu"
     attention: str = "flash"
     dropout: bool = False
+    fused_kernels: bool = False
 
     def __post_init__(self):
         for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size"):
@@ -183,6 +187,18 @@ def gpt_spec(name: str, d_model: int, n_layers: int, n_heads: int) -> ModelSpec:
     sequence 2,048): MHA, GeLU MLP of width 4 d, attention scores materialized, dropout."""
     return ModelSpec(name, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads,
                      hidden_dim=4 * d_model, vocab_size=51200, mlp="gelu", attention="materialized", dropout=True)
+
+
+# Megatron-LM's GPT shapes, (hidden, layers, heads): Narayanan et al. 2021 (arXiv 2104.04473) Table 1, whose
+# hidden sizes and layers NVIDIA/Megatron-LM's README shows (images/cases_april2021.png); the heads are the
+# paper's column, not in that image (they set only the attention core's memory). "22b" and "175b" (GPT-3,
+# Brown et al. 2020) are Korthikanti et al. 2022's (arXiv 2205.05198) Table 3.
+GPT_MEGATRON = {name: gpt_spec(f"gpt-{name}", h, layers, heads) for name, (h, layers, heads) in {
+    "1.7b": (2304, 24, 24), "3.6b": (3072, 30, 32), "7.5b": (4096, 36, 32), "18b": (6144, 40, 48),
+    "39b": (8192, 48, 64), "76b": (10240, 60, 80), "145b": (12288, 80, 96), "310b": (16384, 96, 128),
+    "530b": (20480, 105, 128), "1t": (25600, 128, 160), "22b": (6144, 48, 64), "175b": (12288, 96, 96),
+}.items()}
+MODELS = {**LLAMA3, **GPT_MEGATRON}
 
 
 def spec_from_config(config, name: str = "labkit") -> ModelSpec:
