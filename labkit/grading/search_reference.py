@@ -46,7 +46,9 @@ def brute_force(model, cluster, global_batch, seq_len, n_gpus, top):
 def explain(got, want, everything) -> str:
     """The first place where the learner's list differs from brute force's, in words
     (`everything`: the learner's search with no limit on the results)."""
-    i = next(i for i, (g, w) in enumerate(zip(got + [None] * len(want), want)) if g is None or g.layout != w.layout)
+    i = next((i for i, (g, w) in enumerate(zip(got + [None] * len(want), want)) if g is None or g.layout != w.layout), None)
+    if i is None:
+        return f"search's list equals brute force's ({len(want)} layouts)"
     w = want[i]
     head = (f"search's result #{i + 1} should be {w.layout.short()} ({w.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
             f"{w.peak_gib:.1f} GiB)")
