@@ -7,6 +7,7 @@ b sequences, width h, a heads, TP t, 2-byte activations and 1-byte dropout masks
     TP                                sbh (10 + 24/t + 5 a s/(h t))
     TP + SP                           sbh/t (34 + 5 a s/h)
     TP + SP + selective recompute     34 sbh / t          (the attention core, 5 a s^2 b / t, rebuilt)
+    TP + selective recompute          sbh (10 + 24/t)
     full recompute                    2 sbh (/ t with SP)
 The shapes below are powers of two, so every term is an integer or an exact binary fraction in float64:
 the element-by-element sum in labkit.scale.footprint and the closed form agree exactly (==).
@@ -34,6 +35,8 @@ def closed_forms(t: int) -> dict:
         "TP": (Layout(tp=t, recompute="none", sequence_parallel=False), sbh * (10 + 24 / t + 5 * A * S / (H * t)), 0),
         "TP + SP": (Layout(tp=t, recompute="none"), sbh / t * (34 + 5 * A * S / H), 0),
         "TP + SP + selective": (Layout(tp=t, recompute="selective-attn"), 34 * sbh / t, core / t),
+        "TP + selective, no SP": (Layout(tp=t, recompute="selective-attn", sequence_parallel=False),
+                                  sbh * (10 + 24 / t), core / t),
         "full, TP": (Layout(tp=t, recompute="full", sequence_parallel=False), 2 * sbh, None),
         "full, TP + SP": (Layout(tp=t, recompute="full"), 2 * sbh / t, None),
     }
