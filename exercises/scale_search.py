@@ -1,6 +1,6 @@
 # GENERATED from solutions/scale_search.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/15_at_scale.ipynb.
-# untouched-stub fingerprint: d029212ff8e4548d
+# untouched-stub fingerprint: 745839a101319932
 """The configuration search (notebook 15_at_scale): fit memory, reach the global batch, maximise throughput.
 
 The Ultra-Scale Playbook's recipe, done by the cost model instead of by 4,000 GPU runs:
@@ -12,7 +12,8 @@ The space searched (every layout `labkit.scale.layout.check_layout` accepts in i
     dp, pp, cp, tp   any sizes whose product is n_gpus
     ep               1 for a dense model; any divisor of the experts for a MoE
     zero             "dp", "zero1", "zero2", "zero3"
-    recompute        "none", "selective", "full"
+    recompute        each of labkit.scale.layout.RECOMPUTE ("none", "selective-op", "selective-attn",
+                     "full"); a GPT-shaped model refuses "selective-op" (check_layout)
     micro_batch      any size that splits each dp rank's share of the global batch
     dp_replicate     HSDP's replicas (dp = dp_replicate x dp_shard): any divisor R of dp whose
                      replicas are whole nodes, n_gpus / R a multiple of cluster.gpus_per_node

@@ -9,7 +9,8 @@ The space searched (every layout `labkit.scale.layout.check_layout` accepts in i
     dp, pp, cp, tp   any sizes whose product is n_gpus
     ep               1 for a dense model; any divisor of the experts for a MoE
     zero             "dp", "zero1", "zero2", "zero3"
-    recompute        "none", "selective", "full"
+    recompute        each of labkit.scale.layout.RECOMPUTE ("none", "selective-op", "selective-attn",
+                     "full"); a GPT-shaped model refuses "selective-op" (check_layout)
     micro_batch      any size that splits each dp rank's share of the global batch
     dp_replicate     HSDP's replicas (dp = dp_replicate x dp_shard): any divisor R of dp whose
                      replicas are whole nodes, n_gpus / R a multiple of cluster.gpus_per_node

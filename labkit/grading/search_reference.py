@@ -46,7 +46,9 @@ def brute_force(model, cluster, global_batch, seq_len, n_gpus, top):
 def explain(got, want, everything) -> str:
     """The first place where the learner's list differs from brute force's, in words
     (`everything`: the learner's search with no limit on the results)."""
-    i = next(i for i, (g, w) in enumerate(zip(got + [None] * len(want), want)) if g is None or g.layout != w.layout)
+    i = next((i for i, (g, w) in enumerate(zip(got + [None] * len(want), want)) if g is None or g.layout != w.layout), None)
+    if i is None:
+        return f"search's list equals brute force's ({len(want)} layouts)"
     w = want[i]
     head = (f"search's result #{i + 1} should be {w.layout.short()} ({w.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
             f"{w.peak_gib:.1f} GiB)")
@@ -59,6 +61,12 @@ def explain(got, want, everything) -> str:
     if w.layout in [p.layout for p in everything]:
         return head + mine + f": search found it, but ranked it #{[p.layout for p in everything].index(w.layout) + 1} " \
                              "(sort with rank_key)"
+    fields = ("dp", "pp", "cp", "tp", "ep", "zero", "recompute", "micro_batch", "dp_replicate", "cp_method", "ep_overlap")
+    never = [f"{f}={getattr(w.layout, f)!r}" for f in fields
+             if getattr(w.layout, f) not in {getattr(p.layout, f) for p in everything}]
+    if never:  # the first wrong place, in words: a value of a field that no layout of the learner's has
+        return head + mine + f": search never tried {' or '.join(never)} in any layout; its loop over " \
+                             f"{never[0].split('=')[0]} misses that value"
     return head + mine + (": search never kept it; do your loops try every divisor of the GPUs for each axis, "
                           "every micro-batch size, every ZeRO stage and recompute mode, every ep of a MoE, every dp_replicate "
                           "whose replicas are whole nodes, every cp_method when cp > 1, ep_overlap both ways when ep > 1?")

@@ -4,13 +4,13 @@
     from labkit.scale.specs import LLAMA3
     from labkit.scale.layout import Layout
     from labkit.scale.cost import predict
-    p = predict(LLAMA3["8b"], Layout(dp=8, zero="zero3", recompute="selective"),
+    p = predict(LLAMA3["8b"], Layout(dp=8, zero="zero3", recompute="selective-op"),
                 load_cluster("h100-sxm"), global_batch=16, seq_len=8192)
     p.tokens_per_s_per_gpu, p.mfu, p.peak_bytes
 
 Modules, one job each:
     cluster    the described GPUs and links (clusters/*.json, units checked)
-    specs      Llama-3-shaped model shapes, parameter counts, FLOPs per token
+    specs      Llama-3 and Megatron GPT model shapes, parameter counts, FLOPs per token, recompute policies
     layout     a layout (dp, pp, ep, cp, tp, ZeRO stage, recompute, micro-batches; HSDP's replicas,
                the CP method, EP's overlap), its checks, which link level each axis's group uses
     footprint  peak memory per GPU (labkit.measure.memory's ZeRO formulas + activations)
@@ -20,6 +20,7 @@ Modules, one job each:
                every op by a roofline with cited figures, one overlap rule per mechanism, pipelines
                through labkit.parallel.schedules' simulator)
     published  torchtitan's published Llama 3.1 H100 runs, and our predictions of them
+    validation the validation set (published_runs.json: torchtitan, Megatron-LM, Llama 3) and its errors
     simulate   one rank of a large world on fake tensors and the fake process group: the
                place where a composed parallel step plugs in (`measure_step`)
 """

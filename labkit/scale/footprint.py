@@ -20,8 +20,11 @@
     logits         on the last stage, the loss of one micro-batch: the fp32 log-softmax output
                    saved for backward, its gradient and the gradient of its input: 12 bytes per
                    logit, / (tp x cp) (torchtitan computes the loss vocabulary-parallel).
-Not counted: the allocator's fragmentation and cache (published "reserved" figures include
-them), the CUDA context, NCCL's buffers, temporary buffers of attention's backward.
+Not counted (stated, not guessed): the allocator's reserve, its fragmentation and cache (published
+"reserved" figures include them: torch's caching allocator rounds each block up and keeps freed
+blocks; a run near the limit sets expandable segments to shrink it), the CUDA context (about 0.5 GiB),
+NCCL's buffers, temporary buffers of attention's backward. A prediction that fits within a few GiB
+of the GPU's memory is therefore a close call, not a promise.
 """
 from __future__ import annotations
 
@@ -32,42 +35,84 @@ BF16 = 2
 LOGIT_BYTES = 12
 
 
+def korthikanti_layer_bytes(model, layout, micro_batch: int, seq_len: int) -> dict:
+    """Bytes one GPT-shaped block (`attention="materialized"`, dropout, GeLU 4h) keeps for backward,
+    element by element as Korthikanti et al. 2022 (arXiv 2205.05198) sec. 4.1 count them (2-byte
+    activations, 1-byte dropout masks), s tokens (s / cp per rank), b sequences, width h, a heads, TP t:
+        not split by TP (SP splits them by t):  the two LayerNorms' inputs 2 x 2sbh, the QKV and the
+            MLP matmuls' inputs 2 x 2sbh, the two dropout masks after attention and MLP 2 x sbh   (10 sbh)
+        split by TP:  Q, K 4sbh, V 2sbh, the output projection's input 2sbh, GeLU's input 8sbh and the
+            second matmul's input 8sbh  (24 sbh);  the attention core: softmax output 2as^2b, its
+            dropout mask as^2b and output 2as^2b  (5 a s^2 b)
+    so 34 sbh + 5 a s^2 b without parallelism, sbh (10 + 24/t + 5as/(ht)) with TP, sbh/t (34 + 5as/h)
+    with TP and SP, 34 sbh / t with SP and "selective-attn" (the core's 5as^2b/t rebuilt in backward),
+    2 sbh (/ t with SP) with "full" (the block's input). Returns {"saved", "rebuilt"} like
+    `block_activation_bytes`. Under CP the queries are s / cp and the scores s / cp x s.
+    """
+    t, cp = layout.tp, layout.cp
+    sp = t if layout.sequence_parallel else 1
+    b, s, h, a = micro_batch, seq_len // cp, model.d_model, model.n_heads
+    sbh = s * b * h
+    replicated = 10 * sbh / sp
+    split = 24 * sbh / t
+    core = 5 * a * s * seq_len * b / t
+    everything = replicated + split + core
+    recompute = layout.recompute
+    if recompute == "none":
+        return {"saved": everything, "rebuilt": 0.0}
+    if recompute == "selective-attn":
+        return {"saved": replicated + split, "rebuilt": core}
+    if recompute == "full":
+        return {"saved": 2 * sbh / sp, "rebuilt": everything}
+    raise ValueError(f"recompute={recompute!r}: torchtitan's op policy is defined for its Llama blocks; for "
+                     f"{model.name} (GPT-shaped) use 'none', 'selective-attn' or 'full'")
+
+
 def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_local: int = 1) -> dict:
     """Bytes one block keeps for backward, for one micro-batch: {"saved", "rebuilt"}.
 
     "saved" lives from the block's forward to its backward; "rebuilt" exists during the
-    block's backward only (with recompute). Elements per layer, with b sequences of s
-    tokens, width d, a heads, KV width d_kv, MLP width H (labkit.measure.activations' table, with
-    grouped-query attention: k and v are d_kv wide):
+    block's backward only (with recompute). GPT-shaped models (materialized attention):
+    `korthikanti_layer_bytes`. Llama-shaped ones (flash attention), elements per layer, with b
+    sequences of s tokens, width d, a heads, KV width d_kv, MLP width H (labkit.measure.activations'
+    table, with grouped-query attention: k and v are d_kv wide):
         norms          2 x (3 b s d + b s)
         attention      q b s d, k and v 2 b s d_kv, output b s d, log-sum-exp a b s
         wo input       b s d
         SwiGLU         4 b s H  (x top_k for MoE: each token's activations in its k experts)
+    With `model.fused_kernels` a norm saves b s d + b s and SwiGLU 3 b s H (specs' docstring).
     TP splits the heads and H; with sequence parallelism also the norms. CP splits s; by
     `layout.cp_method`: "allgather" (Llama 3) also holds the other cp - 1 ranks' K and V,
     2 b (cp - 1) s d_kv / tp, as attention's saved input; "ulysses" holds the whole sequence
     (cp s) for heads / cp heads, the same count as the ring's except the K/V heads, replicated
     to lcm(n_kv / tp, cp) under GQA (labkit.scale.traffic.cp_kv_heads), the hybrid the same
     with `cp_local` ranks; the ring holds its own k, v only.
-    Recompute "full" keeps the block's input only (b s d); "selective" keeps the block's input,
-    the outputs of wq, wv, attention (and its log-sum-exp), w1 and w2.
+    Recompute "full" keeps the block's input only (b s d); "selective-op" keeps the block's input,
+    the outputs of wq, wv, attention (and its log-sum-exp), w1 and w2; "selective-attn" keeps all
+    but the attention core's output and log-sum-exp (b s d + a b s, / tp), which backward rebuilds.
     """
+    if model.attention == "materialized":
+        return korthikanti_layer_bytes(model, layout, micro_batch, seq_len)
     m, tp, cp = model, layout.tp, layout.cp
     b, s, d, dkv, a = micro_batch, seq_len // cp, m.d_model, m.kv_dim, m.n_heads
     h = m.hidden_dim * (m.top_k if m.n_experts else 1)
     sp = tp if layout.sequence_parallel else 1
-    norms = 2 * (3 * b * s * d + b * s) / sp
+    norms = 2 * ((1 if m.fused_kernels else 3) * b * s * d + b * s) / sp
+    mlp = (3 if m.fused_kernels else 4) * b * s * h / tp
     # k and v as attention saves them: this tp rank's K/V heads (replicated for the all-to-alls under GQA)
     kv_held = 2 * b * s * d // a * cp_kv_heads(layout.cp_method, m.n_kv_heads // tp, cp, cp_local) if cp > 1 \
         else 2 * b * s * dkv / tp
     gathered = 2 * b * (cp - 1) * s * dkv / tp if cp > 1 and layout.cp_method == "allgather" else 0.0
     attention = (2 * b * s * d + a * b * s) / tp + kv_held + gathered + b * s * d / tp
-    everything = norms + attention + 4 * b * s * h / tp
+    everything = norms + attention + mlp
     block_input = b * s * d / sp
     if layout.recompute == "none":
         saved, rebuilt = everything, 0.0
     elif layout.recompute == "full":
         saved, rebuilt = block_input, everything
+    elif layout.recompute == "selective-attn":
+        rebuilt = (b * s * d + a * b * s) / tp
+        saved = everything - rebuilt
     else:
         saved = block_input + (2 * b * s * d + b * s * dkv + a * b * s) / tp + b * s * h / tp + b * s * d / sp \
             + gathered
@@ -75,19 +120,19 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
     return {"saved": BF16 * saved, "rebuilt": BF16 * max(rebuilt, 0.0)}
 
 
-def stage_params(model, layout, first: bool, last: bool) -> tuple[int, int]:
-    """(dense, expert) parameters one GPU of a stage holds before ZeRO: its blocks (and the
-    embedding if first, the head if last), / tp; experts also / ep."""
+def stage_params(model, layout, first: bool, last: bool, layers: int | None = None) -> tuple[int, int]:
+    """(dense, expert) parameters one GPU of a pipeline rank holds before ZeRO: its blocks (`layers`;
+    None: the busiest rank's), the embedding if first, the head if last, / tp; experts also / ep."""
     m = model
-    layers = layout.layers_per_rank(m.n_layers)
+    layers = layout.layers_per_rank(m.n_layers) if layers is None else layers
     dense = layers * m.layer_dense_params + first * m.embedding_params + last * m.head_params
     experts = layers * m.expert_params * m.n_experts
     return -(-dense // layout.tp), -(-experts // (layout.tp * layout.ep))
 
 
-def _states(model, layout, first: bool, last: bool) -> dict:
+def _states(model, layout, first: bool, last: bool, layers: int) -> dict:
     """labkit.measure.memory's model states for one GPU of a stage."""
-    dense, experts = stage_params(model, layout, first, last)
+    dense, experts = stage_params(model, layout, first, last, layers)
     precision = "fp32" if layout.zero == "zero3" else "mixed"
     shard_over = layout.dp_shard * layout.cp  # dp x cp without HSDP (dp_replicate = 1)
     out = memory_per_rank(dense, shard_over, layout.zero, precision)
@@ -98,16 +143,18 @@ def _states(model, layout, first: bool, last: bool) -> dict:
 
 
 def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int, cp_local: int = 1) -> dict:
-    """Peak bytes of a GPU of pipeline stage `stage`, by part, and their "total"."""
+    """Peak bytes of a GPU of pipeline rank `stage` (its blocks: `layout.rank_layers`), by part, and
+    their "total"."""
     m, pp = model, layout.pp
     first, last = stage == 0, stage == pp - 1
-    states = _states(model, layout, first, last)
+    layers = layout.rank_layers(m.n_layers)[stage]
+    states = _states(model, layout, first, last, layers)
     out = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"]}
     gathered = 0.0
     if layout.zero == "zero3" and pp > 1:
         # FSDP inside a pipeline (torchtitan): the stage stays gathered over all its micro-batches
         # (reshard_after_forward=False) and accumulates its unsharded gradient in fp32: 2 + 4 bytes
-        gathered = 6 * sum(stage_params(model, layout, first, last))
+        gathered = 6 * sum(stage_params(model, layout, first, last, layers))
     elif layout.zero == "zero3":
         block = m.layer_dense_params / layout.tp + m.expert_params * m.n_experts / (layout.tp * layout.ep)
         ends = max(last * m.head_params, first * m.embedding_params) / layout.tp
@@ -118,8 +165,7 @@ def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int, cp_local
     if layout.schedule == "interleaved" and pp > 1:
         # Narayanan et al. 2021: interleaving holds (1 + (p - 1)/(p v)) x 1F1B's activations
         in_flight = in_flight * (1 + (pp - 1) / (pp * layout.virtual_stages))
-    layers = layout.layers_per_rank(m.n_layers)
-    out["activations"] = in_flight * layers * act["saved"] + act["rebuilt"]
+    out["activations"] = in_flight * layers * act["saved"] + (act["rebuilt"] if layers else 0.0)
     tokens = layout.micro_batch * seq_len
     out["logits"] = LOGIT_BYTES * tokens * m.vocab_size / (layout.tp * layout.cp) if last else 0.0
     out["total"] = sum(out.values())

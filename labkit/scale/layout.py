@@ -4,11 +4,18 @@ The axes are labkit.mesh's, in its order (dp outermost, tp innermost): a group a
 holds ranks `stride` apart, stride = the product of the axes inside it. A group lies in one
 node when stride x size <= gpus_per_node, so tp (innermost) is the first to stay on NVLink.
 `zero` is the data-parallel flavour over dp x cp (torchtitan's FSDP shards over both):
-"dp" (plain averaging), "zero1", "zero2", "zero3" (FSDP). `recompute` is "none",
-"selective" (torchtitan's op-level policy) or "full" (every block's input only).
+"dp" (plain averaging), "zero1", "zero2", "zero3" (FSDP). `recompute` is one of
+labkit.scale.specs.RECOMPUTE: "none", "selective-op" (torchtitan's op-level policy; "selective",
+its old name here and torchtitan's, is read as it), "selective-attn" (Megatron's: the attention
+core only) or "full" (every block's input only).
 `micro_batch` is sequences per micro-batch; each data-parallel rank's share of the global
 batch is cut into micro-batches (gradient accumulation, or the pipeline's micro-batches).
 `schedule`: "1f1b" or "interleaved" (`virtual_stages` stages per pipeline rank).
+Stages, in order (stage k on pipeline rank k mod pp, as interleaving loops): `stage_layers(L)`
+gives each stage's blocks. `first_stage_embedding_only` / `last_stage_loss_only` make the first
+stage hold the embedding alone and the last the final norm, head and loss alone (Llama 3's split:
+Dubey et al. 2024, sec. 3.3.2, one layer fewer on the first and last stages); the L blocks are spread
+evenly over the other stages, the earlier ones taking one more when they do not divide.
 EP borrows its ranks from dp x cp (as torchtitan's ParallelDims): ep must divide dp x cp.
 
 Three choices of how an axis runs (issue 35), each defaulting to the lab's first form:
@@ -31,10 +38,10 @@ from dataclasses import asdict, dataclass
 
 from labkit.mesh import AXES
 
+from labkit.scale.specs import RECOMPUTE
 from labkit.scale.traffic import CP_METHODS  # noqa: F401 (re-exported: the methods a Layout may name)
 
 ZERO_STAGES = ("dp", "zero1", "zero2", "zero3")
-RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved")
 
 
@@ -50,7 +57,7 @@ class Layout:
     tp: int = 1
     ep: int = 1
     zero: str = "zero3"
-    recompute: str = "selective"
+    recompute: str = "selective-op"
     micro_batch: int = 1
     sequence_parallel: bool = True
     schedule: str = "1f1b"
@@ -58,6 +65,40 @@ class Layout:
     dp_replicate: int = 1
     cp_method: str = "ring"
     ep_overlap: bool = False
+    first_stage_embedding_only: bool = False
+    last_stage_loss_only: bool = False
+
+    def __post_init__(self):
+        if self.recompute == "selective":  # torchtitan's name for its op policy (and the lab's, before)
+            object.__setattr__(self, "recompute", "selective-op")
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages in all: pp x virtual stages per rank (interleaved), else pp."""
+        return self.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
+
+    def stage_layers(self, n_layers: int) -> list[int]:
+        """Blocks per stage, in stage order (stage k on pipeline rank k mod pp). The embedding-only and
+        loss-only stages hold 0; the others share the n_layers evenly, the earlier ones one more.
+        LayoutError when a stage that is neither would hold no block."""
+        stages = self.n_stages
+        ends = int(self.first_stage_embedding_only) + int(self.last_stage_loss_only)
+        holders = stages - ends
+        if not (holders >= 1 and n_layers >= holders):
+            raise LayoutError(
+                f"{stages} stages (pp={self.pp} x {stages // self.pp} per rank"
+                + (f", {ends} of them embedding- or loss-only" if ends else "")
+                + f") for {n_layers} layers: {holders - n_layers if holders >= 1 else stages} stage(s) would hold no block "
+                "and are not an embedding or loss stage; use at most "
+                f"{n_layers + ends} stages, or fewer virtual stages per rank")
+        q, r = divmod(n_layers, holders)
+        blocks = [q + 1] * r + [q] * (holders - r)
+        return ([0] if self.first_stage_embedding_only else []) + blocks + ([0] if self.last_stage_loss_only else [])
+
+    def rank_layers(self, n_layers: int) -> list[int]:
+        """Blocks per pipeline rank: the sum of its stages' (rank i holds stages i, i + pp, ...)."""
+        per_stage = self.stage_layers(n_layers)
+        return [sum(per_stage[i::self.pp]) for i in range(self.pp)]
 
     @property
     def dp_shard(self) -> int:
@@ -91,14 +132,15 @@ class Layout:
         return "node" if span <= gpus_per_node else "network"
 
     def layers_per_rank(self, n_layers: int) -> int:
-        """Blocks on the busiest pipeline rank: stages get ceil(L / stages) blocks (torchtitan
-        splits 126 layers into 8 stages unevenly; the fullest stage sets the pace)."""
-        stages = self.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
-        return -(-n_layers // stages) * (stages // self.pp)
+        """Blocks on the busiest pipeline rank (`rank_layers`' largest: torchtitan splits 126 layers
+        into 8 stages unevenly; the fullest rank sets the pace)."""
+        return max(self.rank_layers(n_layers))
 
     def short(self) -> str:
         axes = " ".join(f"{a}{getattr(self, a)}" for a in ("dp", "pp", "cp", "tp", "ep") if getattr(self, a) > 1)
         extra = f" {self.schedule}x{self.virtual_stages}" if self.pp > 1 and self.schedule == "interleaved" else ""
+        if self.first_stage_embedding_only or self.last_stage_loss_only:
+            extra += " ends-alone"
         if self.dp_replicate > 1:
             extra += f" hsdp{self.dp_replicate}x{self.dp_shard}"
         if self.cp > 1 and self.cp_method != "ring":
@@ -130,7 +172,17 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
     if layout.zero not in ZERO_STAGES:
         raise LayoutError(f"zero={layout.zero!r}: choose one of {ZERO_STAGES}")
     if layout.recompute not in RECOMPUTE:
-        raise LayoutError(f"recompute={layout.recompute!r}: choose one of {RECOMPUTE}")
+        raise LayoutError(f"recompute={layout.recompute!r} is not a policy the model knows: choose one of {RECOMPUTE} "
+                          "('selective' is read as 'selective-op', torchtitan's op policy)")
+    if layout.recompute == "selective-op" and model.mlp != "swiglu":
+        raise LayoutError(f"recompute='selective-op' is torchtitan's op policy for its SwiGLU blocks; {model.name} has a "
+                          f"{model.mlp} MLP: use 'selective-attn' (Megatron's), 'full' or 'none'")
+    for end in ("first_stage_embedding_only", "last_stage_loss_only"):
+        if not isinstance(getattr(layout, end), bool):
+            raise LayoutError(f"{end}={getattr(layout, end)!r}: must be True or False")
+        if getattr(layout, end) and layout.pp == 1:
+            raise LayoutError(f"{end}=True with pp=1: a stage of its own for the {'embedding' if 'first' in end else 'loss'} "
+                              "needs a pipeline; use pp > 1 or leave it False")
     if layout.schedule not in SCHEDULES:
         raise LayoutError(f"schedule={layout.schedule!r}: choose one of {SCHEDULES}")
     if layout.cp_method not in CP_METHODS:
@@ -157,9 +209,7 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
     stages = layout.pp * (layout.virtual_stages if layout.schedule == "interleaved" else 1)
     if not (layout.schedule == "1f1b" or layout.pp > 1):
         raise LayoutError("schedule='interleaved' needs pp > 1")
-    if not (stages <= m.n_layers):
-        raise LayoutError(f"pp={layout.pp} x {stages // layout.pp} virtual stage(s) = {stages} stages for {m.name}'s "
-                          f"{m.n_layers} layers: every stage needs a layer, use at most {m.n_layers} stages")
+    layout.stage_layers(m.n_layers)  # LayoutError for a stage that would hold nothing
     if not (seq_len % (2 * layout.cp) == 0 if layout.cp > 1 else True):
         raise LayoutError(f"cp={layout.cp}: the sequence of {seq_len} tokens must split into 2 x cp = {2 * layout.cp} "
                           "zigzag chunks")

@@ -11,11 +11,15 @@ the stages (`--experimental.pipeline_parallel_microbatches`, torchtitan/config_m
 at commit 0011fb9: "The default value will be the number of pipeline stages, if unspecified").
 The interleaved schedule's stages per rank are not published; we assume 2.
 
+The rows themselves are in published_runs.json (with every other validation set: labkit.scale.validation).
 Only the first row of tables 1 and 3 is plain bf16 eager: the cost model aims at those. The
 others use torch.compile and float8 matmuls (and async TP), which the model leaves out: they
 are predicted and reported, not aimed at.
 """
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from labkit.scale.cluster import load_cluster
 from labkit.scale.cost import EFFICIENCY, predict
@@ -24,37 +28,24 @@ from labkit.scale.specs import LLAMA3
 
 SOURCE = "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md"
 CLUSTER = "h100-grand-teton"
+RUNS_FILE = Path(__file__).with_name("published_runs.json")
 
-# (table, model, techniques, dp, cp, tp, pp, local batch, seq, recompute, schedule, tps/gpu, GiB, aimed)
-_ROWS = [
-    ("1", "8b", "FSDP", 8, 1, 1, 1, 2, 8192, "selective", "1f1b", 5762, 82.4, True),
-    ("1", "8b", "FSDP + compile", 8, 1, 1, 1, 2, 8192, "selective", "1f1b", 6667, 77.0, False),
-    ("1", "8b", "FSDP + compile + float8", 8, 1, 1, 1, 2, 8192, "selective", "1f1b", 8532, 76.8, False),
-    ("2", "8b", "FSDP 8 CP 1, compile + float8", 8, 1, 1, 1, 1, 32768, "full", "1f1b", 3890, 83.9, False),
-    ("2", "8b", "FSDP 4 CP 2, compile + float8", 4, 2, 1, 1, 1, 65536, "full", "1f1b", 2540, 84.2, False),
-    ("2", "8b", "FSDP 2 CP 4, compile + float8", 2, 4, 1, 1, 1, 131072, "full", "1f1b", 1071, 84.0, False),
-    ("2", "8b", "FSDP 1 CP 8, compile + float8", 1, 8, 1, 1, 1, 262144, "full", "1f1b", 548, 84.5, False),
-    ("3", "8b", "FSDP", 128, 1, 1, 1, 2, 8192, "selective", "1f1b", 5605, 67.0, True),
-    ("3", "8b", "FSDP + compile", 128, 1, 1, 1, 2, 8192, "selective", "1f1b", 6514, 62.0, False),
-    ("3", "8b", "FSDP + compile + float8", 128, 1, 1, 1, 2, 8192, "selective", "1f1b", 8380, 61.8, False),
-    ("4", "70b", "FSDP 32 TP 8, compile + float8", 32, 1, 8, 1, 16, 8192, "full", "1f1b", 829, 71.9, False),
-    ("4", "70b", "FSDP 32 TP 8, compile + float8 + async TP", 32, 1, 8, 1, 16, 8192, "full", "1f1b", 876, 67.6, False),
-    ("5", "405b", "FSDP 8 TP 8 PP 8 1F1B, compile + float8 + async TP", 8, 1, 8, 8, 32, 8192, "full", "1f1b",
-     100, 82.5, False),
-    ("5", "405b", "FSDP 8 TP 8 PP 8 interleaved, compile + float8 + async TP", 8, 1, 8, 8, 32, 8192, "full",
-     "interleaved", 128, 72.7, False),
-    ("6", "405b", "FSDP 8 CP 1 TP 8 PP 8, compile + float8 + async TP", 8, 1, 8, 8, 8, 32768, "full", "1f1b",
-     76, 75.3, False),
-    ("6", "405b", "FSDP 4 CP 2 TP 8 PP 8, compile + float8 + async TP", 4, 2, 8, 8, 8, 65536, "full", "1f1b",
-     47, 75.9, False),
-    ("6", "405b", "FSDP 2 CP 4 TP 8 PP 8, compile + float8 + async TP", 2, 4, 8, 8, 8, 131072, "full", "1f1b",
-     31, 77.1, False),
-    ("6", "405b", "FSDP 1 CP 8 TP 8 PP 8, compile + float8 + async TP", 1, 8, 8, 8, 8, 262144, "full", "1f1b",
-     16, 84.9, False),
-]
 FIELDS = ("table", "model", "techniques", "dp", "cp", "tp", "pp", "local_batch", "seq_len", "recompute",
           "schedule", "tps_per_gpu", "memory_gib", "aimed")
-RUNS = [dict(zip(FIELDS, row)) for row in _ROWS]
+
+
+def _runs() -> list[dict]:
+    """The rows of labkit/scale/published_runs.json's set "torchtitan-2024-12" (the one copy of them), in
+    this module's fields; "aimed": plain bf16 eager (nothing outside the model)."""
+    rows = json.loads(RUNS_FILE.read_text())["sets"]["torchtitan-2024-12"]["rows"]
+    return [dict(table=r["source_row"].split(":")[0].removeprefix("Table "), model=r["model"],
+                 techniques=r["source_row"].split(": ", 1)[1], dp=r["dp"], cp=r["cp"], tp=r["tp"], pp=r["pp"],
+                 local_batch=r["global_batch"] // r["dp"], seq_len=r["seq_len"], recompute=r["recompute"],
+                 schedule=r["schedule"], tps_per_gpu=r["published"]["tps_per_gpu"],
+                 memory_gib=r["published"]["memory_gib"], aimed=not r["outside_model"]) for r in rows]
+
+
+RUNS = _runs()
 
 
 def layout_of(run: dict) -> Layout:

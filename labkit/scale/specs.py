@@ -13,10 +13,44 @@ experts) and 12 L d s is attention's scores and weighted sum (2 matmuls of s x d
 and layer, x 3 for backward, x 2 FLOPs per multiply-add; the causal mask's half is not
 subtracted, as in torchtitan's and the Playbook's MFU). Recomputation adds forward work that
 is not model FLOPs: `recompute_flops_per_token`.
+
+GPT-3-shaped models (Megatron-LM's, `GPT_MEGATRON`): `mlp="gelu"` (two d x 4d matrices, Brown et al.
+2020), full multi-head attention, vocabulary 51,200, `attention="materialized"` (the s x s scores
+and softmax are saved for backward, as Megatron-LM did in 2021-22) and `dropout=True` (one byte
+masks saved). Their FLOPs by Narayanan et al. 2021 (arXiv 2104.04473), eq. 3, with full
+recomputation: F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) per iteration of B sequences; without
+recomputation (3 passes instead of 4) 72 B s l h^2 (1 + s / (6 h) + V / (12 l h)), which is
+6 N + 12 l h s per token with N = 12 l h^2 + V h: our `flops_per_token` counts N from the
+spec's matrices, 12 h^2 per block (2 h^2 more FLOPs-free norm and bias weights: 13 h per block,
+which eq. 3 leaves out; `paper_flops_per_token` is eq. 3 itself, for the published TFLOP/s).
+
+Recompute policies (`RECOMPUTE`): "none"; "full" (each block's input only, the block's forward
+run again in backward); "selective-attn" (Korthikanti et al. 2022, arXiv 2205.05198, sec. 4:
+only the attention core, the scores, softmax, its dropout and the weighted sum, is recomputed);
+"selective-op" (torchtitan's op-level policy: every other matmul's output kept).
+`fused_kernels=True`: a fused RMSNorm (saves its input and 1/rms) and a fused SwiGLU (saves w1's and
+w3's outputs and their product; silu is recomputed inside the kernel), as production stacks run them;
+False: labkit.model's eager modules, whose saved tensors labkit.measure.activations counts. "selective",
+torchtitan's name, means "selective-op" (`normalize_recompute`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+RECOMPUTE = ("none", "selective-op", "selective-attn", "full")
+MLPS = ("swiglu", "gelu")
+ATTENTION = ("flash", "materialized")
+
+
+def normalize_recompute(recompute: str) -> str:
+    """A recompute policy's canonical name: "selective" (torchtitan's name, what the lab called it) is
+    "selective-op"; an unknown name raises ValueError naming the known ones."""
+    if recompute == "selective":
+        return "selective-op"
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is not a policy the model knows: choose one of {RECOMPUTE} "
+                         "('selective' is torchtitan's op policy, 'selective-op')")
+    return recompute
 
 
 @dataclass(frozen=True)
@@ -30,6 +64,10 @@ class ModelSpec:
     vocab_size: int
     n_experts: int = 0
     top_k: int = 1
+    mlp: str = "swiglu"
+    attention: str = "flash"
+    dropout: bool = False
+    fused_kernels: bool = False
 
     def __post_init__(self):
         for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size"):
@@ -39,6 +77,9 @@ class ModelSpec:
         if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(f"{self.name}: d_model={self.d_model} must split into n_heads={self.n_heads}, "
                              f"and n_heads into n_kv_heads={self.n_kv_heads} groups")
+        if self.mlp not in MLPS or self.attention not in ATTENTION or not isinstance(self.dropout, bool):
+            raise ValueError(f"{self.name}: mlp={self.mlp!r} must be one of {MLPS}, attention={self.attention!r} one of "
+                             f"{ATTENTION}, dropout={self.dropout!r} True or False")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"{self.name}: top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
 
@@ -53,8 +94,8 @@ class ModelSpec:
 
     @property
     def expert_params(self) -> int:
-        """One SwiGLU MLP (w1, w3: d x H; w2: H x d)."""
-        return 3 * self.d_model * self.hidden_dim
+        """One MLP: SwiGLU (w1, w3: d x H; w2: H x d), or GeLU (d x H, H x d)."""
+        return (3 if self.mlp == "swiglu" else 2) * self.d_model * self.hidden_dim
 
     @property
     def layer_params(self) -> int:
@@ -96,19 +137,32 @@ class ModelSpec:
         """Forward FLOPs done again in backward, per token.
 
         "none": 0. "full": the blocks' whole forward again (2 N_blocks + 4 L d s).
-        "selective": torchtitan's op-level policy, which keeps the output of every other
-        matmul of a block (wq, wv, w1, w2 kept; wk, wo, w3 recomputed) and of attention.
+        "selective-attn" (Megatron): the attention core's two matmuls again, 4 L d s.
+        "selective-op" (torchtitan's op-level policy, also "selective"), which keeps the output
+        of every other matmul of a block (wq, wv, w1, w2 kept; wk, wo, w3 recomputed) and of attention.
         """
         d, L = self.d_model, self.n_layers
+        recompute = normalize_recompute(recompute)
         if recompute == "none":
             return 0.0
         mlp_active = self.expert_params * max(1, self.top_k if self.n_experts else 1)
         if recompute == "full":
             return 2 * L * (self.attention_params + mlp_active) + 4 * L * d * seq_len
-        if recompute == "selective":
-            w3 = mlp_active // 3
-            return 2 * L * (d * self.kv_dim + d * d + w3)
-        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+        if recompute == "selective-attn":
+            return 4 * L * d * seq_len
+        w3 = mlp_active // 3
+        return 2 * L * (d * self.kv_dim + d * d + w3)
+
+    def paper_flops_per_token(self, seq_len: int, recompute: bool) -> float:
+        """Narayanan et al. 2021 eq. 3 per token: 96 l h^2 (1 + s/(6h) + V/(16 l h)) with full
+        recomputation (4 passes), 72 l h^2 (1 + s/(6h) + V/(12 l h)) without (3 passes). For the
+        GPT shape only (MHA, GeLU 4h): it is what Megatron's published TFLOP/s count."""
+        if not (self.mlp == "gelu" and self.n_heads == self.n_kv_heads and self.hidden_dim == 4 * self.d_model):
+            raise ValueError(f"{self.name}: eq. 3 is for GPT-shaped models (mlp='gelu', MHA, hidden_dim = 4 d_model)")
+        h, l, s, V = self.d_model, self.n_layers, seq_len, self.vocab_size
+        if recompute:
+            return 96 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+        return 72 * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
 
 
 # Llama 3 / 3.1 shapes (Meta's model cards and params.json; "The Llama 3 Herd of Models",
@@ -124,6 +178,27 @@ LLAMA3 = {
     "moe-8x7b": ModelSpec("moe-8x7b", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
                           vocab_size=32000, n_experts=8, top_k=2),
 }
+
+
+
+
+def gpt_spec(name: str, d_model: int, n_layers: int, n_heads: int) -> ModelSpec:
+    """A GPT-3-shaped model as Megatron-LM trained it (Narayanan et al. 2021, sec. 5.1: vocabulary 51,200,
+    sequence 2,048): MHA, GeLU MLP of width 4 d, attention scores materialized, dropout."""
+    return ModelSpec(name, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads,
+                     hidden_dim=4 * d_model, vocab_size=51200, mlp="gelu", attention="materialized", dropout=True)
+
+
+# Megatron-LM's GPT shapes, (hidden, layers, heads): Narayanan et al. 2021 (arXiv 2104.04473) Table 1, whose
+# hidden sizes and layers NVIDIA/Megatron-LM's README shows (images/cases_april2021.png); the heads are the
+# paper's column, not in that image (they set only the attention core's memory). "22b" and "175b" (GPT-3,
+# Brown et al. 2020) are Korthikanti et al. 2022's (arXiv 2205.05198) Table 3.
+GPT_MEGATRON = {name: gpt_spec(f"gpt-{name}", h, layers, heads) for name, (h, layers, heads) in {
+    "1.7b": (2304, 24, 24), "3.6b": (3072, 30, 32), "7.5b": (4096, 36, 32), "18b": (6144, 40, 48),
+    "39b": (8192, 48, 64), "76b": (10240, 60, 80), "145b": (12288, 80, 96), "310b": (16384, 96, 128),
+    "530b": (20480, 105, 128), "1t": (25600, 128, 160), "22b": (6144, 48, 64), "175b": (12288, 96, 96),
+}.items()}
+MODELS = {**LLAMA3, **GPT_MEGATRON}
 
 
 def spec_from_config(config, name: str = "labkit") -> ModelSpec:

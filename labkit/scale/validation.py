@@ -1,0 +1,102 @@
+"""The validation set: published training runs, and the cost model's error on each (bench/scale.py, notebook 15).
+
+The runs live in `published_runs.json`, one set per source (torchtitan's two H100 benchmark files,
+Megatron-LM 2021 Table 1, Megatron-LM 2022's MFU table, Llama 3's Table 4). Each row carries its
+source row and a quote of its text; each set states the inputs its source does not publish
+("choices"), chosen before any prediction was made. The rows validate; nothing is fitted to them.
+
+A published figure becomes tokens/s per GPU by the source's own FLOP count:
+    tps_per_gpu      as published (torchtitan)
+    tflops_per_gpu   Megatron 2021: / eq. 3 with recomputation (`ModelSpec.paper_flops_per_token`);
+                     Llama 3: / model FLOPs per token (`ModelSpec.flops_per_token`)
+    mfu              Megatron 2022: MFU x peak / eq. 3 without recomputation
+The error of a row is predicted / published - 1 (throughput, and memory where published).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+from labkit.scale.cluster import load_cluster
+from labkit.scale.cost import predict
+from labkit.scale.layout import Layout
+from labkit.scale.specs import MODELS
+
+RUNS_FILE = Path(__file__).with_name("published_runs.json")
+LAYOUT_FIELDS = ("dp", "pp", "cp", "tp", "zero", "recompute", "micro_batch", "schedule", "virtual_stages",
+                 "first_stage_embedding_only", "last_stage_loss_only")
+
+
+def load_sets(path: Path | str = RUNS_FILE) -> dict:
+    """{set name: {"source", "cluster", "metric", "choices", "rows", ...}} from the data file."""
+    return json.loads(Path(path).read_text())["sets"]
+
+
+def layout_of(row: dict) -> Layout:
+    """A row's layout: the fields it gives (Layout's defaults for the rest: sequence parallelism on)."""
+    return Layout(**{k: row[k] for k in LAYOUT_FIELDS if k in row})
+
+
+def published_tps(row: dict, spec, set_info: dict, peak_flops: float) -> float:
+    """The row's published throughput as tokens/s per GPU, by its source's own FLOP count."""
+    pub, seq = row["published"], row["seq_len"]
+    if "tps_per_gpu" in pub:
+        return float(pub["tps_per_gpu"])
+    flops = set_info.get("flops", "model")
+    if "tflops_per_gpu" in pub and flops == "eq3-recompute":
+        return pub["tflops_per_gpu"] * 1e12 / spec.paper_flops_per_token(seq, recompute=True)
+    if "tflops_per_gpu" in pub and flops == "model":
+        return pub["tflops_per_gpu"] * 1e12 / spec.flops_per_token(seq)
+    if "mfu_percent" in pub and flops == "eq3-no-recompute":
+        return pub["mfu_percent"] / 100 * peak_flops / spec.paper_flops_per_token(seq, recompute=False)
+    raise ValueError(f"row {row['id']}: no published figure this module reads ({sorted(pub)} with flops={flops!r})")
+
+
+def predict_row(row: dict, set_info: dict) -> dict:
+    """One row: published and predicted tokens/s/GPU and GiB, the errors, whether it fits."""
+    cluster = load_cluster(set_info["cluster"])
+    spec = MODELS[row["model"]]
+    if row.get("fused_kernels"):
+        spec = dataclasses.replace(spec, fused_kernels=True)
+    p = predict(spec, layout_of(row), cluster, global_batch=row["global_batch"], seq_len=row["seq_len"])
+    pub_tps = published_tps(row, spec, set_info, cluster.peak_bf16_flops)
+    gib = row["published"].get("memory_gib")
+    return dict(id=row["id"], source_row=row["source_row"], model=row["model"], layout=p.layout.short(),
+                outside_model=row.get("outside_model", []), published_tps=pub_tps, predicted_tps=p.tokens_per_s_per_gpu,
+                tps_error=p.tokens_per_s_per_gpu / pub_tps - 1, published_gib=gib, predicted_gib=p.peak_gib,
+                memory_error=None if gib is None else p.peak_gib / gib - 1, fits=p.fits,
+                gpu_gib=cluster.memory_gib, prediction=p)
+
+
+def predict_sets(path: Path | str = RUNS_FILE) -> dict:
+    """{set name: [predict_row of each row]}"""
+    return {name: [predict_row(r, info) for r in info["rows"]] for name, info in load_sets(path).items()}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """n, rows within 25%, median and worst |throughput error|, worst |memory error| (None if none)."""
+    errs = [abs(r["tps_error"]) for r in rows]
+    mems = [abs(r["memory_error"]) for r in rows if r["memory_error"] is not None]
+    return dict(n=len(rows), within_25=sum(e <= 0.25 for e in errs), median_abs_tps_error=statistics.median(errs),
+                worst_abs_tps_error=max(errs), worst_abs_memory_error=max(mems) if mems else None)
+
+
+def format_sets(results: dict) -> str:
+    """A readable table: one line per row, a summary line per set."""
+    lines = []
+    for name, rows in results.items():
+        lines.append(f"\n{name}")
+        lines.append(f"  {'row':38s} {'layout':38s} {'tok/s/GPU':>9} {'pred':>8} {'err':>6} {'GiB':>6} {'pred':>6} "
+                     f"{'err':>6} fits  outside the model")
+        for r in rows:
+            gib = f"{r['published_gib']:6.1f}" if r["published_gib"] is not None else f"{'-':>6}"
+            merr = f"{r['memory_error']:+6.0%}" if r["memory_error"] is not None else f"{'-':>6}"
+            lines.append(f"  {r['source_row'][:38]:38s} {r['layout'][:38]:38s} {r['published_tps']:9,.0f} "
+                         f"{r['predicted_tps']:8,.0f} {r['tps_error']:+6.0%} {gib} {r['predicted_gib']:6.1f} {merr} "
+                         f"{'yes' if r['fits'] else 'NO ':4s} {', '.join(r['outside_model']) or '-'}")
+        s = summarize(rows)
+        lines.append(f"  -> {s['n']} rows, {s['within_25']} within 25%, median |err| {s['median_abs_tps_error']:.0%}, "
+                     f"worst {s['worst_abs_tps_error']:.0%}")
+    return "\n".join(lines)

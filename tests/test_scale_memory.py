@@ -1,0 +1,152 @@
+"""labkit.scale's memory and recompute: activations against Korthikanti et al.'s closed forms, the recompute
+policies, pipeline stages that hold only the embedding or only the loss, and the runs that ran do fit.
+
+Korthikanti et al. 2022 (arXiv 2205.05198), sec. 4.1, bytes one GPT block keeps for backward (s tokens,
+b sequences, width h, a heads, TP t, 2-byte activations and 1-byte dropout masks):
+    no parallelism                    34 sbh + 5 a s^2 b
+    TP                                sbh (10 + 24/t + 5 a s/(h t))
+    TP + SP                           sbh/t (34 + 5 a s/h)
+    TP + SP + selective recompute     34 sbh / t          (the attention core, 5 a s^2 b / t, rebuilt)
+    TP + selective recompute          sbh (10 + 24/t)
+    full recompute                    2 sbh (/ t with SP)
+The shapes below are powers of two, so every term is an integer or an exact binary fraction in float64:
+the element-by-element sum in labkit.scale.footprint and the closed form agree exactly (==).
+Arithmetic only: well under a second.
+"""
+import pytest
+from labkit.measure.memory import memory_per_rank
+from labkit.scale.cluster import load_cluster
+from labkit.scale.cost import predict
+from labkit.scale.footprint import block_activation_bytes, korthikanti_layer_bytes, stage_memory
+from labkit.scale.layout import Layout, LayoutError, check_layout
+from labkit.scale.specs import GPT_MEGATRON, LLAMA3, RECOMPUTE, gpt_spec, normalize_recompute
+from labkit.scale.validation import load_sets, predict_row
+
+S, B, H, A = 2048, 2, 1024, 16
+GPT = gpt_spec("gpt-hand", d_model=H, n_layers=4, n_heads=A)
+
+
+def closed_forms(t: int) -> dict:
+    """(layout, expected saved, expected rebuilt) for each row of the paper's table, TP t."""
+    sbh = S * B * H
+    core = 5 * A * S * S * B
+    return {
+        "none, no TP": (Layout(recompute="none", sequence_parallel=False), 34 * sbh + core, 0),
+        "TP": (Layout(tp=t, recompute="none", sequence_parallel=False), sbh * (10 + 24 / t + 5 * A * S / (H * t)), 0),
+        "TP + SP": (Layout(tp=t, recompute="none"), sbh / t * (34 + 5 * A * S / H), 0),
+        "TP + SP + selective": (Layout(tp=t, recompute="selective-attn"), 34 * sbh / t, core / t),
+        "TP + selective, no SP": (Layout(tp=t, recompute="selective-attn", sequence_parallel=False),
+                                  sbh * (10 + 24 / t), core / t),
+        "full, TP": (Layout(tp=t, recompute="full", sequence_parallel=False), 2 * sbh, None),
+        "full, TP + SP": (Layout(tp=t, recompute="full"), 2 * sbh / t, None),
+    }
+
+
+def mismatches(layer_bytes, t: int = 4) -> list[str]:
+    out = []
+    for name, (layout, saved, rebuilt) in closed_forms(t).items():
+        got = layer_bytes(GPT, layout, B, S)
+        if got["saved"] != saved or (rebuilt is not None and got["rebuilt"] != rebuilt):
+            out.append(f"{name}: {got} != saved {saved}, rebuilt {rebuilt}")
+    return out
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_gpt_activations_equal_korthikanti_closed_forms(t):
+    assert mismatches(korthikanti_layer_bytes, t) == []
+    assert mismatches(block_activation_bytes, t) == []  # the footprint's entry point takes the same path
+
+
+def test_closed_form_check_catches_a_forgotten_dropout_mask():
+    def planted(model, layout, b, s):  # the attention core's dropout mask (a s^2 b bytes / t) left out
+        got = korthikanti_layer_bytes(model, layout, b, s)
+        if layout.recompute == "none":
+            got = dict(got, saved=got["saved"] - model.n_heads * s * s * b / layout.tp)
+        return got
+    assert len(mismatches(planted)) == 3  # the three rows that keep the core
+
+
+def test_recompute_policies_and_the_old_name():
+    assert RECOMPUTE == ("none", "selective-op", "selective-attn", "full")
+    assert Layout(recompute="selective").recompute == "selective-op" == normalize_recompute("selective")
+    with pytest.raises(ValueError, match=r"'bogus' is not a policy.*'selective-op', 'selective-attn'"):
+        LLAMA3["8b"].recompute_flops_per_token(8192, "bogus")
+    with pytest.raises(LayoutError, match=r"recompute='bogus' is not a policy the model knows.*selective-attn"):
+        check_layout(LLAMA3["8b"], Layout(dp=8, recompute="bogus"), 8, 8, 8, 8192)
+    with pytest.raises(LayoutError, match=r"'selective-op' is torchtitan's op policy.*gelu MLP.*'selective-attn'"):
+        check_layout(GPT, Layout(dp=8, recompute="selective-op"), 8, 8, 8, S)
+
+
+def test_recompute_flops_and_megatron_eq3():
+    """Eq. 3 (Narayanan et al. 2021) against the spec's counts, exactly: without recomputation it is
+    6 N + 12 l h s less the norm weights (6 x (2 h l + h)), which eq. 3 leaves out; the recomputed
+    forward it adds is the spec's "full" recompute; Megatron's selective recompute is 4 l h s."""
+    for m in GPT_MEGATRON.values():
+        h, l, s = m.d_model, m.n_layers, 2048
+        base = m.paper_flops_per_token(s, recompute=False)
+        assert m.flops_per_token(s) - base == pytest.approx(6 * (2 * h * l + h), rel=1e-9)
+        assert m.paper_flops_per_token(s, recompute=True) - base == pytest.approx(
+            m.recompute_flops_per_token(s, "full"), rel=1e-12)
+        assert m.recompute_flops_per_token(s, "selective-attn") == 4 * l * h * s
+    with pytest.raises(ValueError, match="GPT-shaped"):
+        LLAMA3["8b"].paper_flops_per_token(8192, recompute=True)
+
+
+def test_megatron_parameter_counts_match_table1():
+    """Megatron's count P = 12 l h^2 (1 + 13/(12 h) + (V + s)/(12 l h)) (tied embedding, learned positions)
+    for the specs' shapes gives Table 1's parameter column (as its row's quote has it)."""
+    rows = load_sets()["megatron-2021-table1"]["rows"]
+    for row in rows:
+        m = GPT_MEGATRON[row["model"]]
+        l, h, V = m.n_layers, m.d_model, m.vocab_size
+        P = 12 * l * h * h * (1 + 13 / (12 * h) + (V + 2048) / (12 * l * h))
+        assert round(P / 1e9, 1) == row["params_billion"], row["id"]
+
+
+# --- stages -----------------------------------------------------------------------------------
+
+def test_llama3_split_embedding_and_loss_stages():
+    lay = Layout(dp=64, pp=16, tp=8, schedule="interleaved", virtual_stages=8,
+                 first_stage_embedding_only=True, last_stage_loss_only=True)
+    assert lay.stage_layers(126) == [0] + [1] * 126 + [0]
+    assert lay.rank_layers(126) == [7] + [8] * 14 + [7]
+    assert lay.layers_per_rank(126) == 8
+    assert Layout(pp=8).stage_layers(126) == [16] * 6 + [15] * 2
+    assert Layout(pp=8, schedule="interleaved", virtual_stages=2).rank_layers(126) == [16] * 6 + [15] * 2
+
+
+def test_stage_memory_of_the_embedding_only_rank():
+    spec = LLAMA3["405b"]
+    lay = Layout(dp=64, pp=16, tp=8, zero="zero2", recompute="none", schedule="interleaved", virtual_stages=8,
+                 first_stage_embedding_only=True, last_stage_loss_only=True)
+    first = stage_memory(spec, lay, 0, 32, 8192)
+    dense = -(-(7 * spec.layer_dense_params + spec.embedding_params) // 8)
+    want = memory_per_rank(dense, 64, "zero2", "mixed")
+    assert (first["params"], first["grads"], first["optimizer"]) == (want["params"], want["grads"], want["optimizer"])
+
+
+def test_stage_refusals():
+    with pytest.raises(LayoutError, match=r"8 stages.*2 stage\(s\) would hold no block and are not an embedding or loss"):
+        Layout(pp=4, schedule="interleaved", virtual_stages=2).stage_layers(6)
+    ends = Layout(pp=4, schedule="interleaved", virtual_stages=2, first_stage_embedding_only=True, last_stage_loss_only=True)
+    assert ends.stage_layers(6) == [0, 1, 1, 1, 1, 1, 1, 0]
+    with pytest.raises(LayoutError, match="hold no block"):
+        ends.stage_layers(5)
+    with pytest.raises(LayoutError, match=r"first_stage_embedding_only=True with pp=1"):
+        check_layout(LLAMA3["8b"], Layout(dp=8, first_stage_embedding_only=True), 8, 8, 8, 8192)
+    with pytest.raises(LayoutError, match=r"stages.*for 32 layers.*hold no block"):
+        check_layout(LLAMA3["8b"], Layout(pp=8, schedule="interleaved", virtual_stages=5), 8, 8, 64, 8192)
+
+
+# --- the runs that ran fit ----------------------------------------------------------------------
+
+def test_published_runs_that_ran_fit():
+    for name, info in load_sets().items():
+        for row in info["rows"]:
+            r = predict_row(row, info)
+            assert r["fits"], (row["id"], r["predicted_gib"], r["gpu_gib"])
+    # Narayanan et al. 2021 sec. 5.2's ZeRO-3 530B on 640 A100s (no model parallelism, full recomputation,
+    # one sequence per micro-batch: the same choices as the validation set's Megatron rows)
+    p = predict(GPT_MEGATRON["530b"], Layout(dp=640, zero="zero3", recompute="full"), load_cluster("a100-sxm"),
+                global_batch=2560, seq_len=2048)
+    assert p.fits, p.peak_gib

@@ -1,0 +1,101 @@
+"""The validation set (labkit/scale/published_runs.json, labkit.scale.validation, bench/scale.py).
+
+Each row's figures are checked against the quote of its source's text that the row carries (the sources
+themselves are outside the repository: torchtitan's benchmark files, the papers' tables); a row whose
+figure was mistyped is caught (planted below). Each set names its source, a cluster that loads and its
+stated choices; the bench prints one line per row and a JSON last line. Arithmetic only: about 3 s.
+"""
+import copy
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from labkit.scale.cluster import load_cluster
+from labkit.scale.specs import GPT_MEGATRON, MODELS
+from labkit.scale.validation import layout_of, load_sets, predict_row, published_tps, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+SETS = load_sets()
+
+
+def numbers(text: str) -> list[float]:
+    return [float(x.replace(",", "")) for x in re.findall(r"\d[\d,]*\.?\d*", text)]
+
+
+def quote_mismatches(row: dict) -> list[str]:
+    """The row's published figures and its setup's numbers that its quote does not contain."""
+    quoted = numbers(row["quote"])
+    want = [v for v in row["published"].values() if not isinstance(v, str)]
+    if row["id"].startswith("meg21"):
+        m = GPT_MEGATRON[row["model"]]
+        want += [m.d_model, m.n_layers, row["params_billion"], row["tp"] * row["pp"],
+                 row["dp"] * row["tp"] * row["pp"], row["global_batch"]]
+    if row["id"].startswith("llama3"):
+        want += [row["dp"] * row["tp"] * row["cp"] * row["pp"], row["tp"], row["cp"], row["pp"]]
+    if row["id"].startswith("tt24") and "CP" in row["quote"]:
+        want += [row["seq_len"], row["dp"], row["cp"]]
+    return [f"{row['id']}: {v} not in {row['quote']!r}" for v in want
+            if not any(abs(q - v) < 1e-9 for q in quoted)]
+
+
+def test_every_row_matches_its_quoted_source_text():
+    assert [m for info in SETS.values() for row in info["rows"] for m in quote_mismatches(row)] == []
+
+
+def test_a_mistyped_figure_is_caught():
+    row = copy.deepcopy(SETS["torchtitan-2024-12"]["rows"][0])
+    row["published"]["tps_per_gpu"] = 5726  # 5,762 with two digits swapped
+    assert len(quote_mismatches(row)) == 1
+    row = copy.deepcopy(SETS["megatron-2021-table1"]["rows"][-1])
+    row["pp"] = 32  # 1T's model-parallel size 512 = tp 8 x pp 64
+    assert quote_mismatches(row)
+
+
+def test_sets_name_source_cluster_and_choices():
+    assert set(SETS) == {"torchtitan-2024-12", "torchtitan-asynctp-2025-06", "megatron-2021-table1",
+                         "megatron-2022-mfu", "llama3-table4"}
+    ids = [row["id"] for info in SETS.values() for row in info["rows"]]
+    assert len(ids) == len(set(ids)) == 18 + 12 + 10 + 4 + 3
+    for name, info in SETS.items():
+        assert info["source"] and info["choices"], name
+        load_cluster(info["cluster"])
+        for row in info["rows"]:
+            assert row["model"] in MODELS and row["source_row"] and row["quote"], row["id"]
+            lay = layout_of(row)
+            assert lay.world_size == row["dp"] * row["pp"] * row["cp"] * row["tp"]
+
+
+def test_published_figures_become_tokens_per_second_by_the_sources_flop_count():
+    info = SETS["megatron-2021-table1"]
+    row = info["rows"][-1]  # 1T: 163 TFLOP/s per GPU by eq. 3 with recomputation
+    m = GPT_MEGATRON["1t"]
+    h, l, s, V = 25600, 128, 2048, 51200
+    eq3 = 96 * 3072 * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))  # per iteration of 3,072 sequences
+    assert published_tps(row, m, info, 312e12) == pytest.approx(163e12 / (eq3 / (3072 * s)), rel=1e-12)
+    info = SETS["megatron-2022-mfu"]
+    row = info["rows"][0]  # 22B: MFU 41.5% of 312 TFLOP/s, model FLOPs = eq. 3 without recomputation
+    m = GPT_MEGATRON["22b"]
+    h, l = 6144, 48
+    assert published_tps(row, m, info, 312e12) == pytest.approx(
+        0.415 * 312e12 / (72 * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))), rel=1e-12)
+
+
+def test_summary_on_hand_rows():
+    rows = [dict(tps_error=e, memory_error=m) for e, m in ((0.1, None), (-0.3, 0.05), (0.25, -0.2))]
+    assert summarize(rows) == dict(n=3, within_25=2, median_abs_tps_error=0.25, worst_abs_tps_error=0.3,
+                                   worst_abs_memory_error=0.2)
+
+
+def test_bench_prints_rows_then_json():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--quick"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout.splitlines()
+    last = json.loads(out[-1])
+    assert last["overall"]["n"] == 47 and set(last["sets"]) == set(SETS)
+    assert sum(s["n"] for s in last["sets"].values()) == 47
+    assert any("Table 1, 1T" in line for line in out)
+    assert last["not_fitting"] == []
+    row = predict_row(SETS["torchtitan-2024-12"]["rows"][0], SETS["torchtitan-2024-12"])
+    assert f"{row['tps_error']:+6.0%}" in "\n".join(out)
