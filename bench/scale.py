@@ -1,6 +1,6 @@
 """The cost model against published training runs: the validation set (notebook 15).
 
-    python bench/scale.py [--quick]
+    python bench/scale.py [--quick] [--model flat|kernels|both] [--small]
 
 Predicts, from each run's published setup only (model, layout, batch, sequence, recompute, GPU
 and network), the throughput per GPU and the peak memory of every row of
@@ -11,7 +11,13 @@ validate, nothing is fitted to them (labkit.scale.validation). Prints one line p
 throughput and memory error (predicted / published - 1) and whether the model says it fits, a
 summary per set, then, as its last line, one JSON object: per set and overall, n, rows within
 25%, the median and worst |throughput error|, the worst |memory error|.
-No process, no GPU: arithmetic, well under a second. --quick is accepted (and changes nothing)
+--model: the flat model (compute at a fixed fraction of the peak, the default of
+labkit.scale.cost.predict), the kernel model (every op by a roofline from kernel-level figures,
+`predict(..., efficiency=None)`), or both, one after the other (the default: the "before" and
+"after" of issue 34), each set's summary in the JSON under its model's name.
+--small: also the lab's own models on one H200, measured by bench/single_device.py
+(/work/shared/gpu-2026-11-26/single_bf16.txt), against the kernel model, with what bounds a block.
+No process, no GPU: arithmetic, a few seconds. --quick is accepted (and changes nothing)
 so that every bench takes the same flags.
 """
 import argparse
@@ -21,29 +27,63 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from labkit.scale.validation import format_sets, load_sets, predict_sets, summarize  # noqa: E402
+from labkit.scale.validation import MODELS_OF_COST, format_sets, load_sets, predict_sets, summarize  # noqa: E402
+
+# bench/single_device.py on one H200, bf16, eager (the GPU run of 2026-11-26): model, batch, seq, tok/s
+SMALL_MEASURED = (("tiny", 64, 128, 409.1e3), ("seed", 64, 256, 523.1e3))
+
+
+def small_end() -> list[dict]:
+    """The lab's own models on one H200: measured and predicted by the kernel model, a block's time by bound."""
+    from labkit.model import get_config
+    from labkit.scale.cluster import load_cluster
+    from labkit.scale.cost import predict
+    from labkit.scale.layout import Layout
+    from labkit.scale.specs import spec_from_config
+
+    cluster, rows = load_cluster("h200-sxm"), []
+    for name, batch, seq, measured in SMALL_MEASURED:
+        spec = spec_from_config(get_config(name, context=seq))
+        p = predict(spec, Layout(zero="dp", recompute="none", micro_batch=batch, sequence_parallel=False), cluster,
+                    batch, seq, n_gpus=1, efficiency=None)
+        total = sum(p.bound_s.values())
+        rows.append(dict(model=name, measured=measured, predicted=round(p.tokens_per_s_per_gpu),
+                         error=round(p.tokens_per_s_per_gpu / measured - 1, 4),
+                         bound={k: round(v / total, 3) for k, v in p.bound_s.items()}))
+    return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.parse_args()
-    results = predict_sets()
+    parser.add_argument("--model", choices=(*MODELS_OF_COST, "both"), default="both")
+    parser.add_argument("--small", action="store_true")
+    args = parser.parse_args()
     print("labkit.scale's cost model against published runs; err = predicted / published - 1")
     for name, info in load_sets().items():
         print(f"  {name}: {info['source'][:140]}")
-    print(format_sets(results))
-    every = [r for rows in results.values() for r in rows]
-    overall = summarize(every)
-    print(f"\nall sets: {overall['n']} rows, {overall['within_25']} within 25%, median |err| "
-          f"{overall['median_abs_tps_error']:.0%}, worst {overall['worst_abs_tps_error']:.0%}; "
-          f"runs that ran but the model says do not fit: {sum(not r['fits'] for r in every)}")
 
     def rounded(s):
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()}
 
-    out = dict(bench="scale", sets={name: rounded(summarize(rows)) for name, rows in results.items()},
-               overall=rounded(overall), not_fitting=[r["id"] for r in every if not r["fits"]])
+    out = dict(bench="scale")
+    for model in (MODELS_OF_COST if args.model == "both" else (args.model,)):
+        results = predict_sets(model=model)
+        print(f"\n=== the {model} model ===")
+        print(format_sets(results))
+        every = [r for rows in results.values() for r in rows]
+        overall = summarize(every)
+        print(f"\nall sets, {model} model: {overall['n']} rows, {overall['within_25']} within 25%, median |err| "
+              f"{overall['median_abs_tps_error']:.0%}, worst {overall['worst_abs_tps_error']:.0%}; "
+              f"runs that ran but the model says do not fit: {sum(not r['fits'] for r in every)}")
+        out[model] = dict(sets={name: rounded(summarize(rows)) for name, rows in results.items()},
+                          overall=rounded(overall), not_fitting=[r["id"] for r in every if not r["fits"]])
+    if args.small:
+        out["small"] = small_end()
+        print("\nthe lab's own models on one H200 (bf16, eager), kernel model:")
+        for r in out["small"]:
+            print(f"  {r['model']}: measured {r['measured']:,.0f} tok/s, predicted {r['predicted']:,.0f} "
+                  f"({r['error']:+.0%}); a block's time by bound: {r['bound']}")
     print(json.dumps(out))
 
 

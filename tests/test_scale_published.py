@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from labkit.scale.cluster import load_cluster
 from labkit.scale.specs import GPT_MEGATRON, MODELS
-from labkit.scale.validation import layout_of, load_sets, predict_row, published_tps, summarize
+from labkit.scale.validation import MODELS_OF_COST, layout_of, load_sets, predict_row, published_tps, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 SETS = load_sets()
@@ -93,9 +93,11 @@ def test_bench_prints_rows_then_json():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--quick"], capture_output=True,
                          text=True, timeout=120, check=True).stdout.splitlines()
     last = json.loads(out[-1])
-    assert last["overall"]["n"] == 47 and set(last["sets"]) == set(SETS)
-    assert sum(s["n"] for s in last["sets"].values()) == 47
+    for model in MODELS_OF_COST:  # both models, the flat one's table first
+        assert last[model]["overall"]["n"] == 47 and set(last[model]["sets"]) == set(SETS)
+        assert sum(s["n"] for s in last[model]["sets"].values()) == 47
+        assert last[model]["not_fitting"] == []
+        row = predict_row(SETS["torchtitan-2024-12"]["rows"][0], SETS["torchtitan-2024-12"], model)
+        section = "\n".join(out).split(f"=== the {model} model ===")[1]
+        assert f"{row['tps_error']:+6.0%}" in section.split("===")[0]
     assert any("Table 1, 1T" in line for line in out)
-    assert last["not_fitting"] == []
-    row = predict_row(SETS["torchtitan-2024-12"]["rows"][0], SETS["torchtitan-2024-12"])
-    assert f"{row['tps_error']:+6.0%}" in "\n".join(out)

@@ -1,7 +1,7 @@
 """Step time of a layout on a cluster, built up from kernels and collectives (notebook 15).
 
 With efficiency=None and a GPU kind (the cluster's `gpu` field, labkit/scale/gpus/*.json): the kernel
-model (opt-in until it meets issue 34's aims on the published set; see tests/scale_validation.py):
+model (opt-in until it meets issue 34's aims on the published set; `python bench/scale.py` prints both):
     ops        every op of a block, the embedding and the head at their shapes after TP, CP and SP
                (labkit.scale.layer_ops), each timed by a roofline (labkit.scale.kernels): one stage's
                forward F_s and backward B_s (recompute included) per micro-batch

@@ -11,6 +11,11 @@ A published figure becomes tokens/s per GPU by the source's own FLOP count:
                      Llama 3: / model FLOPs per token (`ModelSpec.flops_per_token`)
     mfu              Megatron 2022: MFU x peak / eq. 3 without recomputation
 The error of a row is predicted / published - 1 (throughput, and memory where published).
+
+Two models predict (`MODELS_OF_COST`): "flat", compute / (peak x labkit.scale.cost.EFFICIENCY) plus
+exposed traffic and bubble, the default of `predict`; and "kernels", every op by a roofline from
+kernel-level figures (`predict(..., efficiency=None)`), with each row's torch.compile, float8 and
+async TP (its "outside_model" list) switched on, since the kernel model can express them.
 """
 from __future__ import annotations
 
@@ -54,13 +59,27 @@ def published_tps(row: dict, spec, set_info: dict, peak_flops: float) -> float:
     raise ValueError(f"row {row['id']}: no published figure this module reads ({sorted(pub)} with flops={flops!r})")
 
 
-def predict_row(row: dict, set_info: dict) -> dict:
+MODELS_OF_COST = ("flat", "kernels")
+
+
+def model_options(row: dict, model: str) -> dict:
+    """`predict`'s keywords for one row under the flat or the kernel model."""
+    if model not in MODELS_OF_COST:
+        raise ValueError(f"unknown cost model {model!r}: use one of {MODELS_OF_COST}")
+    if model == "flat":
+        return {}
+    out = row.get("outside_model", [])
+    return dict(efficiency=None, compile="torch.compile" in out, float8="float8" in out, async_tp="async TP" in out)
+
+
+def predict_row(row: dict, set_info: dict, model: str = "flat") -> dict:
     """One row: published and predicted tokens/s/GPU and GiB, the errors, whether it fits."""
     cluster = load_cluster(set_info["cluster"])
     spec = MODELS[row["model"]]
     if row.get("fused_kernels"):
         spec = dataclasses.replace(spec, fused_kernels=True)
-    p = predict(spec, layout_of(row), cluster, global_batch=row["global_batch"], seq_len=row["seq_len"])
+    p = predict(spec, layout_of(row), cluster, global_batch=row["global_batch"], seq_len=row["seq_len"],
+                **model_options(row, model))
     pub_tps = published_tps(row, spec, set_info, cluster.peak_bf16_flops)
     gib = row["published"].get("memory_gib")
     return dict(id=row["id"], source_row=row["source_row"], model=row["model"], layout=p.layout.short(),
@@ -70,9 +89,9 @@ def predict_row(row: dict, set_info: dict) -> dict:
                 gpu_gib=cluster.memory_gib, prediction=p)
 
 
-def predict_sets(path: Path | str = RUNS_FILE) -> dict:
+def predict_sets(path: Path | str = RUNS_FILE, model: str = "flat") -> dict:
     """{set name: [predict_row of each row]}"""
-    return {name: [predict_row(r, info) for r in info["rows"]] for name, info in load_sets(path).items()}
+    return {name: [predict_row(r, info, model) for r in info["rows"]] for name, info in load_sets(path).items()}
 
 
 def summarize(rows: list[dict]) -> dict:
