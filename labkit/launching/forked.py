@@ -41,12 +41,24 @@ _launch_ids = itertools.count()
 
 
 def free_port() -> int:
-    # A port no socket is bound to right now. (Serving the store from this process instead
-    # would remove the small window before rank 0 binds it, but a store thread in the
-    # parent at fork time made ranks hang in init_process_group now and then.)
+    """A port no socket is bound to right now (another process may take it before we bind it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rendezvous_store(world_size: int, timeout: float):
+    """The launch's TCPStore, served from this process on a port the OS picks, bound before any rank
+    starts: every rank joins it as a client (TORCHELASTIC_USE_AGENT_STORE, as torchrun's agent serves
+    its ranks). A port picked free and bound later by rank 0 could be taken in between by another
+    process (two notebooks launching at once: EADDRINUSE, seen). Safe here since the ranks are forked
+    by the zygote: this process never forks with the store's thread running."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
 
 
 # --------------------------------------------------------------------------- the parent
@@ -72,11 +84,12 @@ class ForkLauncher:
         self.launch_id = next(_launch_ids)
         # gloo's own timeout comes well after the launcher's deadline (start-up included).
         pg_timeout = 2 * self.timeout + STARTUP_GRACE + 60
+        store = rendezvous_store(self.world_size, pg_timeout)
         with tempfile.TemporaryDirectory(prefix="labkit-launch-") as tmp:
             stack_paths = [os.path.join(tmp, f"stack-{r}.txt") for r in range(self.world_size)]
             self.stack_paths = stack_paths
             request = dict(launch_id=self.launch_id, world_size=self.world_size, backend=self.backend,
-                           port=free_port(), pg_timeout=pg_timeout, stack_paths=stack_paths,
+                           port=store.port, pg_timeout=pg_timeout, stack_paths=stack_paths,
                            env=dict(os.environ), path=list(sys.path), cwd=os.getcwd(), payload=payload,
                            sources=shipping.cell_sources())
             result_readers, theirs = [], []

@@ -90,7 +90,8 @@ def rank_main(rank: int, request: dict, result_fd: int, out_fd: int, err_fd: int
     os.environ.update(request["env"])
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(request["port"]), OMP_NUM_THREADS="1")
+                      MASTER_PORT=str(request["port"]), OMP_NUM_THREADS="1",
+                      TORCHELASTIC_USE_AGENT_STORE="True")  # the launcher serves the store (forked.rendezvous_store)
     sys.path[:] = request["path"]
     try:
         os.chdir(request["cwd"])
