@@ -86,7 +86,11 @@ def test_sgd_step_matches_torch_optim_sgd():
 def test_sgd_step_skips_params_whose_grad_is_none_and_keeps_grads():
     used, unused = nn.Parameter(torch.tensor([1.0, 2.0])), nn.Parameter(torch.tensor([3.0]))
     (used * torch.tensor([10.0, 20.0])).sum().backward()
-    sd().sgd_step([used, unused], lr=0.5)
+    try:
+        sd().sgd_step([used, unused], lr=0.5)
+    except (TypeError, AttributeError) as error:
+        pytest.fail(f"sgd_step failed with {type(error).__name__}: {error}, given a parameter whose .grad is None (unused, "
+                    "or frozen): skip parameters without a gradient (if p.grad is not None)", pytrace=False)
     close_step(torch.tensor([1.0, 2.0]), used.detach(), torch.tensor([1.0 - 5.0, 2.0 - 10.0]), "a used parameter")
     check_close(unused.detach(), torch.tensor([3.0]), "a parameter whose .grad is None (unused or frozen)",
                 hint="skip parameters whose .grad is None: they must not move")
