@@ -177,3 +177,12 @@ def _fresh_cache():
     launch_cases.cache_clear()
     yield
     launch_cases.cache_clear()
+
+
+def test_a_failed_case_gets_the_launchers_hint_for_a_known_error():
+    def peer_not_in_group():  # gloo's words when a global rank is passed as group_dst= (planted: no process needed)
+        raise RuntimeError("[enforce fail at pair.cc:801] state_ >= CONNECTED. 1 vs 4. Pair is not connected")
+
+    (status, detail), = run_cases({("broadcast", "subgroup"): peer_not_in_group}).values()
+    assert status == "failed" and "Pair is not connected" in detail, detail
+    assert "hint: a send or receive named a peer that is not in its group" in detail, detail

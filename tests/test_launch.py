@@ -523,3 +523,20 @@ def test_a_group_passed_by_position_gets_a_hint_below_the_traceback():
     assert "takes 1 positional argument but 2 were given" in text, text
     assert "hint: all_gather_flat() was given 2 positional arguments and takes 1" in text, text
     assert "name it (group=..., groups=..., mesh=...)" in text, text
+
+
+def _global_peer_as_group_rank(rank, world_size):
+    group = dist.new_group([1, 3])
+    if rank == 1:
+        dist.send(torch.ones(1), group_dst=3, group=group)  # 3 is a GLOBAL rank: its group rank is 1
+    elif rank == 3:
+        dist.recv(torch.ones(1), group_src=1, group=group)
+
+
+def test_a_global_rank_passed_as_group_dst_gets_a_hint_below_the_traceback():
+    with pytest.raises(LaunchError) as info:
+        labkit.launch(_global_peer_as_group_rank, 4, timeout=30)
+    text = str(info.value)
+    assert "Pair is not connected" in text, text
+    assert "hint: a send or receive named a peer that is not in its group" in text, text
+    assert "group_dst=/group_src= are ranks INSIDE group=" in text, text

@@ -98,6 +98,7 @@ def run_cases(cases: dict, *, watch_recvs: bool = True) -> dict:
     import torch.distributed as dist
 
     from labkit.comm.unwaited import WatchedRecvs, watch_irecv
+    from labkit.launching.failures import explain
     from labkit.launching.peer_watch import PeerWatch
 
     plan = _plan
@@ -128,8 +129,8 @@ def run_cases(cases: dict, *, watch_recvs: bool = True) -> dict:
             results[key] = (OK, "")
         except NotImplementedError as error:
             results[key] = (NOT_IMPLEMENTED, str(error))
-        except Exception:
-            results[key] = (FAILED, "\n".join(filter(None, [traceback.format_exc(), recvs.hint()])))
+        except Exception as error:  # the lab's advice for a known error (labkit.launching.failures.explain), as a launch adds it
+            results[key] = (FAILED, "\n".join(filter(None, [traceback.format_exc(), explain(error), recvs.hint()])))
         finally:
             if watch:
                 watch.leave()

@@ -63,6 +63,9 @@ GLOO_ABORTS = {
 
 # Python's own words for a call with too many positional arguments: in the lab, most often a group or a
 # mesh passed by position to a function that takes the topology by keyword only (CONTRIBUTING's Conventions).
+# gloo's words for a point-to-point call to a rank it has no connection to in that group: most often a global
+# rank passed as group_dst=/group_src= (ranks inside the group), or the reverse.
+_NO_PAIR = "Pair is not connected"
 _TOO_MANY_POSITIONAL = re.compile(r"^(\S+)\(\) takes (\d+) positional arguments? but (\d+) (?:were|was) given")
 
 
@@ -74,6 +77,10 @@ def explain(error: BaseException) -> str:
         return (f"hint: {found.group(1)}() was given {found.group(3)} positional arguments and takes "
                 f"{found.group(2)}. The lab's functions take the topology by keyword only: if one of them "
                 "is a group, groups or a mesh, name it (group=..., groups=..., mesh=...).")
+    if isinstance(error, RuntimeError) and _NO_PAIR in str(error):
+        return ("hint: a send or receive named a peer that is not in its group, or the wrong rank of it: "
+                "dist.send/recv's dst=/src= (and a peer given by position) are GLOBAL ranks; group_dst=/group_src= "
+                "are ranks INSIDE group=. A mesh's prev_rank/next_rank are global: pass them as dst=/src=.")
     return ""
 
 

@@ -196,8 +196,31 @@ def _step_bytes(rank, layout, optimizer=None):
         "inside the shard group, one all-reduce of a 1/S piece across the replicas")
 
 
+def _awkward(rank, layout):
+    """labkit.grading.awkward's model (a frozen, a never-used and a rank-0-only parameter in the middle) under HSDP:
+    a None gradient counts as zeros on every rank, so that every rank's flat gradient lines up element for element."""
+    from labkit.grading import awkward, diagnose
+
+    replicate, shard, swapped = LAYOUTS[layout]
+    _, sg, rg = groups(replicate, shard, swapped)
+    ranks, model = list(range(WORLD)), awkward.Awkward()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    where = f"HSDPOptimizer {_where(rank, sg, rg)}, the awkward model"
+    opt = make_optimizer(model, sg, rg)
+    for x in awkward.batches(ranks, 2):
+        model(x[3 * rank:3 * (rank + 1)], awkward.uses_rare(rank, False)).backward()  # `rare`: rank 0 only
+        opt.step()
+        opt.zero_grad()
+    changed = diagnose.frozen_changes(frozen, model)
+    assert changed is None, f"{where}: {changed}"
+    diagnose.assert_same_named({n: p.detach() for n, p in model.named_parameters()}, awkward.reference(ranks, 2, HYPER),
+                               "parameter", f"{where}, after 2 steps against one process with AdamW", **F64,
+                               hint=awkward.HINT)
+
+
 def cases():
     out = {}
+    out["optimizer_awkward_2x2_swapped"] = functools.partial(_awkward, layout="2x2_swapped")
     for layout in LAYOUTS:
         out[f"sync_{layout}"] = functools.partial(_sync_values, layout=layout)
         out[f"sync_bytes_{layout}"] = functools.partial(_sync_bytes, layout=layout)
@@ -238,6 +261,12 @@ def test_hsdp_optimizer_equals_one_process_parameters_not_divisible_by_shards(la
 def test_hsdp_optimizer_step_bytes_per_level_equal_the_closed_form(layout):
     expect_case(launch_cases(_run_all, WORLD, timeout=TIMEOUT), f"optimizer_bytes_{layout}",
                 f"HSDPOptimizer.step()'s bytes per group, replicate x shard = {layout}")
+
+
+@pytest.mark.exercise("HSDPOptimizer", needs=("hsdp_sync",))
+def test_hsdp_optimizer_frozen_unused_and_one_rank_only_parameters_groups_not_global():
+    expect_case(launch_cases(_run_all, WORLD, timeout=TIMEOUT), "optimizer_awkward_2x2_swapped",
+                "HSDPOptimizer on a model with a frozen, a never-used and a rank-0-only parameter, 2 x 2 swapped groups")
 
 
 @pytest.mark.exercise("HSDPOptimizer", needs=("hsdp_sync",))

@@ -144,3 +144,37 @@ def test_loss_scaler_finds_a_nan_among_finite_gradients():
     assert not changed, f"a step with a NaN gradient changed the weights {changed}: it must be skipped"
     scaler.update()
     assert scaler.get_scale() == 4.0, f"scale after a NaN step's update(): expected 8 * backoff 0.5 = 4, got {scaler.get_scale()}"
+
+
+@pytest.mark.exercise("DynamicLossScaler")
+def test_loss_scaler_parameter_without_gradient_and_frozen_parameter_bit_equal_to_gradscaler():
+    """An unused parameter (.grad None) and a frozen one in the optimizer, as GradScaler allows: both skipped."""
+    mp = impl("mixed_precision")
+    runs = {}
+    for name, make in (("yours", lambda: mp.DynamicLossScaler(init_scale=2.0 ** 10)),
+                       ("GradScaler", lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 10))):
+        model = mlp()
+        unused = nn.Parameter(torch.ones(3))  # in the optimizer, never in the loss: its .grad stays None
+        model[0].bias.requires_grad_(False)  # frozen: no .grad either
+        opt = torch.optim.AdamW(list(model.parameters()) + [unused], lr=1e-2)
+        scaler = make()
+        for step in range(3):
+            x, y = batch(step)
+            opt.zero_grad()
+            scaler.scale(((model(x) - y) ** 2).mean()).backward()
+            try:
+                scaler.step(opt)
+            except (AttributeError, TypeError) as error:
+                pytest.fail(f"step {step}: your scaler's step() failed with {type(error).__name__}: {error}. The optimizer "
+                            "holds a parameter whose .grad is None (never used by the loss) and a frozen one: unscale_ "
+                            "must skip parameters without a gradient, as GradScaler does", pytrace=False)
+            scaler.update()
+        runs[name] = (model, unused, scaler.get_scale())
+    (ours, our_unused, our_scale), (ref, ref_unused, ref_scale) = runs["yours"], runs["GradScaler"]
+    assert our_scale == ref_scale, f"after 3 steps your scale is {our_scale}, GradScaler's {ref_scale}"
+    for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), (f"{n} differs from GradScaler's run after 3 steps (largest difference "
+                                   f"{(a - b).abs().max().item():.3g}) with an unused and a frozen parameter in the optimizer")
+    assert torch.equal(our_unused, ref_unused) and our_unused.grad is None, (
+        f"the unused parameter became {our_unused.detach().tolist()} with .grad {our_unused.grad}, GradScaler's run left "
+        f"{ref_unused.detach().tolist()} with .grad None: leave a parameter without gradient alone")

@@ -48,7 +48,8 @@ def test_gpipe_schedule_valid_deadlock_free_many_p_m():
     for p, m in PM:
         schedule = gpipe(p, m)
         want = [[f"{s}F{i}" for i in range(m)] + [f"{s}B{i}" for i in range(m)] for s in range(p)]
-        assert first_difference(schedule, want) is None, f"p={p}, m={m}: {first_difference(schedule, want)}"
+        _no_difference(schedule, want, f"GPipe with p={p} stages, m={m} micro-batches",
+                       "GPipe: every rank runs its m forwards, then its m backwards in the same order")
         sim = _check_common(schedule, p, m)
         assert sim.peak_inflight == [m] * p, f"p={p}, m={m}: GPipe holds all m activations"
         for rank, actions in enumerate(schedule):
@@ -58,7 +59,31 @@ def test_gpipe_schedule_valid_deadlock_free_many_p_m():
 
 
 def _assert_schedule(got, want):
-    assert got == want, first_difference(got, want)
+    _no_difference(got, want, f"{len(want)} stages, {len(want[0]) // 2} micro-batches")
+
+
+def _warmup(actions) -> int:
+    """How many forwards a rank's list runs before its first backward."""
+    kinds = [str(a).lstrip("0123456789")[:1] for a in actions]
+    return kinds.index("B") if "B" in kinds else len(kinds)
+
+
+def _no_difference(got, want, what, rule=""):
+    """Fail with the first differing action, in words, and, where it differs, each rank's warm-up against the rule's."""
+    __tracebackhide__ = True
+    difference = first_difference(got, want)
+    if difference is None:
+        return
+    warm = ""
+    if all(isinstance(acts, (list, tuple)) for acts in got) and len(got) == len(want):
+        off = [(r, _warmup(g), _warmup(w)) for r, (g, w) in enumerate(zip(got, want)) if _warmup(g) != _warmup(w)]
+        if off:
+            r, g, w = off[0]
+            warm = (f"; rank {r} runs {g} forwards before its first backward, the rule gives {w}"
+                    + ("" if all(_warmup(acts) * 2 == len(acts) for acts in want)  # GPipe: all forwards first
+                       else " (1F1B: w = min(p - s - 1, m) warm-up forwards on stage s, then its first pair, "
+                            "forward and backward)"))
+    pytest.fail(f"{what}: {difference}{warm}" + (f". {rule}" if rule else ""), pytrace=False)
 
 
 @pytest.mark.exercise("gpipe_schedule")
@@ -74,7 +99,7 @@ def test_one_f_one_b_valid_deadlock_free_many_p_m():
     for p, m in PM:
         schedule = ofob(p, m)
         want = _one_f_one_b_by_rule(p, m)
-        assert first_difference(schedule, want) is None, f"p={p}, m={m}: {first_difference(schedule, want)}"
+        _no_difference(schedule, want, f"1F1B with p={p} stages, m={m} micro-batches")
         sim = _check_common(schedule, p, m)
         want = [min(m, p - s) for s in range(p)]
         assert sim.peak_inflight == want, f"p={p}, m={m}: 1F1B holds at most p - stage activations"

@@ -240,7 +240,29 @@ def powersgd_rank_zero_raises(rank, n):
             sl().PowerSGD(Net(), bad)
 
 
+def subgroup_only(kind):
+    """DiLoCo / PowerSGD given group= ranks [0, 2] of 3 must call every collective on that group (watch_groups
+    names one on another group): rank 1 stays out (on 2 ranks, the group is the world). Two steps of each
+    (DiLoCo syncs at each with H = 1)."""
+    def case(rank, n):
+        members = [0, 2] if n == 3 else list(range(n))  # on 2 ranks: the whole world
+        group = dist.new_group(members)  # every rank makes it, in the same order
+        if rank not in members:
+            return
+        model = Net()
+        with watch_groups(group, f"{kind} (group {members} of {n} ranks)"):
+            algo = (sl().DiLoCo(model, torch.optim.SGD(trainable(model), lr=0.1), 1, group=group) if kind == "DiLoCo"
+                    else sl().PowerSGD(model, 1, group=group, seed=3))
+            for step in range(2):
+                model(mine(global_batch(step, len(members)), members.index(rank))).backward()
+                algo.step() if kind == "DiLoCo" else algo.sync_gradients()
+                model.zero_grad()
+    return case
+
+
 CASES = {
+    "diloco_subgroup_0_2_of_3": subgroup_only("DiLoCo"),
+    "powersgd_subgroup_0_2_of_3": subgroup_only("PowerSGD"),
     "pseudo_gradients_rank_tags": pseudo_gradients_rank_tags,
     "pseudo_gradients_subgroup_0_2_of_3": lambda rank, n: pseudo_gradients_rank_tags(rank, n, [0, 2] if n == 3 else None),
     "pseudo_gradients_mean_of_differences": pseudo_gradients_mean_of_differences,
@@ -284,13 +306,15 @@ def test_pseudo_gradients_mean_of_differences_one_allreduce(outcomes):
 @pytest.mark.exercise("DiLoCo", needs=("average_pseudo_gradients",))
 @pytest.mark.parametrize("key", ["diloco_H1_inner_sgd_equals_dp", "diloco_H1_inner_sgd_momentum_weight_decay_equals_dp",
                                  "diloco_bytes_per_inner_step_fall_by_H",
-                                 "diloco_replicas_equal_after_sync_adamw_nesterov", "diloco_H_zero_raises"])
+                                 "diloco_replicas_equal_after_sync_adamw_nesterov", "diloco_H_zero_raises",
+                                 "diloco_subgroup_0_2_of_3"])
 def test_diloco(outcomes, key):
     check(outcomes, key)
 
 
 @pytest.mark.exercise("PowerSGD")
 @pytest.mark.parametrize("key", ["powersgd_error_feedback_nothing_lost", "powersgd_full_rank_equals_dp",
-                                 "powersgd_bytes_match_numbers_sent", "powersgd_rank_zero_raises"])
+                                 "powersgd_bytes_match_numbers_sent", "powersgd_rank_zero_raises",
+                                 "powersgd_subgroup_0_2_of_3"])
 def test_powersgd(outcomes, key):
     check(outcomes, key)

@@ -18,6 +18,7 @@ from labkit.grading import diagnose
 from labkit.grading.cases import expect_case, launch_cases, run_cases
 from labkit.comm.traffic import count_traffic
 from labkit.grading import impl
+from labkit.grading.closeness import check_close
 from labkit.launching.launcher import launch
 from labkit.model import SwiGLU, Attention, build_model, get_config
 from labkit.grading.cases import launch_timeout
@@ -37,6 +38,13 @@ def block(t, rank, world, dim):
     return t.chunk(world, dim=dim)[rank]
 
 
+def FACTORS(world):
+    """The likely causes of a result that is `world` times the reference's (or 1/world of it)."""
+    return {world: f"summed over the {world} ranks where one rank's value (or one sum) was due: a collective too many, "
+                   "or one on the wrong tensor",
+            1 / world: f"divided by the {world} ranks where the sum was due"}
+
+
 def reference(layer, x, dy):
     """Output, input gradient and parameter gradients of the unsharded layer."""
     x = x.clone().requires_grad_()
@@ -50,6 +58,7 @@ def _column(rank, world, group=None, seed=0):
     tp = impl("tensor_parallel")
     for bias in (True, False):
         for gather in (False, True):
+            where = f"column-parallel, TP rank {rank} of {world}, bias={bias}, gather_output={gather}"
             torch.manual_seed(seed)  # same full layer and data on every rank
             full = nn.Linear(6, 8 * world // 2 * 3, bias=bias)  # 12 or 24 outputs
             x, dy = torch.randn(2, 3, 6), torch.randn(2, 3, full.out_features)
@@ -62,18 +71,24 @@ def _column(rank, world, group=None, seed=0):
             xs = x.clone().requires_grad_()
             y = layer(xs)
             if gather:
-                torch.testing.assert_close(y, y_ref)
+                check_close(y, y_ref, f"{where}: the gathered output", factors=FACTORS(world),
+                            hint="gather_output=True: all-gather the ranks' output blocks along the last dimension")
                 y.backward(dy)
             else:
-                torch.testing.assert_close(y, block(y_ref, rank, world, -1))
+                check_close(y, block(y_ref, rank, world, -1), f"{where}: this rank's output block", factors=FACTORS(world),
+                            hint="rank r computes output features [r*k, (r+1)*k): rows r*k.. of the weight, by its rank "
+                                 "in group= (tp_world(group))")
                 y.backward(block(dy, rank, world, -1))
-            torch.testing.assert_close(xs.grad, dx_ref)  # all-reduced in backward
-            torch.testing.assert_close(layer.weight.grad, block(g_ref["weight"], rank, world, 0))
+            check_close(xs.grad, dx_ref, f"{where}: the input's gradient", factors=FACTORS(world),
+                        hint="every rank's block contributes to dL/dx: the input goes through copy_to_parallel "
+                             "(identity forward, all-reduce over group= backward)")
+            check_close(layer.weight.grad, block(g_ref["weight"], rank, world, 0), f"{where}: the weight shard's gradient",
+                        factors=FACTORS(world))
             if bias:
-                torch.testing.assert_close(layer.bias.grad, block(g_ref["bias"], rank, world, 0))
+                check_close(layer.bias.grad, block(g_ref["bias"], rank, world, 0), f"{where}: the bias shard's gradient",
+                            factors=FACTORS(world))
             else:
-                assert layer.bias is None
-            assert layer.weight.shape == (full.out_features // world, 6)
+                assert layer.bias is None, f"{where}: the layer has a bias, the full layer has none: keep bias=None"
     return True
 
 
@@ -87,6 +102,7 @@ def _row(rank, world, group=None, seed=0):
     tp = impl("tensor_parallel")
     for bias in (True, False):
         for input_is_parallel in (True, False):
+            where = f"row-parallel, TP rank {rank} of {world}, bias={bias}, input_is_parallel={input_is_parallel}"
             torch.manual_seed(seed)
             full = nn.Linear(4 * world, 5, bias=bias)
             x, dy = torch.randn(2, 3, full.in_features), torch.randn(2, 3, 5)
@@ -97,14 +113,17 @@ def _row(rank, world, group=None, seed=0):
                 f"of the full weight, k = in_features // the size of group= = {full.in_features} // {world}")
             xs = (block(x, rank, world, -1) if input_is_parallel else x).clone().requires_grad_()
             y = layer(xs)
-            torch.testing.assert_close(y, y_ref)  # the full output on every rank
+            check_close(y, y_ref, f"{where}: the output (the full one on every rank)", factors=FACTORS(world),
+                        hint="sum the ranks' partial products over group= (reduce_from_parallel), then add the bias once")
             y.backward(dy)
             dx_expected = block(dx_ref, rank, world, -1) if input_is_parallel else dx_ref
-            torch.testing.assert_close(xs.grad, dx_expected)
-            torch.testing.assert_close(layer.weight.grad, block(g_ref["weight"], rank, world, 1))
+            check_close(xs.grad, dx_expected, f"{where}: the input's gradient", factors=FACTORS(world),
+                        hint="with input_is_parallel=False the full input is cut into this rank's columns (scatter_to_parallel)")
+            check_close(layer.weight.grad, block(g_ref["weight"], rank, world, 1), f"{where}: the weight shard's gradient",
+                        factors=FACTORS(world))
             if bias:  # the bias is added once, after the sum: its gradient is the full one
-                torch.testing.assert_close(layer.bias.grad, g_ref["bias"])
-            assert layer.weight.shape == (5, 4)
+                check_close(layer.bias.grad, g_ref["bias"], f"{where}: the bias's gradient (the full one)",
+                            factors=FACTORS(world))
     return True
 
 
@@ -126,8 +145,8 @@ def _mlp(rank, world, group=None, seed=0):
         y = mlp(xs)
     with count_traffic() as backward:
         y.backward(dy)
-    torch.testing.assert_close(y, y_ref)
-    torch.testing.assert_close(xs.grad, dx_ref)
+    check_close(y, y_ref, f"ParallelMLP, TP rank {rank} of {world}: the output", factors=FACTORS(world))
+    check_close(xs.grad, dx_ref, f"ParallelMLP, TP rank {rank} of {world}: the input's gradient", factors=FACTORS(world))
     diagnose.assert_same_named({f"{name}.weight": getattr(mlp, name).weight.grad for name in ("w1", "w3", "w2")},
                                {f"{name}.weight": block(g_ref[f"{name}.weight"], rank, world, dim)
                                 for name, dim in (("w1", 0), ("w3", 0), ("w2", 1))},
@@ -139,8 +158,11 @@ def _mlp(rank, world, group=None, seed=0):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_parallel_mlp_equals_swiglu_with_one_allreduce_each_way(world):
     for forward_log, backward_log in launch(_mlp, world, timeout=TIMEOUT):
-        assert forward_log == [("all_reduce", 2 * 5 * 64 * 4)], "forward: one all-reduce of the output"
-        assert backward_log == [("all_reduce", 2 * 5 * 64 * 4)], "backward: one all-reduce of dL/dx"
+        want = [("all_reduce", 2 * 5 * 64 * 4)]  # one all-reduce of the [2, 5, 64] float32 activations
+        assert forward_log == want, (f"ParallelMLP's forward called {forward_log} ((op, payload bytes) per call), "
+                                     f"expected {want}: one all-reduce of the output, after w2")
+        assert backward_log == want, (f"ParallelMLP's backward called {backward_log}, expected {want}: one all-reduce "
+                                      "of dL/dx, before w1 and w3 (one copy_to_parallel shared by both)")
 
 
 def _attention(rank, world):
@@ -156,11 +178,12 @@ def _attention(rank, world):
     xs = x.clone().requires_grad_()
     y = attn(xs, model.rope)
     y.backward(dy)
-    torch.testing.assert_close(y, y_ref)
-    torch.testing.assert_close(xs.grad, xr.grad)
+    where = f"attention split by heads, TP rank {rank} of {world}"
+    check_close(y, y_ref, f"{where}: the output", factors=FACTORS(world))
+    check_close(xs.grad, xr.grad, f"{where}: the input's gradient", factors=FACTORS(world))
     for name, dim in (("wq", 0), ("wk", 0), ("wv", 0), ("wo", 1)):
-        torch.testing.assert_close(getattr(attn, name).weight.grad,
-                                   block(getattr(full, name).weight.grad, rank, world, dim))
+        check_close(getattr(attn, name).weight.grad, block(getattr(full, name).weight.grad, rank, world, dim),
+                    f"{where}: the gradient of {name}'s shard", factors=FACTORS(world))
     return True
 
 
@@ -181,11 +204,15 @@ def _whole_model(rank, world):
     with count_traffic() as traffic:
         loss = tp_model(x, y)
         loss.backward()
-    torch.testing.assert_close(loss, loss_ref)
+    check_close(loss, loss_ref, f"parallelize_model, TP rank {rank} of {world}: the loss")
     # what tp_comm_per_layer promises: 4 all-reduces of [batch, seq, d_model] per layer and step
     per_layer = tp.tp_comm_per_layer(2, 16, 64, world, bytes_per_elem=4)
-    assert traffic.log() == [("all_reduce", 2 * 16 * 64 * 4)] * (per_layer["allreduces"] * model.config.n_layers)
-    assert per_layer["activation_bytes"] == 2 * 16 * 64 * 4
+    want = [("all_reduce", 2 * 16 * 64 * 4)] * (per_layer["allreduces"] * model.config.n_layers)
+    assert traffic.log() == want, (
+        f"one TP step of the tiny model called {len(traffic.log())} collectives (first {traffic.log()[:3]}), expected "
+        f"{len(want)} all-reduces of the [2, 16, 64] activations, tp_comm_per_layer's {per_layer['allreduces']} per layer")
+    assert per_layer["activation_bytes"] == 2 * 16 * 64 * 4, (
+        f"tp_comm_per_layer gives {per_layer['activation_bytes']} bytes per all-reduce, expected 2 x 16 x 64 x 4")
     full = dict(model.named_parameters())
     got, want = {}, {}
     for name, p in tp_model.named_parameters():

@@ -18,6 +18,7 @@ from torch import nn
 from labkit.grading import diagnose
 from labkit.grading.cases import expect_case, launch_cases, launch_timeout, run_cases
 from labkit.grading import impl
+from labkit.grading.closeness import check_close
 from labkit.model import build_model
 
 TIMEOUT = launch_timeout(30)
@@ -49,10 +50,14 @@ def check_embedding(rank, world, group=None):
     assert layer.weight.shape == (k, 6), (f"weight has shape {tuple(layer.weight.shape)}, expected {(k, 6)}: "
                                           f"rows [rank*k, (rank+1)*k) of the full weight, k = V // TP size")
     y = layer(tokens)
-    torch.testing.assert_close(y, full(tokens).detach(), msg=lambda m: f"embedding output on rank {rank}: {m}")
+    check_close(y, full(tokens).detach(), f"the embedding's output on TP rank {rank} of {world}",
+                factors={world: f"summed over the {world} ranks more than once, or over the default group"},
+                hint="each rank looks up the tokens of its own block (its rank in group= x k ...), zeros elsewhere, "
+                     "then one all-reduce over group= (reduce_from_parallel)")
     y.backward(dy)
-    torch.testing.assert_close(layer.weight.grad, block(full.weight.grad, rank, world, 0),
-                               msg=lambda m: f"weight gradient (rows of this rank's block) on rank {rank}: {m}")
+    check_close(layer.weight.grad, block(full.weight.grad, rank, world, 0),
+                f"the gradient of the embedding's rows [{rank * k}, {(rank + 1) * k}) on TP rank {rank} of {world}",
+                factors={world: f"summed over the {world} ranks: each rank's rows get only its own tokens' gradient"})
 
 
 def check_cross_entropy(rank, world, scale=3.0, offset=0.0, ignore=False, group=None):
@@ -68,10 +73,19 @@ def check_cross_entropy(rank, world, scale=3.0, offset=0.0, ignore=False, group=
     local = block(logits.detach(), rank, world, -1).clone().requires_grad_()
     got = vp.vocab_parallel_cross_entropy(local, targets, group=group)
     assert got.dim() == 0, f"the loss must be a scalar (the mean over tokens), got shape {tuple(got.shape)}"
-    torch.testing.assert_close(got, want.detach(), msg=lambda m: f"loss on rank {rank}: {m}")
+    check_close(got, want.detach(), f"the loss on TP rank {rank} of {world}",
+                hint="likely the max, the sum of exponentials or the target's logit not all-reduced over group= (one "
+                     "number per token each), a target id not shifted by this rank's block start, or the max left out "
+                     "of the target's term")
     got.backward()
-    torch.testing.assert_close(local.grad, block(logits.grad, rank, world, -1),
-                               msg=lambda m: f"gradient of this rank's logits on rank {rank}: {m}")
+    n_valid = int((targets != -100).sum())
+    check_close(local.grad, block(logits.grad, rank, world, -1), f"the gradient of this rank's logits on TP rank {rank} of {world}",
+                factors={n_valid: f"the gradient of the SUM over the {n_valid} valid tokens where their mean was due: "
+                                  "divide by the number of valid targets",
+                         world: f"summed over the {world} ranks: each rank's logits' gradient is local (softmax minus "
+                                "the one-hot target, on its own block)"},
+                hint="softmax of this block minus the one-hot target (on its owner's block only), times grad / the "
+                     "number of valid targets; ignored targets (-100) get zero")
 
 
 def _in_group(rank, world, group):
@@ -105,7 +119,7 @@ def check_whole_model(rank, world):
     loss_ref.backward()
     sharded = vp.parallelize_vocab(model)
     loss = vp.vocab_parallel_loss(sharded, x, y)
-    torch.testing.assert_close(loss, loss_ref.detach())
+    check_close(loss, loss_ref.detach(), f"the vocab-parallel model's loss on rank {rank} of {world}")
     loss.backward()
     full = dict(model.named_parameters())
     got, want = {}, {}

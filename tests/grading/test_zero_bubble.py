@@ -19,6 +19,7 @@ import torch
 import labkit
 
 from labkit.grading import impl
+from labkit.grading.closeness import check_close
 from labkit.launching.launcher import launch
 from labkit.parallel.torch_schedules import torch_schedule
 from labkit.parallel.schedules import first_difference, simulate, validate
@@ -43,8 +44,13 @@ def test_zb_h1_schedule_equals_torch_zero_bubble_many_p_m():
             validate(got, n_stages=p, n_microbatches=m)
             sim = simulate(got, t_f=1, t_b=2, t_w=1)  # F = B = W = 1
             if m >= p:
-                assert sim.makespan == 3 * m + p - 1, f"p={p}, m={m}: idle (p-1)(F+B-W) = p-1 units per rank"
-            assert max(sim.peak_inflight) == min(p, m), f"p={p}, m={m}: 1F1B's peak memory (p on the first stage)"
+                assert sim.makespan == 3 * m + p - 1, (
+                    f"p={p}, m={m}, F = B = W = 1 unit: your schedule takes {sim.makespan:g} units, ZB-H1 takes 3m + p - 1 = "
+                    f"{3 * m + p - 1} (idle (p-1)(F+B-W) = p-1 units per rank): likely a W in the wrong place")
+            assert max(sim.peak_inflight) == min(p, m), (
+                f"p={p}, m={m}: your schedule holds {sim.peak_inflight} activations per rank at its peak, ZB-H1 keeps "
+                f"1F1B's peak of min(p, m) = {min(p, m)} (on the first stage): likely a warm-up other than "
+                "w = min(p - s - 1, m) forwards, or a W that runs too late")
 
 
 @pytest.mark.exercise("zb_h1_schedule")
@@ -102,7 +108,8 @@ def test_backward_input_is_the_input_gradient_and_leaves_weights_alone(index):
     if inp is None:
         assert got is None, "the first stage's input is token ids: backward_input returns None"
     else:
-        torch.testing.assert_close(got, want[0], **F64_TOL, msg=lambda m: f"the input gradient differs: {m}")
+        check_close(got, want[0], "the input gradient returned by backward_input", **F64_TOL,
+                    hint="return torch.autograd.grad(out, inp, grad_out, retain_graph=True)'s gradient of inp")
     touched = [n for n, p in stage.named_parameters() if p.grad is not None]
     assert not touched, f"backward_input filled .grad of {touched[:3]}: B computes the input gradient only, W the weights'"
     try:
@@ -123,7 +130,7 @@ def test_b_then_w_over_three_microbatches_equals_full_backwards(index):
         inp, out, grad_out = _forward(stage, index, mb)
         got_in = zb.backward_input(inp, out, grad_out)
         if inp is not None:
-            torch.testing.assert_close(got_in, want_in[mb], **F64_TOL, msg=lambda m: f"micro-batch {mb}: {m}")
+            check_close(got_in, want_in[mb], f"micro-batch {mb}'s input gradient from backward_input", **F64_TOL)
         zb.backward_weight(out, grad_out, params)
     _, two = _reference(index, 2)
     for n, p in stage.named_parameters():
@@ -132,7 +139,8 @@ def test_b_then_w_over_three_microbatches_equals_full_backwards(index):
         if torch.allclose(p.grad, last, rtol=1e-8, atol=1e-10) and not torch.allclose(want[n], last):
             pytest.fail(f"{n}: .grad after 3 micro-batches is the last one's alone: accumulate (+=) into an "
                         "existing .grad, do not overwrite it", pytrace=False)
-        torch.testing.assert_close(p.grad, want[n], **F64_TOL, msg=lambda m: f"{n} after 3 micro-batches: {m}")
+        check_close(p.grad, want[n], f"the gradient of {n} after B and W of 3 micro-batches", **F64_TOL,
+                    factors={2: "counted twice: backward_input must not fill the weights' .grad (W does)"})
 
 
 # ------------------------------------------------------------- ZB-H1 on 4 real ranks
@@ -165,7 +173,8 @@ def test_zb_h1_on_four_ranks_equals_one_f_one_b_gradients():
         for m in (4, 8):
             (zb, zb_loss), (ref, ref_loss) = got["ZB-H1", m], got["1F1B", m]
             for n in ref:
-                torch.testing.assert_close(zb[n], ref[n], **F64_TOL,
-                                           msg=lambda msg: f"m={m}, stage {rank}, {n}: ZB-H1 differs from 1F1B: {msg}")
+                check_close(zb[n], ref[n], f"m={m}, stage {rank}: the gradient of {n} after ZB-H1 (reference: 1F1B)",
+                            **F64_TOL, hint="backward_weight must ADD each micro-batch's weight gradients into .grad "
+                                            "(creating it when None); backward_input must leave the weights' .grad alone")
             if rank == 3:
-                torch.testing.assert_close(zb_loss, ref_loss)
+                check_close(zb_loss, ref_loss, f"m={m}: the last stage's loss after ZB-H1 (reference: 1F1B)")
