@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.scale.gpu import load_gpu
+from labkit.scale.gpu import checked_number, load_gpu
 
 CLUSTER_DIR = Path(__file__).resolve().parent / "clusters"
 
@@ -76,22 +76,7 @@ class Cluster:
 
 def check_fields(values: dict, where: str = "the cluster") -> dict:
     """The fields of `values` with their types, or ClusterError naming the field and its unit."""
-    out = {}
-    for field, (kind, unit, low, high) in FIELDS.items():
-        if field not in values:
-            raise ClusterError(f"{where} has no field {field!r}: give it in {unit}")
-        value = values[field]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ClusterError(f"{where}: {field}={value!r} must be a number in {unit}")
-        if kind is int and value != int(value):
-            raise ClusterError(f"{where}: {field}={value!r} must be a whole number of {unit}")
-        if not low <= value <= high:
-            fixed = [value * f for f in (1e3, 1e-3, 1e12, 1e-12) if low <= value * f <= high]
-            hint = f" (a unit off by 1,000? {fixed[0]:g} would fit)" if fixed else ""
-            raise ClusterError(f"{where}: {field}={value:g} is outside {low:g}..{high:g}{hint}: "
-                               f"the unit expected is {unit}")
-        out[field] = kind(value)
-    return out
+    return {field: checked_number(values, field, spec, where, ClusterError) for field, spec in FIELDS.items()}
 
 
 def list_clusters() -> list[str]:

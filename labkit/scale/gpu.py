@@ -74,25 +74,30 @@ class GPU:
         return self.hbm_tbytes_per_s * 1e12 * self.hbm_fraction
 
 
-def _number(values: dict, name: str, where: str) -> float:
-    kind, unit, low, high = FIELDS[name]
+def checked_number(values: dict, name: str, spec: tuple, where: str, error=None) -> float:
+    """values[name] as spec's type, or `error` (GPUError by default) naming the field and its unit.
+    spec = (type, unit, plausible low, plausible high): about 100x wide, so a factor of 1,000 (or
+    1e12, TFLOP/s for FLOP/s) falls outside it, and the message says which value would fit.
+    Shared by the GPU kinds' files and the clusters' (labkit.scale.cluster)."""
+    error = error or GPUError
+    kind, unit, low, high = spec
     if name not in values:
-        raise GPUError(f"{where} has no field {name!r}: give it in {unit}")
+        raise error(f"{where} has no field {name!r}: give it in {unit}")
     value = values[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise GPUError(f"{where}: {name}={value!r} must be a number in {unit}")
+        raise error(f"{where}: {name}={value!r} must be a number in {unit}")
     if kind is int and value != int(value):
-        raise GPUError(f"{where}: {name}={value!r} must be a whole number of {unit}")
+        raise error(f"{where}: {name}={value!r} must be a whole number of {unit}")
     if not low <= value <= high:
         fixed = [value * f for f in (1e3, 1e-3, 1e12, 1e-12) if low <= value * f <= high]
         hint = f" (a unit off by 1,000? {fixed[0]:g} would fit)" if fixed else ""
-        raise GPUError(f"{where}: {name}={value:g} is outside {low:g}..{high:g}{hint}: the unit expected is {unit}")
+        raise error(f"{where}: {name}={value:g} is outside {low:g}..{high:g}{hint}: the unit expected is {unit}")
     return kind(value)
 
 
 def check_gpu(values: dict, where: str = "the GPU kind") -> dict:
     """The fields of `values`, typed and checked, or GPUError naming the first wrong field and the fix."""
-    out = {name: _number(values, name, where) for name in FIELDS}
+    out = {name: checked_number(values, name, spec, where) for name, spec in FIELDS.items()}
     fp8 = values.get("peak_fp8_tflops")
     if fp8 is None:
         raise GPUError(f"{where} has no field 'peak_fp8_tflops': give it in TFLOP/s, or 0 where the GPU has no fp8")
