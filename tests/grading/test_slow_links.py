@@ -38,11 +38,13 @@ class Net(nn.Module):
     def __init__(self, seed=0):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
+        # the frozen layer FIRST in parameter order: code that pairs the shared weights with every
+        # parameter, frozen ones included, pairs them wrongly (last, zip's truncation would hide it)
+        self.frozen = nn.Linear(6, 6).requires_grad_(False)
         self.a = nn.Linear(6, 8)
         self.b = nn.Linear(8, 5, bias=False)
         self.cube = nn.Parameter(torch.empty(5, 2, 3))
         self.scale = nn.Parameter(torch.empty(6))
-        self.frozen = nn.Linear(6, 6).requires_grad_(False)
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
@@ -112,7 +114,15 @@ def pseudo_gradients_rank_tags(rank, n, members=None):
             p.fill_(-rank_tag(rank))
     shared = [torch.zeros_like(p) for p in trainable(model)]
     with watch_groups(group or dist.group.WORLD, f"average_pseudo_gradients (group {members})"):
-        sl().average_pseudo_gradients(model, shared, group=group)
+        try:
+            sl().average_pseudo_gradients(model, shared, group=group)
+        except RuntimeError as err:
+            if "must match the size" not in str(err):
+                raise
+            raise AssertionError(
+                f"average_pseudo_gradients: {err}. shared[i] belongs to the model's i-th TRAINABLE parameter "
+                "(requires_grad); this model's frozen layer comes first and has no shared copy: pair shared with "
+                "the trainable parameters only") from None
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     for i, (name, s) in enumerate(zip(names, shared)):
         assert s.grad is not None, f"average_pseudo_gradients: shared[{i}].grad (for `{name}`) is not set"

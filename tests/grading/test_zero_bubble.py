@@ -143,6 +143,27 @@ def test_b_then_w_over_three_microbatches_equals_full_backwards(index):
                     factors={2: "counted twice: backward_input must not fill the weights' .grad (W does)"})
 
 
+@pytest.mark.exercise("backward_weight", needs=("backward_input",))
+def test_backward_weight_leaves_a_parameter_the_output_does_not_depend_on_untouched():
+    """Edge case: a trainable parameter the stage's output does not use (a branch not taken, a head
+    kept on another stage): autograd.grad(..., allow_unused=True) gives None for it, and its .grad must
+    stay None, as one full backward leaves it."""
+    zb = impl("zero_bubble")
+    stage = _stage(1)
+    unused = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    params = [p for p in stage.parameters() if p.requires_grad] + [unused]
+    inp, out, grad_out = _forward(stage, 1, 0)
+    zb.backward_input(inp, out, grad_out)
+    try:
+        zb.backward_weight(out, grad_out, params)
+    except (AttributeError, TypeError, RuntimeError) as err:
+        pytest.fail(f"backward_weight raised {type(err).__name__}: {err}, given a parameter that `out` does not "
+                    "depend on: autograd.grad(..., allow_unused=True) returns None for it; skip it (its .grad "
+                    "stays None, as after one full backward)", pytrace=False)
+    assert unused.grad is None, (f"backward_weight set .grad = {unused.grad} on a parameter that `out` does not "
+                                 "depend on: one full backward leaves it None; skip the None gradients")
+
+
 # ------------------------------------------------------------- ZB-H1 on 4 real ranks
 def _one_f_one_b(p, m):  # the reference 1F1B (notebook 06's exercise): only the split backward is graded below
     return impl("pipeline", "solutions").one_f_one_b_schedule(p, m)
