@@ -32,7 +32,8 @@ def join(rank: int, world_size: int, backend: str, address: str, port: int, time
     import pickle
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR=address, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                      MASTER_ADDR=address, MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      TORCHELASTIC_USE_AGENT_STORE="True")  # the kernel serves the store (Session.start)
     _watch_kernel(kernel_pid)
     stack_file = open(stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)

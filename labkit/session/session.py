@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 from labkit.launching.failures import LaunchError
-from labkit.launching.forked import free_port
+from labkit.launching.forked import rendezvous_store
 from labkit.launching.launcher import BACKENDS, choose_backend
 from labkit.launching.notebook import BEFORE_CELL
 from labkit.session import engine_side, report, watch
@@ -45,6 +45,7 @@ class Session:
         self.backend = choose_backend(backend, world_size)  # nccl with too few GPUs: refused here
         self.requested_backend = backend
         self.engines: Engines | None = None
+        self.store = None  # the TCPStore this kernel serves to the engines while the session is up
         self.pids: dict[int, int] = {}
         self.cells = 0
 
@@ -58,7 +59,9 @@ class Session:
         self.folder = tempfile.mkdtemp(prefix="labkit-session-")
         self.paths = {r: os.path.join(self.folder, f"rank{r}.stack") for r in range(self.world_size)}
         client = self.engines.client
-        port, hooks = free_port(), pickle.dumps(list(BEFORE_CELL))
+        # the session's store, served from this kernel on a port the OS picks (no race with a launch beside it)
+        self.store = rendezvous_store(self.world_size, JOIN_TIMEOUT)
+        port, hooks = self.store.port, pickle.dumps(list(BEFORE_CELL))
         pending = {r: client[r].apply_async(engine_side.join, r, self.world_size, self.backend, "127.0.0.1",
                                              port, JOIN_TIMEOUT, hooks, self.paths[r], os.getpid())
                    for r in range(self.world_size)}
@@ -74,7 +77,7 @@ class Session:
     def stop(self) -> None:
         if self.engines is not None:
             self.engines.stop()
-        self.engines, self.pids = None, {}
+        self.engines, self.pids, self.store = None, {}, None
 
     def run_cell(self, cell: str, targets: list[int] | None = None) -> None:
         """Run ``cell`` on ``targets`` (default: every rank); print grouped output; raise SessionError on failure."""
