@@ -48,6 +48,18 @@ def factor_hint(got: torch.Tensor, want: torch.Tensor, factors: dict | None = No
     return f"got = {r:.4g} x expected"
 
 
+def largest_difference(got: torch.Tensor, want: torch.Tensor) -> dict:
+    """Where two same-shaped tensors differ most (a NaN counts as infinitely far), in float64:
+    the difference, its flat index, its position, and the two values there."""
+    g, w = got.detach().double().cpu(), want.detach().double().cpu()
+    diff = (g - w).abs()
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
+    index = int(diff.argmax())
+    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), diff.shape)) if diff.dim() else ()
+    return dict(diff=diff, max=diff.max().item(), index=index, where=where,
+                got=g.reshape(-1)[index].item(), want=w.reshape(-1)[index].item())
+
+
 def difference(got: torch.Tensor, want: torch.Tensor, rtol=None, atol=None) -> str | None:
     """None when close (torch.testing.assert_close's rule), else where and by how much, in words."""
     if tuple(got.shape) != tuple(want.shape):
@@ -57,18 +69,13 @@ def difference(got: torch.Tensor, want: torch.Tensor, rtol=None, atol=None) -> s
         return None
     except AssertionError:
         pass
-    g, w = got.detach().double().cpu(), want.detach().double().cpu()
-    diff = (g - w).abs()
-    diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
-    index = int(diff.argmax())
-    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), diff.shape)) if diff.dim() else ()
-    at = f" at index {where}" if where else ""
+    d, w = largest_difference(got, want), want.detach().double().cpu()
+    at = f" at index {d['where']}" if d["where"] else ""
     if rtol is None:  # torch.testing.assert_close's defaults for the dtype
         rtol, atol = DEFAULT_TOLERANCES.get(want.dtype, (0.0, 0.0))
-    wrong = int((diff > atol + rtol * w.abs()).sum())
-    return (f"largest difference {diff.max().item():.3g}{at} (got {g.reshape(-1)[index].item():.6g}, expected "
-            f"{w.reshape(-1)[index].item():.6g}; largest expected magnitude {w.abs().max().item():.3g}; "
-            f"{wrong} of {w.numel()} elements differ)")
+    wrong = int((d["diff"] > atol + rtol * w.abs()).sum())
+    return (f"largest difference {d['max']:.3g}{at} (got {d['got']:.6g}, expected {d['want']:.6g}; "
+            f"largest expected magnitude {w.abs().max().item():.3g}; {wrong} of {w.numel()} elements differ)")
 
 
 def check_close(got, want, what: str, *, hint: str = "", factors: dict | None = None, rtol=None, atol=None) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from labkit.grading.closeness import largest_difference
+
 DIGIT_BITS = 4  # up to 15 copies of one rank's value before the digits overflow
 MAX_RANKS = 63 // DIGIT_BITS  # int64 holds 15 digits
 
@@ -111,14 +113,10 @@ def _difference(name, got, want, rtol, atol):
         return None
     except AssertionError:
         pass
-    diff = (got.detach().double().cpu() - want.detach().double().cpu()).abs()
-    diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
-    index = int(diff.argmax())
-    position = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), diff.shape)) if diff.dim() else ()
+    d = largest_difference(got, want)
     scale = want.detach().double().abs().max().item() if want.numel() else 0.0
-    return (f"{name!r}: max abs diff {diff.max().item():.3g} at index {position} "
-            f"(got {got.reshape(-1)[index].item():.6g}, expected {want.reshape(-1)[index].item():.6g}; "
-            f"largest expected magnitude {scale:.3g})")
+    return (f"{name!r}: max abs diff {d['max']:.3g} at index {d['where']} "
+            f"(got {d['got']:.6g}, expected {d['want']:.6g}; largest expected magnitude {scale:.3g})")
 
 
 def first_differences(got: dict, want: dict, rtol=None, atol=None) -> list:
