@@ -21,13 +21,15 @@ SPEC = LLAMA3["8b"]
 
 
 def test_single_stage_step_is_micro_batches_times_forward_and_backward_plus_dp_and_optimizer():
-    """pp = tp = 1: step = m (L (F_block + B_block) + embedding + head) + exposed dp + optimizer, exactly."""
+    """pp = tp = 1: step = m (L (F_block + B_block) + embedding + head) + exposed dp + optimizer, exactly; each pass
+    (a block's forward, its backward, the embedding's, the head's) a stretch of ops, layer_ops.seconds."""
     lay = Layout(dp=8, zero="zero3", recompute="selective", micro_batch=1)
     p = predict(SPEC, lay, H100, 16, 4096, efficiency=None)
     shape, opts = Shape(1, 4096), Options(recompute="selective")
     blk = block_ops(SPEC, shape, opts, GPU)
-    ends = [op for which in ("embedding", "head") for d in ("forward", "backward") for op in end_ops(SPEC, shape, opts, GPU, which)[d]]
-    work = p.n_micro * (SPEC.n_layers * seconds(blk["forward"] + blk["backward"]) + seconds(ends))
+    ends = sum(seconds(end_ops(SPEC, shape, opts, GPU, which)[d]) for which in ("embedding", "head")
+               for d in ("forward", "backward"))
+    work = p.n_micro * (SPEC.n_layers * (seconds(blk["forward"]) + seconds(blk["backward"])) + ends)
     assert p.n_micro == 2 and p.parts_s["compute"] == pytest.approx(work, rel=1e-12)
     assert p.step_s == pytest.approx(work + p.parts_s["exposed_dp"] + p.parts_s["optimizer"], rel=1e-12)
     assert p.step_s == pytest.approx(sum(p.parts_s.values()), rel=1e-12)

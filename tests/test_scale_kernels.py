@@ -10,7 +10,7 @@ import pytest
 
 from labkit.scale import kernels as K
 from labkit.scale.gpu import GPU_DIR, GPUError, load_gpu
-from labkit.scale.layer_ops import Options, Shape, block_ops, seconds
+from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, seconds
 from labkit.scale.pipeline import one_f_one_b, pipeline_time, stage_layers
 from labkit.scale.layout import Layout
 from labkit.parallel.schedule_sim import simulate
@@ -56,14 +56,79 @@ def test_wave_quantization_hand_worked():
 
 
 def test_roofline_closed_form_and_its_bound():
-    """max(compute, bytes / (HBM x fraction), kernels x launch): each bound wins in its regime."""
+    """GPU time max(compute, bytes / (HBM x fraction)); CPU time kernels x the host's cost per kernel (eager
+    PyTorch's eager_op_us, compiled code's launch_us)."""
     bw = 3.35e12 * 0.84
     op = K.roofline("x", "elementwise", 0.0, 1e9, 1, H100)
     assert op.seconds == pytest.approx(1e9 / bw) and op.bound == "memory"
     op = K.roofline("x", "elementwise", 0.0, 1e3, 3, H100)
-    assert op.seconds == pytest.approx(3 * 5e-6) and op.bound == "launch"
+    assert op.seconds == pytest.approx(1e3 / bw) and op.host_s == pytest.approx(3 * 37.2e-6)
+    assert seconds([op]) == pytest.approx(3 * 37.2e-6)  # alone, it waits for its launches
+    op = K.roofline("x", "elementwise", 0.0, 1e3, 3, H100, compile=True)
+    assert op.host_s == pytest.approx(3 * 5e-6)
     op = K.roofline("x", "gemm", 1e15, 1e3, 1, H100, compute_s=1.0)
     assert op.seconds == 1.0 and op.bound == "compute"
+
+
+def test_a_stretch_of_ops_takes_the_longer_of_gpu_and_cpu_time_not_each_ops_max():
+    """The CPU runs ahead during a long GEMM and spends its lead on the short ops after it. Hand-worked: a
+    1 ms GEMM then 20 elementwise ops of 1 us each (1 kernel, 37.2 us of CPU each): GPU 1.020 ms, CPU
+    21 x 37.2 = 0.781 ms, so the stretch takes 1.020 ms. Summing each op's own max (a planted mistake, the
+    model before this rule) gives 1 + 20 x 0.0372 = 1.744 ms: it charges the launches the GEMM already hid.
+    With 40 short ops the CPU is the longer (41 x 37.2 = 1.525 ms > 1.040): launch-bound."""
+    gemm = K.roofline("g", "gemm", 1e12, 0.0, 1, H100, compute_s=1e-3)
+    short = K.roofline("e", "elementwise", 0.0, 1e-6 * H100.hbm_bytes_per_s, 1, H100)
+    assert short.seconds == pytest.approx(1e-6) and short.host_s == pytest.approx(37.2e-6)
+    ops = [gemm] + [short] * 20
+    assert seconds(ops) == pytest.approx(1.020e-3)
+    planted = sum(max(op.seconds, op.host_s) for op in ops)
+    assert planted == pytest.approx(1.744e-3) and seconds(ops) < planted
+    ops = [gemm] + [short] * 40
+    assert seconds(ops) == pytest.approx(41 * 37.2e-6)
+    bound = by_bound(ops)
+    assert sum(bound.values()) == pytest.approx(seconds(ops)) and bound["launch"] == pytest.approx(41 * 37.2e-6 - 1.040e-3)
+
+
+def test_eager_op_cost_reproduces_its_cited_profile():
+    """sam2 issue #768's profile (cited in every GPU kind's sources): eager 52.6 ms, CUDA graph 8.9 ms, 1,185 kernels
+    launched eager, 9 graph launches: (52.6 - 8.9) ms / (1,185 - 9) = 37.2 us per kernel."""
+    per_kernel = (52.6 - 8.9) * 1e-3 / (1185 - 9) * 1e6
+    assert round(per_kernel, 1) == 37.2
+    for name in ("h100-sxm", "h100-sxm-500w", "a100-sxm", "h200"):
+        gpu = load_gpu(name)
+        assert gpu.eager_op_us == 37.2 and gpu.host_us(compile=False) == 37.2 and gpu.host_us(compile=True) == 5.0
+
+
+H500 = load_gpu("h100-sxm-500w")
+
+
+def test_500w_gemm_reproduces_fbgemm_figure_and_checks_its_other_shapes():
+    """FBGEMM's 'H100 500W' benchmark (pytorch/FBGEMM 3ad9031d, the kind's source): bf16 585.23 TFLOP/s at 8192^3 (the
+    kind's MAMF: reproduced exactly), 575.12 at (65536, 8192, 7168) and 546.31 at (65536, 3584, 8192): not used,
+    checked: the wave model gives 599.3 (+4.2%) and 595.9 (+9.1%). Its fp8 rowwise GEMM alone, 1125.51 at 8192^3,
+    against the model's fp8 (the same per-SM efficiency at the fp8 peak): 1171.1 (+4.0%)."""
+    def tflops(m, n, k, dtype="bf16"):
+        op = K.gemm("g", m, n, k, H500, dtype)
+        return op.flops / op.seconds / 1e12
+
+    assert tflops(8192, 8192, 8192) == pytest.approx(585.23, rel=1e-9)
+    assert tflops(65536, 8192, 7168) == pytest.approx(575.12, rel=0.05)
+    assert tflops(65536, 3584, 8192) == pytest.approx(546.31, rel=0.10)
+    assert tflops(8192, 8192, 8192, "fp8") == pytest.approx(1125.51, rel=0.05)
+    # the Grand Teton cluster (torchtitan's 500 W hosts) runs this kind
+    from labkit.scale.cluster import load_cluster
+
+    assert load_cluster("h100-grand-teton").gpu == "h100-sxm-500w"
+
+
+def test_500w_attention_scale_is_the_gemm_ratio_at_one_shape():
+    """attention_scale = the GEMM rate at 500 W over the H100 SXM kind's at the same shape (8192^3): 585.23 / 784.56.
+    The FlashAttention tables (measured at 700 W) are scaled by it; the 700 W kind's are not."""
+    op700 = K.gemm("g", 8192, 8192, 8192, H100)
+    ratio = 585.23 / (op700.flops / op700.seconds / 1e12)
+    assert H500.attention_scale == pytest.approx(ratio, abs=5e-5) and H100.attention_scale == 1.0
+    assert K.attention_rate(H500, "fa2", "forward", 8192) == pytest.approx(370e12 * 0.7459)
+    assert K.attention_rate(H100, "fa2", "forward", 8192) == pytest.approx(370e12)
 
 
 def test_fp8_gemm_runs_at_the_fp8_peak_with_the_same_tiles():
@@ -106,15 +171,18 @@ def test_full_recompute_repeats_every_forward_op_in_backward():
 
 
 def test_tiny_model_at_the_bench_batch_is_launch_bound():
-    """The lab's tiny model (d 64) on an H200 at the bench's batch 64 x 128: every op of a block is shorter than
-    its launch, so it runs at the CPU's pace (measured 409k tok/s, MFU 0.1%, /work/shared/gpu-2026-11-26). Its
-    weight gradients (64 x 64 outputs over k = 8192 rows) fit one tile: without split-K (planted: one slice) the
-    model would call them compute-bound at 88 us each."""
+    """The lab's tiny model (d 64) on an H200 at the bench's batch 64 x 128: each pass of a block takes the CPU's time,
+    n_kernels x eager_op_us (measured 409k tok/s, MFU 0.1%, /work/shared/gpu-2026-11-26), and under torch.compile
+    n_kernels x launch_us. Its weight gradients (64 x 64 outputs over k = 8192 rows) fit one tile: without split-K
+    (planted: one slice) the model would call them compute-bound at 88 us each."""
     from labkit.scale.specs import spec_from_config
 
     spec, h200 = spec_from_config("tiny"), load_gpu("h200")
-    blk = block_ops(spec, Shape(64, 128, sequence_parallel=False), Options(), h200)
-    assert all(op.bound == "launch" for op in blk["forward"] + blk["backward"])
+    for compile, per_kernel in ((False, 37.2e-6), (True, 5e-6)):
+        blk = block_ops(spec, Shape(64, 128, sequence_parallel=False), Options(compile=compile), h200)
+        for ops in (blk["forward"], blk["backward"]):
+            assert seconds(ops) == pytest.approx(sum(op.kernels for op in ops) * per_kernel)
+            assert by_bound(ops)["launch"] > 0.5 * seconds(ops)
     per_sm = h200.peak_flops() * K.gemm_efficiency(h200) / h200.sm_count
     one_slice = 2 * 256 * 128 * 8192 / per_sm
     assert one_slice > 15 * h200.launch_us * 1e-6 and K.gemm("w", 64, 64, 8192, h200).seconds < one_slice / 10
@@ -128,7 +196,7 @@ def test_split_k_gemm_closed_form():
     op = K.gemm("w", 64, 64, 8192, h200)
     compute = 2 * 256 * 128 * 256 / per_sm
     memory = (2 * (64 * 8192 * 2) + 2 * 64 * 64 + 8 * 64 * 64 * 32) / h200.hbm_bytes_per_s
-    assert op.seconds == pytest.approx(max(compute, memory, h200.launch_us * 1e-6))
+    assert op.seconds == pytest.approx(max(compute, memory)) and op.host_s == pytest.approx(h200.eager_op_us * 1e-6)
 
 
 def test_gpu_file_missing_field_and_unit_off_by_1000_are_named():
@@ -141,6 +209,12 @@ def test_gpu_file_missing_field_and_unit_off_by_1000_are_named():
         load_gpu(dict(values, launch_us=0.005))
     with pytest.raises(GPUError, match="TFLOP/s"):
         load_gpu(dict(values, attention={"fa3": dict(values["attention"]["fa3"], backward={"512": 3.16e14})}))
+    with pytest.raises(GPUError, match="no field 'eager_op_us'"):
+        load_gpu({k: v for k, v in values.items() if k != "eager_op_us"})
+    with pytest.raises(GPUError, match="eager_op_us=0.0372 .*a unit off by 1,000"):
+        load_gpu(dict(values, eager_op_us=0.0372))
+    with pytest.raises(GPUError, match="attention_scale=74.59 is outside"):
+        load_gpu(dict(values, attention_scale=74.59))
     with pytest.raises(GPUError, match="sources"):
         load_gpu({k: v for k, v in values.items() if k != "sources"})
 

@@ -80,9 +80,9 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
         b = count * (b_block + comm["backward"])
         k = count * (f_block + b_block)
         if s == roles["embedding"]:
-            f, b, k = f + seconds(emb["forward"]), b + seconds(emb["backward"]), k + seconds(emb["forward"] + emb["backward"])
+            f, b, k = f + seconds(emb["forward"]), b + seconds(emb["backward"]), k + seconds(emb["forward"]) + seconds(emb["backward"])
         if s == roles["loss"]:
-            f, b, k = f + seconds(head["forward"]), b + seconds(head["backward"]), k + seconds(head["forward"] + head["backward"])
+            f, b, k = f + seconds(head["forward"]), b + seconds(head["backward"]), k + seconds(head["forward"]) + seconds(head["backward"])
         fwd.append(f), bwd.append(b), kern.append(k)
     # the busiest pipeline rank: it holds stages r, r + pp, ...
     ranks = [list(range(r, n_stages(layout), layout.pp)) for r in range(layout.pp)]
@@ -102,9 +102,10 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     exposed_dp = max(0.0, t_dp - hide) + t_dp / max(1, L) if t_dp else 0.0
     shards = layout.dp * layout.cp if layout.zero != "dp" else 1
     params = sum(params_per_gpu(model, layout).values()) / shards
-    optimizer = optimizer_step(params, 9 * L + 3, gpu).seconds
+    optimizer = seconds([optimizer_step(params, 9 * L + 3, gpu)])
     parts = {"compute": compute, "exposed_tp": n_micro * blocks * comm["tp"], "exposed_cp": n_micro * blocks * comm["cp"],
              "exposed_ep": n_micro * blocks * comm["ep"], "bubble": makespan - work, "exposed_dp": exposed_dp,
              "exposed_pp": 0.0, "optimizer": optimizer}
-    bound = by_bound(blk["forward"] + blk["backward"])
+    f_bound, b_bound = by_bound(blk["forward"]), by_bound(blk["backward"])  # each pass a stretch, as timed above
+    bound = {k: f_bound[k] + b_bound[k] for k in f_bound}
     return {"step_s": makespan + exposed_dp + optimizer, "parts_s": parts, "bound_s": bound, "traffic": traffic}

@@ -11,7 +11,11 @@ units, and a "sources" object giving, for each, the measurement it comes from (U
     mamf_tflops       TFLOP/s  the best measured bf16 GEMM (Maximum Achievable Matmul FLOPS)
     mamf_shape        [m,n,k]  the shape it was measured at (null when the source gives none)
     gemm_tiles        [[m,n]]  the output tiles cuBLAS uses for large GEMMs
-    launch_us         us       CPU cost of issuing one kernel from eager PyTorch
+    launch_us         us       CPU cost of issuing one kernel from compiled code (torch.compile's wrapper)
+    eager_op_us       us       CPU cost per kernel of eager PyTorch (Python, module call, dispatcher,
+                               autograd, allocator, launch): what a launch-bound eager model runs at
+    attention_scale   1        optional (default 1): the attention tables' figures x this, where they
+                               were measured on another power limit than this kind's (see h100-sxm-500w)
     attention         {impl: {"forward"|"forward_causal"|"backward": {seq_len: TFLOP/s}}}: published
                       FlashAttention throughput against sequence length at head dim 128
 
@@ -35,7 +39,9 @@ FIELDS = {
     "hbm_fraction": (float, "a fraction of the datasheet bandwidth (e.g. 0.84)", 0.2, 1.0),
     "mamf_tflops": (float, "TFLOP/s (e.g. 792.1 for an H100 SXM)", 5, 20000),
     "launch_us": (float, "microseconds (e.g. 5)", 0.1, 200),
+    "eager_op_us": (float, "microseconds (e.g. 45)", 0.5, 1000),
 }
+ATTENTION_SCALE = (float, "a fraction of the attention tables' figures (e.g. 0.75)", 0.2, 1.0)
 ATTENTION_KINDS = ("forward", "forward_causal", "backward")
 
 
@@ -55,8 +61,14 @@ class GPU:
     mamf_shape: tuple | None
     gemm_tiles: tuple
     launch_us: float
+    eager_op_us: float
     attention: dict = field(default_factory=dict)  # impl -> kind -> ((seq, TFLOP/s), ...) ascending
     description: str = ""
+    attention_scale: float = 1.0
+
+    def host_us(self, compile: bool) -> float:
+        """CPU microseconds per kernel: eager PyTorch's per-op cost, or compiled code's launch."""
+        return self.launch_us if compile else self.eager_op_us
 
     def peak_flops(self, dtype: str = "bf16") -> float:
         """FLOP/s of the tensor cores for `dtype` ("bf16" or "fp8"); GPUError for fp8 on a GPU without it."""
@@ -130,6 +142,8 @@ def check_gpu(values: dict, where: str = "the GPU kind") -> dict:
                                    "the unit expected is TFLOP/s")
             attention[impl][kind] = tuple(points)
     out["attention"] = attention
+    if "attention_scale" in values:
+        out["attention_scale"] = checked_number(values, "attention_scale", ATTENTION_SCALE, where)
     if "sources" not in values:
         raise GPUError(f"{where} has no 'sources': every figure needs the measurement it comes from")
     return out

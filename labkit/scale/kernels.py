@@ -2,11 +2,14 @@
 
 One op's time, on a GPU kind of `labkit.scale.gpu` (every constant cited in its JSON file):
 
-    t = max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x achieved fraction), kernels x launch)
+    GPU time  t = max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x achieved fraction))
+    CPU time  h = kernels x the host's cost per kernel (eager PyTorch: `eager_op_us`; torch.compile: `launch_us`)
 
-The CPU issues kernels while the GPU runs earlier ones (CUDA launches are asynchronous), so an op
-costs the longer of its run and its launches: an op shorter than its launches is launch-bound, and
-a model made of such ops (the lab's seed model) runs at the CPU's pace, not the GPU's.
+The CPU issues kernels while the GPU runs earlier ones (CUDA launches are asynchronous), so the CPU
+runs ahead during long ops and spends its lead on short ones: a stretch of ops (one block's forward,
+its backward; `labkit.scale.layer_ops.seconds`) takes max(sum of t, sum of h), not the sum of each
+op's max. A stretch whose CPU time is the longer is launch-bound: a model made of such ops (the lab's
+tiny and seed models) runs at the CPU's pace, n_kernels x eager_op_us, not the GPU's.
 
 GEMM (m x k) @ (k x n), `gemm`: efficiency from the shape. Each tile of the output (`gemm_tiles`, the
 largest cuBLAS uses: NVIDIA's Matrix Multiplication Background guide, sections 2.3 and 3) goes to one
@@ -46,23 +49,25 @@ class Op:
     flops: float
     bytes: float
     kernels: int
-    seconds: float
-    bound: str         # "compute", "memory" or "launch"
+    seconds: float     # the GPU's time: max(compute, memory)
+    bound: str         # "compute" or "memory": which of the two sets `seconds`
+    host_s: float = 0.0  # the CPU's time to issue its kernels
 
     def scaled(self, name: str | None = None, times: float = 1.0) -> "Op":
         return Op(name or self.name, self.kind, self.flops * times, self.bytes * times,
-                  round(self.kernels * times), self.seconds * times, self.bound)
+                  round(self.kernels * times), self.seconds * times, self.bound, self.host_s * times)
 
 
 def roofline(name: str, kind: str, flops: float, nbytes: float, kernels: int, gpu: GPU,
-             compute_s: float | None = None) -> Op:
-    """An op's time: max(compute, memory, launches), and which of the three bounds it."""
+             compute_s: float | None = None, compile: bool = False) -> Op:
+    """An op's GPU time max(compute, memory), which of the two bounds it, and its CPU time: kernels x
+    the host's cost per kernel, eager PyTorch's (`eager_op_us`) or under torch.compile the compiled
+    code's launch (`launch_us`)."""
     compute = compute_s if compute_s is not None else 0.0
     memory = nbytes / gpu.hbm_bytes_per_s
-    launch = kernels * gpu.launch_us * 1e-6
-    seconds = max(compute, memory, launch)
-    bound = "compute" if seconds == compute else "memory" if seconds == memory else "launch"
-    return Op(name, kind, flops, nbytes, kernels, seconds, bound)
+    seconds = max(compute, memory)
+    bound = "compute" if seconds == compute and compute > 0 else "memory"
+    return Op(name, kind, flops, nbytes, kernels, seconds, bound, kernels * gpu.host_us(compile) * 1e-6)
 
 
 def waves(m: int, n: int, tile: tuple, sm_count: int) -> tuple[int, int]:
@@ -83,7 +88,7 @@ def gemm_efficiency(gpu: GPU) -> float:
 
 
 @lru_cache(maxsize=200_000)
-def gemm(name: str, m: int, n: int, k: int, gpu: GPU, dtype: str = "bf16", batch: int = 1) -> Op:
+def gemm(name: str, m: int, n: int, k: int, gpu: GPU, dtype: str = "bf16", batch: int = 1, compile: bool = False) -> Op:
     """(m x k) @ (k x n), `batch` times in one kernel, in bf16 or fp8 (inputs 1 byte, output bf16).
     An output of fewer tiles than SMs is split along k (split-K, CUTLASS's media/docs/efficient_gemm.md,
     'Parallelized Reductions'): s = min(SMs // tiles, k // 256) slices run side by side, their fp32 partial
@@ -101,59 +106,62 @@ def gemm(name: str, m: int, n: int, k: int, gpu: GPU, dtype: str = "bf16", batch
             total = max(compute, (nbytes + partials) / gpu.hbm_bytes_per_s)
             if total < best:
                 best, chosen, extra = total, compute, partials
-    return roofline(name, "gemm", flops, nbytes + extra, 1, gpu, chosen)
+    return roofline(name, "gemm", flops, nbytes + extra, 1, gpu, chosen, compile)
 
 
 def attention_rate(gpu: GPU, impl: str, kind: str, seq: int) -> float:
     """Published FLOP/s of attention `impl` ("fa2", "fa3") at sequence length `seq`: log-linear between
-    the figure's lengths, its end values beyond them."""
+    the figure's lengths, its end values beyond them; x the kind's `attention_scale` (1 where the
+    tables were measured on this kind's own power limit)."""
     if impl not in gpu.attention:
         raise ValueError(f"{gpu.name} has no {impl!r} attention figures (it has {sorted(gpu.attention) or 'none'}): "
                          "use attention='unfused', or add the table to its JSON file")
     points = gpu.attention[impl][kind]
+    scale = gpu.attention_scale * 1e12
     if seq <= points[0][0]:
-        return points[0][1] * 1e12
+        return points[0][1] * scale
     for (s0, v0), (s1, v1) in zip(points, points[1:]):
         if seq <= s1:
             w = math.log(seq / s0) / math.log(s1 / s0)
-            return (v0 + w * (v1 - v0)) * 1e12
-    return points[-1][1] * 1e12
+            return (v0 + w * (v1 - v0)) * scale
+    return points[-1][1] * scale
 
 
 @lru_cache(maxsize=200_000)
 def attention(direction: str, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool, gpu: GPU,
-              impl: str = "fa2") -> Op:
+              impl: str = "fa2", compile: bool = False) -> Op:
     """Attention of `heads` (batch x heads) sequences, forward or backward, FlashAttention or "unfused"."""
     forward = 4.0 * heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
     flops = forward if direction == "forward" else 2.5 * forward
     if impl == "unfused":
-        return _unfused(direction, heads, q_len, kv_len, head_dim, gpu)
+        return _unfused(direction, heads, q_len, kv_len, head_dim, gpu, compile)
     kind = "backward" if direction == "backward" else ("forward_causal" if causal else "forward")
     qkv = 2 * heads * head_dim * (2 * q_len + 2 * kv_len)  # q, k, v, out in bf16
     nbytes = qkv if direction == "forward" else 2 * qkv
     rate = attention_rate(gpu, impl, kind, q_len)
     if direction == "backward" and causal:  # no causal backward is published: the forward's causal / full ratio
         rate *= attention_rate(gpu, impl, "forward_causal", q_len) / attention_rate(gpu, impl, "forward", q_len)
-    return roofline(f"attention {direction}", "attention", flops, nbytes, 1, gpu, flops / rate)
+    return roofline(f"attention {direction}", "attention", flops, nbytes, 1, gpu, flops / rate, compile)
 
 
-def _unfused(direction, heads, q_len, kv_len, head_dim, gpu) -> Op:
+def _unfused(direction, heads, q_len, kv_len, head_dim, gpu, compile=False) -> Op:
     """Megatron-LM 2021's attention: QK^T and AV as batched GEMMs, a fused scale-mask-softmax (read and
     write the bf16 scores); backward: two GEMMs each, and the softmax's gradient (read 2, write 1)."""
     scores = 2.0 * heads * q_len * kv_len
     times = 1 if direction == "forward" else 2
-    qk = gemm("attention QK^T", q_len, kv_len, head_dim, gpu, batch=heads)
-    av = gemm("attention AV", q_len, head_dim, kv_len, gpu, batch=heads)
-    soft = roofline("softmax", "elementwise", 0, scores * (2 if direction == "forward" else 3), 1, gpu)
+    qk = gemm("attention QK^T", q_len, kv_len, head_dim, gpu, batch=heads, compile=compile)
+    av = gemm("attention AV", q_len, head_dim, kv_len, gpu, batch=heads, compile=compile)
+    soft = roofline("softmax", "elementwise", 0, scores * (2 if direction == "forward" else 3), 1, gpu, compile=compile)
     return Op(f"attention {direction} (unfused)", "attention", times * (qk.flops + av.flops),
               times * (qk.bytes + av.bytes) + soft.bytes, 2 * times + 1,
-              times * (qk.seconds + av.seconds) + soft.seconds, "compute")
+              times * (qk.seconds + av.seconds) + soft.seconds, "compute",
+              times * (qk.host_s + av.host_s) + soft.host_s)
 
 
 def elementwise(name: str, elements: float, eager: tuple, compiled: tuple, gpu: GPU, compile: bool) -> Op:
     """A memory-bound op over `elements` values: (bytes per element, kernels) eager or compiled."""
     per_element, kernels = compiled if compile else eager
-    return roofline(name, "elementwise", 0.0, per_element * elements, kernels, gpu)
+    return roofline(name, "elementwise", 0.0, per_element * elements, kernels, gpu, compile=compile)
 
 
 # bytes per element and kernels of each elementwise op, (eager, compiled), forward and backward.
@@ -184,11 +192,11 @@ def ew(op: str, direction: str, elements: float, gpu: GPU, compile: bool, name: 
     return elementwise(name or op, elements, eager, compiled, gpu, compile)
 
 
-def optimizer_step(params: float, tensors: int, gpu: GPU) -> Op:
+def optimizer_step(params: float, tensors: int, gpu: GPU, compile: bool = False) -> Op:
     """AdamW over this GPU's `params` fp32 parameters in `tensors` tensors, torch's foreach implementation:
     about 8 passes (lerp, mul, addcmul, sqrt, div, add, addcdiv, weight decay), each reading about two
     fp32 tensors and writing one (12 bytes), plus the gradient norm's read for clipping: 100 bytes per
     parameter; each pass launches one kernel per 36 tensors (multi_tensor_apply's depth-4 limit,
     aten/src/ATen/native/cuda/MultiTensorApply.cuh) or per 320 x 65,536 elements, whichever is more."""
     launches = 9 * max(math.ceil(tensors / 36), math.ceil(params / (320 * 65536)))
-    return roofline("optimizer", "optimizer", 0.0, 100.0 * params, launches, gpu)
+    return roofline("optimizer", "optimizer", 0.0, 100.0 * params, launches, gpu, compile=compile)

@@ -66,8 +66,10 @@ def recomputed(policy: str) -> frozenset | None:
 def _linear(name, rows, n, k, gpu, opts, fp8_ok=True):
     """Forward and backward ops of a linear layer on `rows` rows: Y (rows x n) = X (rows x k) W (k x n)."""
     dtype = "fp8" if opts.float8 and fp8_ok else "bf16"
-    fwd = [K.gemm(name, rows, n, k, gpu, dtype)]
-    bwd = [K.gemm(f"{name} dgrad", rows, k, n, gpu, dtype), K.gemm(f"{name} wgrad", k, n, rows, gpu, dtype)]
+    c = opts.compile
+    fwd = [K.gemm(name, rows, n, k, gpu, dtype, compile=c)]
+    bwd = [K.gemm(f"{name} dgrad", rows, k, n, gpu, dtype, compile=c),
+           K.gemm(f"{name} wgrad", k, n, rows, gpu, dtype, compile=c)]
     if dtype == "fp8":
         fwd.append(K.ew("float8_cast", "forward", rows * k + k * n, gpu, opts.compile, f"{name} cast"))
         bwd.append(K.ew("float8_cast", "backward", 2 * rows * n + k * n + rows * k, gpu, opts.compile, f"{name} cast"))
@@ -103,8 +105,8 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
     else:
         q_len = s.seq_len // s.cp  # this rank's positions against every key (the ring's, the gather's, the hybrid's)
     impl = "unfused" if getattr(m, "attention", "flash") == "materialized" else opts.attention
-    add("attention", ([K.attention("forward", heads, q_len, s.seq_len, hd, True, gpu, impl)],
-                      [K.attention("backward", heads, q_len, s.seq_len, hd, True, gpu, impl)]))
+    add("attention", ([K.attention("forward", heads, q_len, s.seq_len, hd, True, gpu, impl, opts.compile)],
+                      [K.attention("backward", heads, q_len, s.seq_len, hd, True, gpu, impl, opts.compile)]))
     add("wo", _linear("wo", T, d, d // s.tp, gpu, opts))
     ew("residual1", "residual", rows_sp * d)
     ew("norm2", norm, rows_sp * d)
@@ -146,9 +148,10 @@ def end_ops(model, shape: Shape, opts: Options, gpu, which: str) -> dict:
     T = s.micro_batch * s.seq_len // s.cp
     rows_sp = T // s.tp if s.sequence_parallel else T
     if which == "embedding":
-        gather = K.roofline("embedding", "elementwise", 0.0, 4.0 * rows_sp * m.d_model, 1, gpu)
+        gather = K.roofline("embedding", "elementwise", 0.0, 4.0 * rows_sp * m.d_model, 1, gpu, compile=opts.compile)
         scatter = K.roofline("embedding grad", "elementwise", 0.0,
-                             6.0 * rows_sp * m.d_model + 4.0 * m.vocab_size * m.d_model / s.tp, 3, gpu)
+                             6.0 * rows_sp * m.d_model + 4.0 * m.vocab_size * m.d_model / s.tp, 3, gpu,
+                             compile=opts.compile)
         return {"forward": [gather], "backward": [scatter]}
     norm_f = K.ew("rmsnorm", "forward", rows_sp * m.d_model, gpu, opts.compile, "final norm")
     norm_b = K.ew("rmsnorm", "backward", rows_sp * m.d_model, gpu, opts.compile, "final norm")
@@ -159,12 +162,17 @@ def end_ops(model, shape: Shape, opts: Options, gpu, which: str) -> dict:
 
 
 def seconds(ops) -> float:
-    return sum(op.seconds for op in ops)
+    """A stretch of ops issued back to back: max(the GPU's time, the CPU's time to issue them)
+    (labkit.scale.kernels' docstring: the CPU's lead during long ops pays for the short ones)."""
+    ops = list(ops)
+    return max(sum(op.seconds for op in ops), sum(op.host_s for op in ops))
 
 
 def by_bound(ops) -> dict:
-    """Seconds by what bounds each op: {"compute": ..., "memory": ..., "launch": ...}."""
+    """The stretch's seconds by what bounds them: the GPU's compute- and memory-bound ops, and
+    "launch", the time the GPU waits for the CPU (max(0, CPU time - GPU time)); they sum to seconds(ops)."""
     out = {"compute": 0.0, "memory": 0.0, "launch": 0.0}
     for op in ops:
         out[op.bound] += op.seconds
+    out["launch"] = max(0.0, sum(op.host_s for op in ops) - out["compute"] - out["memory"])
     return out
