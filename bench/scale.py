@@ -17,7 +17,12 @@ labkit.scale.cost.predict), the kernel model (every op by a roofline from kernel
 "after" of issue 34), each set's summary in the JSON under its model's name.
 --small: also the lab's own models on one H200, measured by bench/single_device.py
 (/work/shared/gpu-2026-11-26/single_bf16.txt), against the kernel model, with what bounds a block.
-No process, no GPU: arithmetic, a few seconds. --quick is accepted (and changes nothing)
+The kernel model's hardware inputs come from the cluster files, each chosen from the source's own
+description of its machines, not from the rows: torchtitan's hosts run their H100s at 500 W (its
+'Hardware' section), so h100-grand-teton uses the GPU kind h100-sxm-500w (FBGEMM's GEMM measured
+on an 'H100 500W', the FlashAttention tables scaled by the same clock ratio); Llama 3's run at 700 W
+(h100-sxm); every kind's eager cost per kernel is one measured profile (sam2 issue #768), the same
+for all. No process, no GPU: arithmetic, a few seconds. --quick is accepted (and changes nothing)
 so that every bench takes the same flags.
 """
 import argparse

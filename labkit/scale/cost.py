@@ -25,7 +25,9 @@ model (opt-in until it meets issue 34's aims on the published set; `python bench
     step       makespan + exposed dp + the optimizer step (AdamW over this GPU's shard)
 `parts_s` splits it: compute (the busiest rank's kernels), exposed_tp / _cp / _ep / _dp, bubble,
 optimizer; `bound_s` says how much of one block's forward and backward is compute-, memory- or
-launch-bound (a model this small that is mostly "launch" runs at the CPU's pace).
+launch-bound: each pass takes max(GPU time, CPU time to issue its kernels), and "launch" is the time
+the GPU waits for the CPU (a model this small that is mostly "launch" runs at the CPU's pace,
+kernels x eager PyTorch's measured cost per kernel; torch.compile's launches cost less).
 
 Otherwise (the default `EFFICIENCY`, this CPU's fit in notebook 15's predict-then-measure, a cluster
 without a GPU kind): the flat model `step_time`, compute = FLOPs / (peak x efficiency) with the
@@ -33,8 +35,9 @@ overlap rules above in closed form and the 1F1B bubble (pp - 1) / (v m) of the c
 al. 2021). EFFICIENCY = 0.40 is Llama 3's 38-43% MFU (Dubey et al. 2024, table 4), an end-to-end
 figure: the kernel model replaces it once it validates.
 Outputs tokens/s per GPU, MFU (model FLOPs against the cluster's bf16 peak) and the peak memory
-(labkit.scale.footprint). Not modelled: stragglers, link contention between axes sharing a NIC,
-power limits, the SMs a collective takes from the GEMMs.
+(labkit.scale.footprint). A power limit enters through the GPU kind (h100-sxm-500w: its GEMM measured
+at 500 W). Not modelled: stragglers, link contention between axes sharing a NIC, the SMs a collective
+takes from the GEMMs.
 """
 from __future__ import annotations
 
