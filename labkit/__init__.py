@@ -28,10 +28,17 @@ install_cell_refresh()  # in a notebook: every cell runs the exercise files as t
 
 
 def _start_zygote_in_a_notebook() -> None:
-    """In a notebook kernel, start the clean process ranks are born from now, while the learner reads."""
+    """In a notebook kernel, start the clean process ranks are born from now, while the learner reads.
+
+    Not in the engines of a `%ranks` session (labkit/session/), which run an IPython shell too: they are
+    ranks themselves and never launch, and each zygote costs seconds of CPU while the session starts.
+    """
+    import os
     import sys
 
-    if "IPython" in sys.modules and sys.modules["IPython"].get_ipython() is not None:
+    shell = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
+    engine = os.environ.get("IPP_CONNECTION_INFO") or type(getattr(shell, "kernel", None)).__module__.startswith("ipyparallel")
+    if shell is not None and not engine:
         from labkit.launching import zygote
 
         zygote.start_soon()

@@ -19,16 +19,18 @@ Lifetime: one zygote per calling process, started lazily (`get`), or early in a 
 (`start_soon`) so that its start-up overlaps the learner's reading. It exits when the caller's end
 of the socket closes (the caller exited or was killed), killing any rank still running, so no
 process outlives the caller. A zygote whose start fails is reported with its own output.
+
+The test suite shares one zygote among its processes instead (`labkit.launching.zygote_sharing`):
+each process that connects gets a handler forked from it, which serves that process as its own
+zygote would, with the same lifetime.
 """
 from __future__ import annotations
 
 import atexit
 import os
-import pickle
 import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -36,6 +38,8 @@ import threading
 import time
 
 from labkit.launching.failures import LaunchError
+from labkit.launching.fd_messages import receive, send
+from labkit.launching.zygote_sharing import SOCKET_ENV, serve_shared, shared_socket, zygote_env
 
 READY_TIMEOUT = 180.0  # a fresh interpreter importing torch on a loaded 2-core machine
 # Modules a rank would otherwise import for itself at every launch; imported once, here.
@@ -54,49 +58,19 @@ NEVER_PRELOAD = ("labkit.session", "torch._inductor", "torch.testing._internal",
 
 # --------------------------------------------------------------------------- messages
 
-def send(sock: socket.socket, message, fds=()) -> None:
-    data = pickle.dumps(message)
-    header = struct.pack("!Q", len(data))
-    if fds:
-        socket.send_fds(sock, [header], list(fds))
-        sock.sendall(data)
-    else:
-        sock.sendall(header + data)
-
-
-def _recv_exactly(sock, n):
-    chunks = []
-    while n:
-        chunk = sock.recv(n)
-        if not chunk:
-            raise EOFError("the other end closed the socket")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
-
-
-def receive(sock: socket.socket, max_fds: int = 0):
-    """One message, and the file descriptors that came with it."""
-    fds = []
-    if max_fds:
-        header, fds, _, _ = socket.recv_fds(sock, 8, max_fds)
-        if not header:
-            raise EOFError("the other end closed the socket")
-        if len(header) < 8:
-            header += _recv_exactly(sock, 8 - len(header))
-    else:
-        header = _recv_exactly(sock, 8)
-    (size,) = struct.unpack("!Q", header)
-    return pickle.loads(_recv_exactly(sock, size)), fds
-
-
 # --------------------------------------------------------------------------- the zygote itself
 
-def serve(fd: int) -> None:
+def _leave(*_):
+    raise SystemExit(0)  # through serve's `finally`: the ranks are killed first
+
+
+def serve(fd: int, prepared: bool = False) -> None:
     """The zygote's loop: fork ranks on request, report their exits, leave when the caller does."""
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller's Ctrl-C is the caller's to handle
-    _prepare()
+    signal.signal(signal.SIGTERM, _leave)
+    if not prepared:
+        _prepare()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -231,22 +205,28 @@ class Zygote:
     """The caller's handle on its zygote: start it, ask it to fork ranks, hear about their exits."""
 
     def __init__(self):
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock = mine
-        self.log = tempfile.TemporaryFile(prefix="labkit-zygote-")
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above labkit/
-        env = dict(os.environ, LABKIT_ZYGOTE="1",
-                   LABKIT_ZYGOTE_PRELOAD=",".join(m for m in PRELOAD_IF_CALLER_HAS if m in sys.modules))
-        # The caller's path, this labkit first: the zygote imports the same code as its caller.
-        env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in sys.path if p]
-                                            + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "labkit.launching.zygote", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
-            env=env, close_fds=True, start_new_session=True)
-        theirs.close()
-        self.pid = self.proc.pid
         self.ready = False
+        self.log = tempfile.TemporaryFile(prefix="labkit-zygote-")
+        self.proc = None
+        shared = shared_socket()
+        if shared:  # a handler of the shared zygote (zygote_sharing); its pid comes with "ready"
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self.sock.connect(shared)
+                self.pid = None
+            except OSError:  # gone or never came up: this process starts its own
+                self.sock.close()
+                shared = None
+        if not shared:
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock = mine
+            # The caller's path, this labkit first: the zygote imports the same code as its caller.
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "labkit.launching.zygote", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
+                env=zygote_env(PRELOAD_IF_CALLER_HAS), close_fds=True, start_new_session=True)
+            theirs.close()
+            self.pid = self.proc.pid
         self.exits: list = []  # exit reports that arrived while waiting for something else
         self.preloaded: set = set()  # module names already sent to be imported there
 
@@ -257,9 +237,10 @@ class Zygote:
         try:
             if not readable:
                 raise EOFError(f"it did not answer within {timeout:g} s")
-            (kind, _), _ = receive(self.sock)
+            (kind, pid), _ = receive(self.sock)
             if kind != "ready":
                 raise EOFError(f"it said {kind!r} instead of 'ready'")
+            self.pid = pid
         except (EOFError, OSError) as error:
             self.close()
             raise ZygoteError(f"the process that forks the ranks (labkit.launching.zygote) did not start: "
@@ -267,12 +248,21 @@ class Zygote:
         self.ready = True
 
     def output(self) -> str:
+        if self.proc is None:  # a shared zygote's handler writes to the shared zygote's log, beside its socket
+            try:
+                with open(os.path.join(os.path.dirname(os.environ.get(SOCKET_ENV, "")), "log"), "rb") as log:
+                    text = log.read().decode(errors="replace").strip()
+            except OSError:
+                text = ""
+            return f"The shared zygote's output:\n{text[-3000:]}" if text else "It printed nothing."
         self.log.seek(0)
         text = self.log.read().decode(errors="replace").strip()
         return f"Its output:\n{text[-3000:]}" if text else "It printed nothing."
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return self.pid is None or _running(self.pid)  # a shared zygote's handler (not our child)
 
     def fork(self, request: dict, fds: list) -> list[int]:
         """Ask for ``request['world_size']`` ranks; their pids, in rank order."""
@@ -305,11 +295,25 @@ class Zygote:
             self.sock.close()
             self.log.close()
         finally:
+            if self.proc is None:  # a handler: it leaves on the socket's close; wait for that
+                deadline = time.monotonic() + 5
+                while self.pid is not None and _running(self.pid) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                return
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie waiting for its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 _zygote: Zygote | None = None
@@ -360,4 +364,7 @@ def stop() -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    if len(sys.argv) > 2:
+        serve_shared(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], prepare=_prepare, serve=serve)
+    else:
+        serve(int(sys.argv[1]))
