@@ -19,7 +19,11 @@ clicks Run > Run All Cells, waits for the kernel to go idle, saves, and checks:
 Playwright never downloads a browser here: we start Chromium ourselves (so we own its PID)
 and connect over CDP. Screenshots go to a temporary folder printed at the end of the module.
 Missing Chromium or Playwright: the module is skipped with one line naming the fix.
-Cost: about 2-3 minutes (JupyterLab and Chromium start, three notebooks in the quick setting).
+
+00_setup runs whole. Of 06 and 09 the copy keeps only the setup cell (the first) and the cells that
+make the widget and what it needs (`WIDGET_CELLS`): tests/test_notebooks.py already runs every cell
+of both, twice, in a kernel; what only a browser shows is how the widgets render and redraw.
+Cost: about 1-2 minutes (JupyterLab and Chromium start, 00 in the quick setting).
 """
 from __future__ import annotations
 
@@ -48,6 +52,10 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 NOTEBOOKS = ("00_setup", "06_microbatches", "09_zero_fsdp")
 WIDGET_NOTEBOOKS = ("06_microbatches", "09_zero_fsdp")  # the schedule explorer, the memory calculator
+# What the browser's copies of the widget notebooks keep besides their first cell: the code cells that
+# contain one of these (the widget, and the names it uses).
+WIDGET_CELLS = {"06_microbatches": ("viz.schedule_explorer(",),
+                "09_zero_fsdp": ("memory.param_count(", "memory.calculator(")}
 RUN_TIMEOUT = 240  # seconds for one notebook's Run All (quick setting: well under a minute idle)
 NEWS_POPUP = "official Jupyter news"
 
@@ -170,6 +178,8 @@ def lab(artefacts):
     (root / "imgs").symlink_to(REPO / "imgs")  # notebooks show ../imgs/*.png
     stop_file = artefacts / "stop-ticker"
     _append_scratch_cell(root / "notebooks" / f"{NOTEBOOKS[0]}.ipynb", stop_file)
+    for name, markers in WIDGET_CELLS.items():
+        _keep_the_widget_cells(root / "notebooks" / f"{name}.ipynb", markers)
     port, token = _free_port(), secrets.token_hex(16)
     jupyter = Path(sys.executable).parent / "jupyter"
     private = artefacts / "jupyter"
@@ -295,6 +305,19 @@ def _wait_done(page, name, timeout=RUN_TIMEOUT, while_running=None):
         return seen["idle"] >= 2
 
     _wait_for(finished, timeout, f"{name}: every cell run and the kernel idle", interval=1.0)
+
+
+def _keep_the_widget_cells(path: Path, markers: tuple):
+    """The copy keeps its first code cell (imports, settings) and the code cells holding a marker."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    kept = [code[0]] + [cell for cell in code[1:] if any(m in cell.source for m in markers)]
+    found = {m for m in markers if any(m in cell.source for cell in kept)}
+    assert found == set(markers), f"{path.name}: no cell holds {set(markers) - found}: update WIDGET_CELLS"
+    nb.cells = kept
+    nbformat.write(nb, path)
 
 
 def _all_numbered(page):
