@@ -100,7 +100,8 @@ class Engines:
                 f"(--start-timeout {self.start_timeout:g} s) "
                 f"({err}).\nWhat the launcher printed:\n{said or '(nothing)'}\n"
                 "What to do: on a busy machine, start again with a longer --start-timeout; with mpiexec, "
-                "Slurm or PBS, run inside an allocation that has room for the engines.") from None
+                "Slurm or PBS, run inside an allocation that has room for the engines, on this kernel's node "
+                "(the controller listens on this node only: salloc -N 1, or PBS select=1).") from None
 
     def _exited(self) -> str | None:
         """'`mpiexec` exited with code 3 before every engine was up', or None while the launchers run."""
