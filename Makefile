@@ -4,7 +4,7 @@
 #   make grade    set up, then grade YOUR exercises (exercises/) and print a table
 #   make bench    set up, then every benchmark in its quick setting
 #   make setup    set up only
-#   make browser  as root: install Chromium, Open MPI and Slurm if missing (for the browser and two-host tests)
+#   make browser  as root: install Chromium, Open MPI, MPICH and Slurm if missing (for the browser and two-host tests)
 #   make test-stress   the whole suite while two busy loops keep both cores busy (bounded, always cleaned up)
 
 SHELL  := /bin/bash
@@ -20,7 +20,7 @@ STAMP  := $(VENV)/.labkit-installed
 # JupyterLab settings the lab ships (no "Jupyter news?" pop-up over the outputs, no kernel dialog)
 OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
 # Debian packages for tests/test_browser.py and tests/test_multihost.py (skipped without them)
-SYSTEM_PACKAGES := chromium openmpi-bin slurm-wlm
+SYSTEM_PACKAGES := chromium openmpi-bin mpich slurm-wlm
 # Warnings about the machine's extra package indexes are noise: keep pip's output readable.
 PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 
@@ -49,8 +49,9 @@ browser:
 	@missing=""; \
 	[ -x /usr/bin/chromium ] || missing="$$missing chromium"; \
 	command -v mpiexec >/dev/null || missing="$$missing openmpi-bin"; \
+	[ -x /usr/bin/mpiexec.mpich ] || missing="$$missing mpich"; \
 	{ command -v slurmctld || [ -x /usr/sbin/slurmctld ]; } >/dev/null || missing="$$missing slurm-wlm"; \
-	if [ -z "$$missing" ]; then echo "Chromium, mpiexec and Slurm are installed"; \
+	if [ -z "$$missing" ]; then echo "Chromium, Open MPI, MPICH and Slurm are installed"; \
 	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
 		echo "missing:$$missing; install as root with: apt-get install -y$$missing (their tests are skipped until then)"; \
 	else export DEBIAN_FRONTEND=noninteractive; \

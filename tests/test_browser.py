@@ -1,6 +1,6 @@
 """JupyterLab in a real browser: what a learner does, done by headless Chromium.
 
-nbval runs the notebooks in a kernel without a browser. This module starts JupyterLab from
+tests/test_notebooks.py runs the notebooks in a kernel without a browser. This module starts JupyterLab from
 the lab's venv (loopback, free port, token), drives Debian's Chromium (/usr/bin/chromium)
 through Playwright's CDP connection, and for 00_setup, 06_microbatches and 09_zero_fsdp
 clicks Run > Run All Cells, waits for the kernel to go idle, saves, and checks:
@@ -23,7 +23,9 @@ Missing Chromium or Playwright: the module is skipped with one line naming the f
 00_setup runs whole. Of 06 and 09 the copy keeps only the setup cell (the first) and the cells that
 make the widget and what it needs (`WIDGET_CELLS`): tests/test_notebooks.py already runs every cell
 of both, twice, in a kernel; what only a browser shows is how the widgets render and redraw.
-Cost: about 1-2 minutes (JupyterLab and Chromium start, 00 in the quick setting).
+A last test drives a session of persistent ranks (`%ranks start 2`) cell by cell, as a learner would,
+and stops a hanging `%%ranks` cell with the toolbar's Interrupt button.
+Cost: about 2-3 minutes (JupyterLab and Chromium start, 00 in the quick setting, the session).
 """
 from __future__ import annotations
 
@@ -456,3 +458,74 @@ def test_no_jupyter_news_popup(browser, lab, ran, artefacts):
                            ".map(e => e.innerText)")
     assert not any(NEWS_POPUP in t for t in toasts), toasts
     assert NEWS_POPUP not in page.locator("body").inner_text()
+
+
+# ------------------------------------------------------------------------- a session in the browser
+
+SESSION_CELLS = [
+    "%load_ext labkit\n%ranks start 2 --backend gloo",
+    "%%ranks\nx = rank + 1\nprint('hello', rank)",
+    "%%ranks\nimport time\ntime.sleep(120)",
+    "%%ranks\nprint('after the interrupt', x)",
+    "%ranks restart",
+    "%%ranks\nprint('fresh', 'x' in dir())",
+    "%ranks stop",
+]
+
+
+def _run_cells(page, count):
+    """Shift+Enter ``count`` times from the active cell: each queues one cell and moves to the next."""
+    for _ in range(count):
+        page.keyboard.press("Shift+Enter")
+
+
+def test_a_session_in_jupyterlab_runs_cells_the_toolbar_interrupts_it_and_it_restarts(browser, lab, artefacts):
+    """`%ranks start 2`, a `%%ranks` cell, a hanging one stopped by the toolbar's Interrupt button (reported; the
+    ranks keep their variables), `%ranks restart` and a cell on the fresh ranks, as a learner clicks them."""
+    import nbformat
+
+    name = "session_in_browser"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in SESSION_CELLS]
+    nbformat.write(nb, lab["root"] / "notebooks" / f"{name}.ipynb")
+    page = _goto(browser, lab, name)
+    began = time.monotonic()
+    try:
+        _wait_kernel(page, lab, name)
+        panel = ".jp-NotebookPanel:not(.lm-mod-hidden)"
+        page.locator(f"{panel} .jp-CodeCell .jp-InputArea-prompt").first.click()
+        _run_cells(page, 3)  # start, a cell, the hanging cell
+
+        def hanging():  # the first two have run, the third is running
+            prompts = _prompts(page)
+            return re.fullmatch(r"\[\d+\]:", prompts[1]) and "*" in prompts[2]
+
+        _wait_for(hanging, 120, f"{name}: the hanging cell running")
+        time.sleep(1.0)  # let the ranks enter time.sleep
+        page.locator(f"{panel} .jp-Toolbar [data-command='notebook:interrupt-kernel']").click()
+        _wait_for(lambda: re.fullmatch(r"\[\d+\]:", _prompts(page)[2]), 60, f"{name}: the interrupted cell ended")
+        _run_cells(page, 4)  # after the interrupt, restart, a fresh cell, stop
+        def all_ran():  # Shift+Enter on the last cell added an empty one below it: not ours to run
+            prompts = _prompts(page)[:len(SESSION_CELLS)]
+            return all(re.fullmatch(r"\[\d+\]:", p) for p in prompts) and _kernel_status(page) == "idle"
+
+        _wait_for(all_ran, 120, f"{name}: every cell run")
+        saved = _save(page, lab, name)
+    except BaseException:
+        _shot(page, artefacts / f"{name}-FAILED.png")
+        raise
+    finally:
+        lab["kernels"].update(_descendants(lab["pid"]))
+    seconds = time.monotonic() - began
+    _shot(page, artefacts / f"{name}.png")
+    texts = ["".join("".join(o.get("text", "")) for o in cell["outputs"]) for cell in saved["cells"]]
+    errors = [next((o for o in cell["outputs"] if o["output_type"] == "error"), None) for cell in saved["cells"]]
+    assert [i for i, e in enumerate(errors) if e is not None] == [2], [(e["ename"], e["evalue"]) for e in errors if e]
+    assert texts[0].startswith("session up of 2 rank(s), backend gloo, local launcher"), texts[0]
+    assert texts[1] == "[rank 0] hello 0\n[rank 1] hello 1\n", texts[1]
+    assert errors[2]["ename"] == "SessionInterrupted"
+    assert "rank 0 was at your cell, line 2: time.sleep(120)" in errors[2]["evalue"], errors[2]["evalue"]
+    assert texts[3] == "[rank 0] after the interrupt 1\n[rank 1] after the interrupt 2\n", texts[3]
+    assert texts[4].startswith("session up of 2 rank(s)") and texts[5] == "[ranks 0-1] fresh False\n", texts[4:6]
+    assert texts[6] == "session stopped\n", texts[6]
+    print(f"[test_browser] the session story took {seconds:.1f} s in the browser")

@@ -30,6 +30,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import slurm_cluster
 from test_train_scripts import COMMON, REPO, _check, _env, _report, _run, reference  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -39,7 +40,7 @@ ADDRS = ("10.231.0.1", "10.231.0.2")
 IFNAME = "lab0"  # the same name on both hosts: one GLOO_SOCKET_IFNAME for all
 HYBRID = ["--strategy", "hybrid", "--dp", "2", "--pp", "2", "--microbatches", "2", "--model", "tiny"]
 FAULT_DEADLINE = 180  # s from the kill until every process has ended (see the fault test)
-INSTALL = "make browser (as root: apt-get install -y chromium openmpi-bin slurm-wlm)"
+INSTALL = slurm_cluster.INSTALL
 
 
 def _sh(*cmd, check=True, env=None):
@@ -176,62 +177,15 @@ def test_mpiexec_across_two_hosts_equals_single_process(hosts, reference, tmp_pa
     _check(_report(output), saved, reference, "hybrid", 4)
 
 
-SLURM_CONF = """\
-ClusterName=labkit
-SlurmctldHost=localhost(127.0.0.1)
-AuthType=auth/none
-CredType=cred/none
-SlurmUser=root
-SlurmdUser=root
-StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
-SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
-SlurmctldLogFile={d}/slurmctld.log
-SlurmdLogFile={d}/slurmd.log
-ProctrackType=proctrack/pgid
-TaskPlugin=task/none
-MpiDefault=none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-ReturnToService=2
-SlurmdParameters=config_overrides
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
-"""
-
-
 def test_slurm_one_node_cluster_runs_the_sbatch_script(hosts, reference, tmp_path, nothing_left):
-    missing = [d for d in ("slurmctld", "slurmd", "sbatch", "sinfo") if shutil.which(d) is None
-               and not os.path.exists(f"/usr/sbin/{d}")]
-    if missing:
-        pytest.skip(f"no {', '.join(missing)}: install it with {INSTALL}")
+    reason = slurm_cluster.why_not()
+    if reason:
+        pytest.skip(reason)
     d = tmp_path / "slurm"
-    for sub in ("state", "spool"):
-        (d / sub).mkdir(parents=True)
-    conf = d / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(d=d))
     # nsenter joins host A's network only; `ip netns exec` would also remount /sys, hiding the
     # cgroup file systems slurmd needs ("No filesystem mounted on /sys/fs/cgroup").
     netns = ["nsenter", f"--net=/var/run/netns/{hosts.ns[0]}"]
-    env = _env(SLURM_CONF=str(conf), PYTHON=sys.executable, MASTER_PORT="29502")
-    daemons = []
-    try:
-        for cmd in (["slurmctld", "-D", "-i"], ["slurmd", "-D", "-N", "localhost"]):
-            log = open(d / f"{cmd[0]}.out", "w")
-            daemons.append(subprocess.Popen([*netns, _sbin(cmd[0]), *cmd[1:], "-f", str(conf)], env=env, cwd=d,
-                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + 60
-        while "idle" not in _sh(*netns, "sinfo", "-h", "-o", "%T", check=False, env=env).stdout:
-            for proc in daemons:
-                if proc.poll() is not None:
-                    out = (d / f"{Path(proc.args[2]).name}.out").read_text().strip().splitlines()
-                    pytest.skip(f"{Path(proc.args[2]).name} cannot run here: {out[-1] if out else proc.returncode}")
-            if time.monotonic() > deadline:
-                pytest.fail("the Slurm node did not become idle within 60 s: " + (d / "slurmd.log").read_text()[-1000:])
-            time.sleep(0.5)
+    with slurm_cluster.one_node_slurm(d, _env(PYTHON=sys.executable, MASTER_PORT="29502"), netns) as env:
         saved = tmp_path / "weights.pt"
         cmd = [*netns, "sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
                "--cpus-per-task=1", f"--output={d}/job-%j.out", f"--chdir={REPO}", JOBS / "slurm.sbatch",
@@ -239,19 +193,6 @@ def test_slurm_one_node_cluster_runs_the_sbatch_script(hosts, reference, tmp_pat
         _run([(list(map(str, cmd)), env)])
         (job_out,) = d.glob("job-*.out")
         _check(_report(job_out.read_text()), saved, reference, "dp", 2)
-    finally:
-        for proc in daemons:  # SIGTERM: they shut down cleanly; SIGKILL if they do not
-            proc.terminate()
-        for proc in daemons:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def _sbin(name):
-    return shutil.which(name) or f"/usr/sbin/{name}"
 
 
 def test_killing_a_rank_on_host_b_ends_every_process_on_both_hosts(hosts, tmp_path, nothing_left):

@@ -2,8 +2,9 @@
 
 One kernel runs the whole story (engines cost seconds to start on 2 cores): variables kept across
 cells, grouped output, an edit seen in the engines, an exception named at its rank and line, a hang
-reported with the waiting line, a killed engine reported and a restart, a second start refused; then
-the kernel shuts down and no engine or controller is left. About a minute on 2 busy cores.
+reported with the waiting line, a killed engine reported and a restart, a second start refused, the
+output as a tab per rank (`%%ranks --tabs`, text without ipywidgets), a KeyboardInterrupt raised inside a
+rank; then the kernel shuts down and no engine or controller is left. About a minute on 2 busy cores.
 """
 import os
 import time
@@ -36,6 +37,17 @@ CELLS = [
     "import threading\nthreading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # the stop button",
     "%%ranks\nimport time\nkept = rank\ntime.sleep(120)",
     "%%ranks\nprint('still up', kept)",
+    # 20-23: the output as a tab per rank, and as text where ipywidgets cannot be imported
+    "%%ranks --tabs\nprint('line of', rank)\nif rank == 1:\n    print('only one')\nrank * 10",
+    "import sys\n_widgets = sys.modules.get('ipywidgets')\nsys.modules['ipywidgets'] = None",
+    "%%ranks --tabs\nprint('text', rank)",
+    "sys.modules['ipywidgets'] = _widgets",
+    # 24-28: a KeyboardInterrupt raised inside a rank (not the stop button): alone, then with a peer waiting for it
+    "%%ranks\nif rank == 1:\n    raise KeyboardInterrupt\nprint('after', rank)",
+    "import psutil\nbefore = list(sess.current.pids.values())",
+    "%%ranks\nt = torch.ones(1)\nif rank == 1:\n    raise KeyboardInterrupt('by the rank itself')\ndist.all_reduce(t)",
+    "time.sleep(0.5)\nprint('LEFT', [p for p in before if psutil.pid_exists(p) and psutil.Process(p).status() != 'zombie'])",
+    "%ranks restart",
     "s = sess.current\nprint('PIDS', *s.pids.values(), s.engines.cluster.controller.pid)",
 ]
 
@@ -131,9 +143,46 @@ def test_the_stop_button_interrupts_the_ranks_and_the_session_stays_up(story):
     assert errors[19] is None and texts[19] == "[rank 0] still up 0\n[rank 1] still up 1\n"
 
 
+def _widget_state(nb, cell):
+    """{model_id: state} of the notebook's widgets, and the model id the cell displayed."""
+    states = {k: v["state"] for k, v in nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"].items()}
+    shown = [o["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] for o in cell.outputs
+             if o.output_type == "display_data" and "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    return states, shown
+
+
+def test_tabs_show_one_tab_per_rank_holding_its_lines_and_text_without_widgets(story):
+    nb, texts, errors = story
+    assert errors[20] is None, errors[20] and errors[20].traceback
+    states, shown = _widget_state(nb, nb.cells[20])
+    assert len(shown) == 1 and states[shown[0]]["_model_name"] == "TabModel"
+    tab = states[shown[0]]
+    assert tab["titles"] == ["rank 0", "rank 1"]
+    panes = [states[child.removeprefix("IPY_MODEL_")] for child in tab["children"]]
+    lines = ["".join(o["text"] for o in pane["outputs"]) for pane in panes]
+    assert lines == ["line of 0\nOut[rank 0]: 0\n", "line of 1\nonly one\nOut[rank 1]: 10\n"], lines
+    assert texts[20] == ""  # nothing as text beside the tabs
+    assert errors[22] is None and texts[22] == ("(--tabs needs ipywidgets, which cannot be imported here: the output "
+                                                "as text)\n[rank 0] text 0\n[rank 1] text 1\n"), texts[22]
+
+
+def test_a_keyboard_interrupt_inside_a_rank_is_named_at_its_line_and_leaves_no_engine(story):
+    _, texts, errors = story
+    report = "\n".join(errors[24].traceback)
+    assert errors[24].ename == "SessionError", report
+    assert "the cell failed on rank(s) 1 of 2: KeyboardInterrupt" in report
+    assert "rank 1 raised at your cell, line 2: raise KeyboardInterrupt" in report and texts[24] == "[rank 0] after 0\n"
+    report = "\n".join(errors[26].traceback)  # rank 0 waits in all_reduce for rank 1, which will never come
+    assert errors[26].ename == "SessionBroken", report
+    assert "hung: rank(s) 0 of 2 wait for rank(s) 1, which failed: KeyboardInterrupt: by the rank itself" in report
+    assert "rank 0 waits at your cell, line 4: dist.all_reduce(t)" in report
+    assert texts[27] == "LEFT []\n"  # the session was stopped: no engine of it left
+    assert errors[28] is None
+
+
 def test_kernel_shutdown_leaves_no_engine_and_no_controller(story):
     _, texts, _ = story
-    pids = [int(p) for p in texts[20].split()[1:]]
+    pids = [int(p) for p in texts[29].split()[1:]]
     assert len(pids) == 3
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
@@ -168,7 +217,7 @@ def test_engines_that_do_not_come_up_in_time_name_the_launcher_and_leave_nothing
     from labkit.session.engines import EnginesDidNotStart
     from labkit.session.session import Session
 
-    with pytest.raises(EnginesDidNotStart, match=r"the local launcher started \d of 2 engine\(s\) in 0.5 s") as info:
+    with pytest.raises(EnginesDidNotStart, match=r"the local launcher started \d of 2 engine\(s\) in \d+ s \(--start-timeout 0.5 s\)") as info:
         Session(2, "gloo", start_timeout=0.5).start()
     assert "What the launcher printed:" in str(info.value) and "--start-timeout" in str(info.value)
     deadline = time.monotonic() + 10

@@ -22,19 +22,36 @@ import traceback
 _state: dict = {}  # this engine's rank, world size, hooks
 
 
-def join(rank: int, world_size: int, backend: str, address: str, port: int, timeout: float,
-         hooks: bytes, stack_path: str, kernel_pid: int) -> int:
-    """Join the session's process group as ``rank``; return this engine's pid.
+def identify() -> dict:
+    """Who this engine is: its pid, host, and its place as its launcher set it (None for the local launcher)."""
+    import socket
+
+    from labkit.launching.cluster import scheduled_world
+
+    return {"pid": os.getpid(), "host": socket.gethostname(), "world": scheduled_world()}
+
+
+def backend_here(requested: str, ranks_on_node: int) -> str:
+    """The lab's one backend rule (`choose_backend`), on this engine's node: nccl needs a GPU per rank here."""
+    from labkit.launching.launcher import choose_backend
+
+    return choose_backend(requested, ranks_on_node)
+
+
+def join(rank: int, world_size: int, local_rank: int, backend: str, address: str, port: int, timeout: float,
+         hooks: bytes, stack_path: str, kernel: tuple) -> int:
+    """Join the session's process group as ``rank`` (under nccl, on GPU ``local_rank``); return this engine's pid.
 
     ``hooks``: the kernel's BEFORE_CELL hooks, pickled by reference: unpickling them imports their
     module here (the grading switch), which is how the engine gets the same reload rule.
+    ``kernel``: (host, pid, start time) of the kernel that started the session.
     """
     import pickle
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR=address, MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       TORCHELASTIC_USE_AGENT_STORE="True")  # the kernel serves the store (Session.start)
-    _watch_kernel(kernel_pid)
+    _watch_kernel(*kernel)
     stack_file = open(stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     import torch
@@ -42,19 +59,35 @@ def join(rank: int, world_size: int, backend: str, address: str, port: int, time
     torch.set_num_threads(1)
     from labkit.launching.rank_main import init_process_group
 
-    init_process_group(backend, rank, world_size, rank, timeout)
+    init_process_group(backend, rank, world_size, local_rank, timeout)
     pickle.loads(hooks)  # imports the hooks' module, which registers them in labkit.launching.notebook
     _state.update(rank=rank, world_size=world_size, stack_file=stack_file)
     return os.getpid()
 
 
-def _watch_kernel(kernel_pid: int) -> None:
-    """Exit when the kernel is gone (killed, crashed): no engine outlives the notebook that started it."""
+def _watch_kernel(host: str, pid: int, started: float) -> None:
+    """Exit when the kernel is gone (killed, crashed): no engine outlives the notebook that started it.
+
+    Watched by pid and start time (a reused pid is another process), which works whoever the engine's
+    parent is: the kernel (local), mpiexec, or srun's slurmstepd.
+    """
+    import socket
+
+    import psutil
+
+    if socket.gethostname() != host:
+        return  # another host: the kernel's pid means nothing here (see engines.py)
+
+    def gone() -> bool:
+        try:
+            return abs(psutil.Process(pid).create_time() - started) > 0.01
+        except psutil.NoSuchProcess:
+            return True
+
     def watch():
-        while True:
-            if os.getppid() != kernel_pid:
-                os._exit(0)
+        while not gone():
             time.sleep(1.0)
+        os._exit(0)
 
     threading.Thread(target=watch, name="labkit-kernel-watch", daemon=True).start()
 

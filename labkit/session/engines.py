@@ -5,49 +5,119 @@ forks of the kernel: on a GPU node torch refuses autograd and CUDA in a process 
 used them (see CONTRIBUTING's "How a rank is born"). They are ordinary IPython kernels, so each keeps
 its own namespace between cells. Each engine exits when the kernel that started it is gone
 (`labkit.session.engine_side`), and ipyparallel stops the cluster when the kernel exits normally.
+
+Launchers (``--launcher``), all ipyparallel's own: ``local`` starts each engine as a child of the kernel
+(LocalEngineSetLauncher); ``mpiexec`` (Open MPI or MPICH, whichever ``mpiexec`` is first on PATH), ``slurm``
+(``srun``, inside an allocation: salloc, or a batch job that runs JupyterLab) and ``pbs`` (``mpiexec``
+inside the PBS job: PALS on Cray systems) start all N engines with one command, ipyparallel's
+MPIEngineSetLauncher with that command. The engines then learn their rank and local rank from the
+launcher's variables (`labkit.launching.cluster`, the same rules as a launch under a scheduler).
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
-LAUNCHERS = {"local": "local", "mpiexec": "mpi", "slurm": "slurm", "pbs": "pbs"}  # ours -> ipyparallel's
+# ours -> the command that starts N engines (None: ipyparallel's local launcher, one child per engine)
+LAUNCHERS = {"local": None, "mpiexec": "mpiexec", "slurm": "srun", "pbs": "mpiexec"}
+# the variable that says we are inside the scheduler's allocation, and how to get one
+ALLOCATION = {"slurm": ("SLURM_JOB_ID", "salloc -n N (or an sbatch job that runs JupyterLab)"),
+              "pbs": ("PBS_JOBID", "qsub -I (or a PBS job that runs JupyterLab)")}
 
 
 class EnginesDidNotStart(RuntimeError):
     """The engines did not come up in time; the message names the launcher and what it printed."""
 
 
+def check_launcher(launcher: str) -> None:
+    """Before any process starts: a known launcher, its command on PATH, inside an allocation where one is needed."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"unknown launcher {launcher!r}: use one of {tuple(LAUNCHERS)}")
+    command = LAUNCHERS[launcher]
+    if command and shutil.which(command) is None:
+        raise ValueError(f"--launcher {launcher} starts the engines with `{command}`, which is not on PATH here: "
+                         f"load the MPI or Slurm module first, or use --launcher local")
+    if launcher in ALLOCATION and ALLOCATION[launcher][0] not in os.environ:
+        variable, how = ALLOCATION[launcher]
+        raise ValueError(f"--launcher {launcher} starts the engines inside your allocation, and this kernel is "
+                         f"in none (no {variable}): get one first ({how}), or use --launcher local")
+
+
+def _engine_set_class(command: str):
+    """ipyparallel's MPIEngineSetLauncher with ``command`` (mpiexec, srun) and without ``--mpi``.
+
+    ``--mpi`` would make each engine import mpi4py; the engines need no MPI, only the launcher's variables.
+    """
+    from ipyparallel.cluster.launcher import MPIEngineSetLauncher
+    from traitlets import List
+
+    class CommandEngineSetLauncher(MPIEngineSetLauncher):
+        mpi_cmd = List([command], config=True, help="the command that starts the engines")
+
+        @property
+        def program(self):
+            return self.engine_cmd
+
+    CommandEngineSetLauncher.__name__ = f"{command.capitalize()}EngineSetLauncher"
+    return CommandEngineSetLauncher
+
+
 class Engines:
-    """N engines and their controller; ``client`` talks to them, ``pids`` are the local engines' pids."""
+    """N engines and their controller; ``client`` talks to them."""
 
     def __init__(self, n: int, launcher: str = "local", start_timeout: float = 60.0):
-        if launcher not in LAUNCHERS:
-            raise ValueError(f"unknown launcher {launcher!r}: use one of {tuple(LAUNCHERS)}")
+        check_launcher(launcher)
         self.n, self.launcher, self.start_timeout = n, launcher, start_timeout
         self.cluster = self.client = None
 
     def start(self) -> None:
         import ipyparallel as ipp
 
-        self.cluster = ipp.Cluster(n=self.n, engine_launcher_class=LAUNCHERS[self.launcher], log_level=40,
-                                   shutdown_atexit=True)
+        command = LAUNCHERS[self.launcher]
+        engine_class = "local" if command is None else _engine_set_class(command)
+        self.cluster = ipp.Cluster(n=self.n, engine_launcher_class=engine_class, log_level=40, shutdown_atexit=True)
         began = time.monotonic()
         try:
             self.cluster.start_cluster_sync()
             self.client = self.cluster.connect_client_sync()
-            left = max(1.0, self.start_timeout - (time.monotonic() - began))
-            self.client.wait_for_engines(self.n, timeout=left, interactive=False)
+            while True:  # in short waits: a launcher that exits (mpiexec refused, srun outside the job) fails now
+                left = self.start_timeout - (time.monotonic() - began)
+                try:
+                    self.client.wait_for_engines(self.n, timeout=max(0.1, min(1.0, left)), interactive=False)
+                    break
+                except TimeoutError:
+                    exited = self._exited()
+                    if exited or left <= 0:
+                        raise TimeoutError(exited or f"{self.n - len(self.client.ids)} engine(s) not up") from None
         except (TimeoutError, Exception) as err:
             said = self._launcher_output()
             up = len(self.client.ids) if self.client is not None else 0
             self.stop()
             raise EnginesDidNotStart(
-                f"the {self.launcher} launcher started {up} of {self.n} engine(s) in {self.start_timeout:g} s "
-                f"({type(err).__name__}: {err}).\nWhat the launcher printed:\n{said or '(nothing)'}\n"
+                f"the {self.launcher} launcher started {up} of {self.n} engine(s) in {time.monotonic() - began:.0f} s "
+                f"(--start-timeout {self.start_timeout:g} s) "
+                f"({err}).\nWhat the launcher printed:\n{said or '(nothing)'}\n"
                 "What to do: on a busy machine, start again with a longer --start-timeout; with mpiexec, "
-                "Slurm or PBS, run inside an allocation that has room for the engines.") from None
+                "Slurm or PBS, run inside an allocation that has room for the engines, on this kernel's node "
+                "(the controller listens on this node only: salloc -N 1, or PBS select=1).") from None
+
+    def _exited(self) -> str | None:
+        """'`mpiexec` exited with code 3 before every engine was up', or None while the launchers run."""
+        import psutil
+
+        for engine_set in self.cluster.engines.values():
+            for launcher in [engine_set, *getattr(engine_set, "launchers", {}).values()]:
+                process = getattr(launcher, "process", None)  # psutil.Process of what the launcher started
+                if process is None:
+                    continue
+                try:
+                    code = process.wait(timeout=0)  # ipyparallel notes the exit only when its loop runs
+                except psutil.TimeoutExpired:
+                    continue
+                return f"`{launcher.args[0]}` exited with code {'?' if code is None else code} before every engine was up"
+        return None
 
     def _launcher_output(self) -> str:
         parts = []
@@ -66,20 +136,24 @@ class Engines:
         return "\n".join(parts)
 
     def local_pids(self) -> list[int]:
-        """The engines' pids as their launchers know them (local launcher), in engine-id order is not known."""
+        """The local launcher's engine pids (the other launchers' engines are known by `stop`'s ``pids``)."""
         pids = []
         for engine_set in (self.cluster.engines.values() if self.cluster else ()):
             pids += [launcher.pid for launcher in getattr(engine_set, "launchers", {}).values()]
         return pids
 
-    def stop(self) -> None:
-        """Stop the engines and the controller; kill what does not stop. Idempotent."""
+    def stop(self, pids=()) -> None:
+        """Stop the engines and the controller; kill what does not stop. Idempotent.
+
+        ``pids``: the engines' own pids on this host, as they said when they joined (under mpiexec or srun
+        the launcher knows only its own pid).
+        """
         if self.cluster is None:
             return
         # Killed first: an engine holds nothing worth saving once its session stops, and the polite
         # stop (SIGTERM, then SIGKILL after 5 s) waits out every engine whose process group or a
         # collective it is stuck in keeps it from exiting: 7-9 s per `%ranks stop`, measured.
-        for pid in self.local_pids():
+        for pid in set(self.local_pids()) | set(pids):
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -91,3 +165,4 @@ class Engines:
         except Exception:
             pass
         self.cluster = self.client = None
+
