@@ -39,3 +39,18 @@ def test_found_but_ranked_lower_and_equal_lists():
     a, b = pred(cp=8, micro_batch=2), pred(dp=2, cp=4, micro_batch=1)
     assert "search found it, but ranked it #2 (sort with rank_key)" in explain([b, a], [a, b], [b, a])
     assert explain([a], [a], [a]) == "search's list equals brute force's (1 layouts)"
+
+
+def test_more_layouts_than_asked_and_the_right_layout_with_another_prediction():
+    """Planted (walked through as a learner, notebook 15's check): a search that ignores `top` was told its
+    list equals brute force's; one that predicts with another efficiency passed on its layouts alone."""
+    import dataclasses
+
+    a, b = pred(cp=8, micro_batch=2), pred(dp=2, cp=4, micro_batch=1)
+    msg = explain([a, b], [a], [a, b])
+    assert msg.startswith("search's first 1 layouts equal brute force's, but it returned 2 layouts, brute force 1; "
+                          "#2 is dp2 cp4 zero2 none mb1"), msg
+    fast = dataclasses.replace(a, tokens_per_s_per_gpu=1.25 * a.tokens_per_s_per_gpu)
+    msg = explain([fast], [a], [fast])
+    assert msg.startswith("search's result #1 is the right layout, cp8 zero2 none mb2, but its tokens/s/GPU is"), msg
+    assert "(got = 1.25 x expected): predict each layout with predict(model, layout, cluster" in msg

@@ -44,11 +44,24 @@ def brute_force(model, cluster, global_batch, seq_len, n_gpus, top):
 
 
 def explain(got, want, everything) -> str:
-    """The first place where the learner's list differs from brute force's, in words
+    """The first place where the learner's list differs from brute force's, in words: a layout missing,
+    misplaced or too big, more layouts than asked for, or the right layout with another prediction
     (`everything`: the learner's search with no limit on the results)."""
     i = next((i for i, (g, w) in enumerate(zip(got + [None] * len(want), want)) if g is None or g.layout != w.layout), None)
+    if i is None and len(got) > len(want):  # the right layouts first, then more than were asked for
+        extra = got[len(want)]
+        return (f"search's first {len(want)} layouts equal brute force's, but it returned {len(got)} layouts, brute "
+                f"force {len(want)}; #{len(want) + 1} is {extra.layout.short()} ({extra.peak_gib:.1f} GiB, "
+                f"fits={extra.fits}): return only the `top` best that fit (sorted(..., key=rank_key)[:top])")
     if i is None:
-        return f"search's list equals brute force's ({len(want)} layouts)"
+        j = next((j for j, (g, w) in enumerate(zip(got, want)) if g.tokens_per_s_per_gpu != w.tokens_per_s_per_gpu), None)
+        if j is None:
+            return f"search's list equals brute force's ({len(want)} layouts)"
+        g, w = got[j], want[j]
+        return (f"search's result #{j + 1} is the right layout, {w.layout.short()}, but its tokens/s/GPU is "
+                f"{g.tokens_per_s_per_gpu:,.1f}, expected {w.tokens_per_s_per_gpu:,.1f} (got = "
+                f"{g.tokens_per_s_per_gpu / w.tokens_per_s_per_gpu:.4g} x expected): predict each layout with "
+                "predict(model, layout, cluster, global_batch, seq_len, n_gpus) and predict's defaults")
     w = want[i]
     head = (f"search's result #{i + 1} should be {w.layout.short()} ({w.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
             f"{w.peak_gib:.1f} GiB)")

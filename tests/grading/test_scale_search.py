@@ -45,10 +45,9 @@ def test_search_equals_brute_force(case):
                     f"({want[0].peak_gib:.1f} GiB): do your loops try every divisor of the GPUs for each axis?",
                     pytrace=False)
     want = brute_force(model, cluster, batch, seq, gpus, top=5)  # after: an unwritten stub fails at once
-    if [p.layout for p in got] != [p.layout for p in want]:
+    if [(p.layout, p.tokens_per_s_per_gpu) for p in got] != [(p.layout, p.tokens_per_s_per_gpu) for p in want]:
         everything = impl("scale_search").search(model, cluster, batch, seq, gpus, top=10**9)
         pytest.fail(explain(got, want, everything), pytrace=False)
-    assert [p.tokens_per_s_per_gpu for p in got] == [p.tokens_per_s_per_gpu for p in want]
 
 
 @pytest.mark.exercise("search")
@@ -73,9 +72,10 @@ def expect_layout_error(args, pattern, what):
     try:
         got = impl("scale_search").search(*args)
     except LayoutError as err:
-        assert re.search(pattern, str(err)), (
-            f"search({what}) raised LayoutError({str(err)!r}), expected a message matching {pattern!r}: raise "
-            "no_layout_fits(model, cluster, n_gpus, smallest), smallest the least peak memory of every valid layout")
+        if not re.search(pattern, str(err)):
+            pytest.fail(f"search({what}) raised LayoutError({str(err)!r}), expected a message matching {pattern!r}: "
+                        "raise no_layout_fits(model, cluster, n_gpus, smallest), smallest the least peak memory of "
+                        "every layout predict accepted, whether it fits or not", pytrace=False)
         return
     first = f" (first {got[0].layout.short()}, {got[0].peak_gib:.1f} GiB per GPU, fits={got[0].fits})" if got else ""
     pytest.fail(f"search({what}) returned {len(got)} layouts{first}, expected LayoutError matching {pattern!r}: "
