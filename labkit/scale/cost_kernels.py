@@ -20,7 +20,8 @@ def params_per_gpu(model, layout) -> dict:
     layers = layout.layers_per_rank(m.n_layers)
     head = max(m.embedding_params, m.head_params)  # the heavier end stage
     dense = layers * m.layer_dense_params + (head if layout.pp > 1 else m.embedding_params + m.head_params)
-    return {"dense": dense / layout.tp, "experts": layers * m.expert_params * m.n_experts / (layout.tp * layout.ep)}
+    return {"dense": dense / layout.tp,
+            "experts": layers * m.expert_params * m.n_experts / (layout.expert_tp * layout.ep)}
 
 
 def two_batch_exposed(ep_s: float, experts_s: float, layers: int, n_micro: int) -> float:
@@ -61,7 +62,7 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     gpu = load_gpu(cluster.gpu)
     impl = options.get("attention") or ("fa2" if "fa2" in gpu.attention else "unfused")
     shape = Shape(layout.micro_batch, seq_len, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
-                  layout.cp_method)
+                  layout.cp_method, layout.expert_tp)
     try:  # a schedule that does not fit, an unknown recompute policy, fp8 on a GPU without it: before any arithmetic
         actions = schedule_actions(layout, n_micro) if layout.pp > 1 else None
         opts = Options(options.get("compile", False), options.get("float8", False), impl, layout.recompute)
