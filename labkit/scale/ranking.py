@@ -113,12 +113,14 @@ def _bounds(model, base: Layout, cluster, batch, seq, n, options) -> dict:
 
 def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: dict, *, cap: int = CAP,
                   prune: bool = True) -> dict:
-    """The top of the space around `mine` (the published layout's Prediction) and how many fitting layouts
-    outrank it: {"top", "better" (exact up to `cap`; `cap` means at least that many), "predicted"}.
+    """The top of the space around `mine` (the published layout's Prediction, or any layout of the space: the
+    top does not depend on it) and how many fitting layouts outrank it: {"top" (None if nothing fits),
+    "better" (exact up to `cap`; `cap` means at least that many), "predicted"}. The space's schedules are
+    1F1B and mine's (`schedules_of`).
     Groups in ascending lower bound; a group is skipped once its bound exceeds the published step (while
     fewer than `cap` better layouts are known) and the best step found. prune=False: every layout."""
     slack = 1 + 1e-6  # rank_key rounds tokens/s to 1e-6: a tie may sit a hair above the step
-    key, best, better, predicted = rank_key(mine), mine, 0, 0
+    key, best, better, predicted = rank_key(mine), mine if mine.fits else None, 0, 0
     groups = []
     for (dp, pp, cp, tp), sched in itertools.product(_axes(n), schedules_of(mine.layout)):
         if batch % dp or (pp == 1 and sched["schedule"] != "1f1b"):
@@ -131,6 +133,8 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
 
     def limit():
         if not prune:
+            return float("inf")
+        if best is None:  # nothing fits yet (the reference does not): no bound
             return float("inf")
         return max(best.step_s, mine.step_s if better < cap else 0.0) * slack
 
@@ -164,7 +168,7 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
                         break
                 if not p.fits or lay == mine.layout:
                     continue
-                if rank_key(p) < rank_key(best):
+                if best is None or rank_key(p) < rank_key(best):
                     best = p
                 if rank_key(p) < key:
                     better += 1
