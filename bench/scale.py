@@ -20,8 +20,9 @@ labkit.scale.cost.predict), the kernel model (every op by a roofline from kernel
 --ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
 same model, cluster, global batch, sequence length and GPU count), its gap to the top prediction, whether
 it meets issue 34's criterion (top 5, or within 5%), and for each row that does not, the terms that make
-the model's pick faster; a minute or two under the flat model, far longer under the kernel model
-(its schedule simulator and kernel shapes per layout).
+the model's pick faster. Measured on 2 shared CPU cores (2026-11-26): 74 s for the 47 rows under the flat
+model; under the kernel model minutes per large row (405B on 512 GPUs: 215 s), the schedule simulator
+and the kernel shapes of every layout left after pruning.
 No process, no GPU: arithmetic, a few seconds (without --ranks). --quick is accepted (and changes nothing)
 so that every bench takes the same flags.
 """

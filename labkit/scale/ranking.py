@@ -29,6 +29,9 @@ GPUs), so it is pruned, exactly: a layout can outrank the published one only if 
        optimizer terms, which are all that ZeRO stage and dp_replicate change (tests/test_scale_ranking.py
        checks it): above the published step, its ZeRO stages and replicas are skipped.
 Every layout left is predicted. `rank_published(..., prune=False)` enumerates everything (the tests' brute force).
+Ranks are exact up to CAP (the criterion needs the top 5); past it the search only needs the top, which
+prunes harder. Cost (2 shared cores): the 47 rows in 74 s under the flat model; under the kernel model a
+large row takes minutes (405B on 512 GPUs: 15,000 layouts predicted, 215 s).
 """
 from __future__ import annotations
 
