@@ -90,6 +90,10 @@ def _bounds(model, base: Layout, cluster, batch, seq, n, options) -> dict:
             impl = options.get("attention") or ("fa2" if "fa2" in gpu.attention else "unfused")
             blocks = []
             for method in CP_METHODS if lay.cp > 1 else ("ring",):
+                try:  # only the methods this layout can run (Ulysses needs the heads to split over cp)
+                    check_layout(model, replace(lay, cp_method=method), n, cluster.gpus_per_node, batch, seq)
+                except LayoutError:
+                    continue
                 shape = Shape(mb, seq, lay.tp, lay.cp, 1, lay.sequence_parallel, method, lay.expert_tp)
                 try:
                     blk = block_ops(model, shape, Options(options["compile"], options["float8"], impl, rc), gpu)
