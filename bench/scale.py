@@ -1,6 +1,6 @@
 """The cost model against published training runs: the validation set (notebook 15).
 
-    python bench/scale.py [--quick] [--model flat|kernels|both] [--small]
+    python bench/scale.py [--quick] [--model flat|kernels|both] [--small] [--ranks]
 
 Predicts, from each run's published setup only (model, layout, batch, sequence, recompute, GPU
 and network), the throughput per GPU and the peak memory of every row of
@@ -22,7 +22,14 @@ description of its machines, not from the rows: torchtitan's hosts run their H10
 'Hardware' section), so h100-grand-teton uses the GPU kind h100-sxm-500w (FBGEMM's GEMM measured
 on an 'H100 500W', the FlashAttention tables scaled by the same clock ratio); Llama 3's run at 700 W
 (h100-sxm); every kind's eager cost per kernel is one measured profile (sam2 issue #768), the same
-for all. No process, no GPU: arithmetic, a few seconds. --quick is accepted (and changes nothing)
+for all.
+--ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
+same model, cluster, global batch, sequence length and GPU count), its gap to the top prediction, whether
+it meets issue 34's criterion (top 5, or within 5%), and for each row that does not, the terms that make
+the model's pick faster. Measured on 2 shared CPU cores (2026-11-26): 74 s for the 47 rows under the flat
+model; under the kernel model minutes per large row (405B on 512 GPUs: 215 s), the schedule simulator
+and the kernel shapes of every layout left after pruning.
+No process, no GPU: arithmetic, a few seconds (without --ranks). --quick is accepted (and changes nothing)
 so that every bench takes the same flags.
 """
 import argparse
@@ -58,11 +65,40 @@ def small_end() -> list[dict]:
     return rows
 
 
+def ranks(model: str) -> dict:
+    """Each published layout's rank in its own space under `model`: a table, the rows that miss the criterion
+    with the model's reasons, and {id: {rank, gap, meets, top}} for the JSON line."""
+    import time
+
+    from labkit.scale.ranking import CAP, explain, rank_published
+
+    print(f"\nwhere each published layout ranks in the search over its space, {model} model "
+          f"(rank {CAP + 1} = beyond {CAP}; criterion: top 5 or within 5% of the top)")
+    print(f"  {'row':20s} {'rank':>5} {'gap':>7} meets  {'the model':s}")
+    out, missed, start = {}, [], time.perf_counter()
+    for info in load_sets().values():
+        for row in info["rows"]:
+            got = rank_published(row, info, model)
+            rank = "-" if got["rank"] is None else (f">{CAP}" if got["rank"] > CAP else str(got["rank"]))
+            gap = "-" if got["gap"] is None else f"{got['gap']:+.1%}"
+            print(f"  {row['id']:20s} {rank:>5} {gap:>7} {'yes' if got['meets'] else 'NO ':5s} "
+                  f"top: {got['top'].layout.short() if got['top'] else '-'}")
+            out[row["id"]] = dict(rank=got["rank"], gap=None if got["gap"] is None else round(got["gap"], 4),
+                                  meets=got["meets"], top=got["top"].layout.short() if got["top"] else None)
+            if not got["meets"]:
+                missed.append(f"  {row['id']}: {explain(got)}")
+    print(f"rows that miss the criterion ({len(missed)} of {len(out)}), and why in the model's numbers:")
+    print("\n".join(missed))
+    print(f"({time.perf_counter() - start:.0f} s)")
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", choices=(*MODELS_OF_COST, "both"), default="both")
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--ranks", action="store_true")
     args = parser.parse_args()
     print("labkit.scale's cost model against published runs; err = predicted / published - 1")
     for name, info in load_sets().items():
@@ -83,6 +119,8 @@ def main():
               f"runs that ran but the model says do not fit: {sum(not r['fits'] for r in every)}")
         out[model] = dict(sets={name: rounded(summarize(rows)) for name, rows in results.items()},
                           overall=rounded(overall), not_fitting=[r["id"] for r in every if not r["fits"]])
+        if args.ranks:
+            out[model]["ranks"] = ranks(model)
     if args.small:
         out["small"] = small_end()
         print("\nthe lab's own models on one H200 (bf16, eager), kernel model:")

@@ -1,6 +1,6 @@
 # GENERATED from solutions/scale_search.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/15_at_scale.ipynb.
-# untouched-stub fingerprint: 745839a101319932
+# untouched-stub fingerprint: 5698cfbec84830e2
 """The configuration search (notebook 15_at_scale): fit memory, reach the global batch, maximise throughput.
 
 The Ultra-Scale Playbook's recipe, done by the cost model instead of by 4,000 GPU runs:
@@ -10,7 +10,9 @@ The Ultra-Scale Playbook's recipe, done by the cost model instead of by 4,000 GP
 
 The space searched (every layout `labkit.scale.layout.check_layout` accepts in it):
     dp, pp, cp, tp   any sizes whose product is n_gpus
-    ep               1 for a dense model; any divisor of the experts for a MoE
+    ep               1 for a dense model; any divisor of the experts for a MoE (check_layout keeps those
+                     that divide dp_shard x cp x tp: folded over dp_shard x cp, or over tp too where
+                     it must be, as torchtitan's expert mesh; Layout.ep_over_tp)
     zero             "dp", "zero1", "zero2", "zero3"
     recompute        each of labkit.scale.layout.RECOMPUTE ("none", "selective-op", "selective-attn",
                      "full"); a GPT-shaped model refuses "selective-op" (check_layout)
@@ -41,11 +43,15 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search(model, cluster, global_batch: int, seq_len: int, n_gpus: int, top: int = 5) -> list:
+def search(model, cluster, global_batch: int, seq_len: int, n_gpus: int, top: int = 5, *,
+           cost_model=predict) -> list:
     """The `top` best layouts of `model` on `n_gpus` GPUs of `cluster` as labkit.scale Predictions,
     best first (order: `rank_key`), among those that fit the GPUs' memory.
 
     model: a labkit.scale.specs.ModelSpec; cluster: a Cluster or a name ("h100-sxm").
+    cost_model: predicts one layout, called as cost_model(model, layout, cluster, global_batch, seq_len,
+    n_gpus) -> Prediction (LayoutError where the layout cannot run); labkit.scale.cost.predict (the flat
+    model) unless you pass another, e.g. functools.partial(predict, efficiency=None) for the kernel model.
     Raises the LayoutError of `no_layout_fits` (which says how many GPUs of this kind the model
     needs at least) when no layout fits.
     """

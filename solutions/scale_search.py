@@ -7,7 +7,9 @@ The Ultra-Scale Playbook's recipe, done by the cost model instead of by 4,000 GP
 
 The space searched (every layout `labkit.scale.layout.check_layout` accepts in it):
     dp, pp, cp, tp   any sizes whose product is n_gpus
-    ep               1 for a dense model; any divisor of the experts for a MoE
+    ep               1 for a dense model; any divisor of the experts for a MoE (check_layout keeps those
+                     that divide dp_shard x cp x tp: folded over dp_shard x cp, or over tp too where
+                     it must be, as torchtitan's expert mesh; Layout.ep_over_tp)
     zero             "dp", "zero1", "zero2", "zero3"
     recompute        each of labkit.scale.layout.RECOMPUTE ("none", "selective-op", "selective-attn",
                      "full"); a GPT-shaped model refuses "selective-op" (check_layout)
@@ -38,11 +40,15 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search(model, cluster, global_batch: int, seq_len: int, n_gpus: int, top: int = 5) -> list:
+def search(model, cluster, global_batch: int, seq_len: int, n_gpus: int, top: int = 5, *,
+           cost_model=predict) -> list:
     """The `top` best layouts of `model` on `n_gpus` GPUs of `cluster` as labkit.scale Predictions,
     best first (order: `rank_key`), among those that fit the GPUs' memory.
 
     model: a labkit.scale.specs.ModelSpec; cluster: a Cluster or a name ("h100-sxm").
+    cost_model: predicts one layout, called as cost_model(model, layout, cluster, global_batch, seq_len,
+    n_gpus) -> Prediction (LayoutError where the layout cannot run); labkit.scale.cost.predict (the flat
+    model) unless you pass another, e.g. functools.partial(predict, efficiency=None) for the kernel model.
     Raises the LayoutError of `no_layout_fits` (which says how many GPUs of this kind the model
     needs at least) when no layout fits.
     """
@@ -65,7 +71,7 @@ def search(model, cluster, global_batch: int, seq_len: int, n_gpus: int, top: in
                                             micro_batch=micro_batch, dp_replicate=r, cp_method=method,
                                             ep_overlap=overlap)
                             try:
-                                p = predict(model, layout, cluster, global_batch, seq_len, n_gpus)
+                                p = cost_model(model, layout, cluster, global_batch, seq_len, n_gpus)
                             except LayoutError:
                                 continue
                             smallest = p.peak_bytes if smallest is None else min(smallest, p.peak_bytes)

@@ -37,7 +37,12 @@ MOE = ModelSpec("small-moe", d_model=2048, n_layers=16, n_heads=16, n_kv_heads=4
     (LLAMA3["8b"], Layout(dp=1, cp=8, tp=8, cp_method="hybrid"), 64, r"the ring alone: use cp_method='ring'"),
     (LLAMA3["8b"], Layout(dp=1, cp=2, cp_method="tree"), 2, r"cp_method='tree': choose one of"),
     (MOE, Layout(dp=16, dp_replicate=4, ep=8, zero="zero3"), 16,
-     r"ep=8 borrows its ranks from dp_shard x cp = 4 x 1 \(inside a replica, dp_replicate=4\): it must divide 4"),
+     r"ep=8 borrows its ranks from dp_shard x cp x tp = 4 x 1 x 1 = 4 \(inside a replica, dp_replicate=4\): it must "
+     r"divide 4; the ep that work here \(dividing it and the 8 experts\): \[1, 2, 4\]"),
+    (MOE, Layout(dp=2, tp=2, ep=8), 4,
+     r"ep=8 borrows its ranks from dp x cp x tp = 2 x 1 x 2 = 4: it must divide 4; the ep that work here .*\[1, 2, 4\]"),
+    (MOE, Layout(dp=2, tp=2, ep=4), 4, None),  # folded over tp: 4 divides dp x cp x tp
+    (MOE, Layout(dp=2, tp=2, ep=4, sequence_parallel=False), 4, r"folded over tp .* use sequence_parallel=True"),
     (MOE, Layout(dp=16, ep=1, ep_overlap=True), 16, r"ep_overlap=True with ep=1"),
 ])
 def test_new_layout_choices_refused_with_the_fix(model, layout, gpus, match):
@@ -196,6 +201,54 @@ def test_ep_overlap_with_no_expert_compute_exposes_everything():
     assert parts["exposed_ep"] == pytest.approx(0.8, rel=1e-15)
     _, parts = step_time(1.0, 0.0, {"ep": 0.8}, lay, n_micro=2, layers_per_rank=5, experts_s=100.0)
     assert parts["exposed_ep"] == pytest.approx(0.4, rel=1e-15)  # only A's dispatch and B's combine
+
+
+# --- EP folded over dp_shard x cp x tp (torchtitan's expert mesh) --------------------------------
+
+def test_ep_folded_over_tp_bytes_equal_closed_form():
+    """small-moe on 16 H100s, dp 4 x tp 4, ep 8: 8 does not divide dp x cp = 4, so ep is folded over tp
+    (torchtitan's [pp, dp_replicate, efsdp, ep], efsdp = dp x cp x tp / ep = 2), whole experts (etp = 1).
+    Per GPU per step, L = 16 blocks, m = 4 micro-batches of one 4,096-token sequence, T / tp = 1,024 tokens:
+        ep  4 L m x (ep-1)/ep x 2 top_k (T/tp) d                     (traffic.py's docstring)
+        dp  (dp cp - 1)/(dp cp) x 8 D  +  (n_e - 1)/n_e x 8 E         (ZeRO-3: 2 + 2 + 4 bytes a parameter)
+    with D = the dense parameters / tp and E = L x the 8 experts / ep (not / tp: whole experts), n_e = 2.
+    The ep group is the innermost 8 of (dp, cp, tp) flattened: tp's 4, then 2 dp ranks 4 apart, one node.
+    Planted (checked when written): the experts split over tp as well (/ (tp ep)) or reduced over the
+    unfolded dp x cp / ep ranks each break the dp term; ep borrowed from cp first (span ep x tp = 32) puts
+    the all-to-all on the network and breaks its seconds."""
+    lay = Layout(dp=4, tp=4, ep=8, zero="zero3")
+    assert lay.ep_over_tp and lay.expert_tp == 1 and lay.efsdp == 2 and lay.level("ep", 8) == "node"
+    p = predict(MOE, lay, H100, 16, 4096)
+    L, m, d, k = MOE.n_layers, p.n_micro, MOE.d_model, MOE.top_k
+    assert (L, m) == (16, 4)
+    tokens = 2 * k * (4096 // 4) * d
+    assert p.traffic["ep"]["bytes"] == 4 * L * m * 7 / 8 * tokens
+    a, b = H100.link("node")
+    assert p.traffic["ep"]["seconds"] == pytest.approx(4 * L * m * (7 * a + 7 / 8 * tokens / b), rel=1e-12)
+    D = (L * MOE.layer_dense_params + MOE.embedding_params + MOE.head_params) / 4
+    E = L * MOE.expert_params * MOE.n_experts / 8
+    assert p.traffic["dp"]["bytes"] == pytest.approx(3 / 4 * 8 * D + 1 / 2 * 8 * E, rel=1e-12)
+    # the memory follows the same mesh: the experts' states ZeRO-3-sharded over efsdp = 2
+    mem = peak_memory(MOE, lay, n_micro=m, seq_len=4096)
+    want = {key: memory_per_rank(math.ceil(D), 4, "zero3", "fp32")[key] + memory_per_rank(math.ceil(E), 2, "zero3",
+            "fp32")[key] for key in ("params", "grads", "optimizer")}
+    assert {key: mem[key] for key in want} == want
+
+
+def test_ep_folded_over_tp_only_where_it_must_be_and_hsdp_inside_a_replica():
+    """ep dividing dp_shard x cp keeps the earlier model (experts split over tp, efsdp = dp_shard x cp / ep);
+    under HSDP the folded ep stays inside a replica: efsdp = dp_shard x cp x tp / ep, the replicas across."""
+    plain = Layout(dp=4, tp=4, ep=4)
+    assert not plain.ep_over_tp and plain.expert_tp == 4 and plain.efsdp == 1
+    assert Layout(dp=4, pp=2, tp=4, ep=8).level("ep", 8) == "network"  # 2 dp ranks pp x tp = 8 apart: span 16
+    hsdp = Layout(dp=8, dp_replicate=2, tp=2, ep=8, zero="zero3")
+    assert hsdp.ep_over_tp and hsdp.efsdp == 1
+    p = predict(MOE, hsdp, H100, 16, 4096)
+    E = MOE.n_layers * MOE.expert_params * MOE.n_experts / 8
+    D = (MOE.n_layers * MOE.layer_dense_params + MOE.embedding_params + MOE.head_params) / 2
+    # shard group: the dense over dp_shard = 4 (8 bytes), the experts over efsdp = 1 (nothing); replicas: R = 2
+    assert p.traffic["dp"]["shard_bytes"] == pytest.approx(3 / 4 * 8 * D, rel=1e-12)
+    assert p.traffic["dp"]["replica_bytes"] == pytest.approx(2 * 1 / 2 * 4 * (D / 4 + E), rel=1e-12)
 
 
 # --- HSDP where practitioners run it -----------------------------------------------------------

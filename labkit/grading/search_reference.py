@@ -3,9 +3,9 @@ place where a search's list differs from it, in words.
 
 Written independently of the learner's loops: every value of every field of the search space (dp,
 pp, cp, tp from 1 to the GPU count, every micro-batch size from 1 to the global batch, every ZeRO
-stage and recompute mode, every ep for a MoE; every dp_replicate from 1 to dp whose replicas are whole
+stage and recompute mode, every ep for a MoE (check_layout keeps the ones that divide dp_shard x cp x tp); every dp_replicate from 1 to dp whose replicas are whole
 nodes, every cp_method when cp > 1, ep_overlap both ways when ep > 1), each layout predicted by
-labkit.scale.cost.predict, the ones check_layout refuses dropped, the ones that do not fit dropped, ranked by rank_key. Used by
+labkit.scale.cost.predict (or the cost model passed), the ones check_layout refuses dropped, the ones that do not fit dropped, ranked by rank_key. Used by
 tests/grading/test_scale_search.py and by notebook 15's check after the search exercise.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ from labkit.scale.cost import predict, rank_key
 from labkit.scale.layout import CP_METHODS, RECOMPUTE, ZERO_STAGES, Layout, LayoutError
 
 
-def brute_force(model, cluster, global_batch, seq_len, n_gpus, top):
+def brute_force(model, cluster, global_batch, seq_len, n_gpus, top, *, cost_model=predict):
+    """The `top` fitting layouts by rank_key; cost_model as the search's (predict: the flat model)."""
     cluster = load_cluster(cluster)
     sizes = range(1, n_gpus + 1)
     eps = range(1, model.n_experts + 1) if model.n_experts else [1]
@@ -33,7 +34,7 @@ def brute_force(model, cluster, global_batch, seq_len, n_gpus, top):
                     range(1, global_batch + 1), ZERO_STAGES, RECOMPUTE, replicas, CP_METHODS if cp > 1 else ["ring"])
                 for overlap in ([False, True] if ep > 1 else [False])):
             try:
-                p = predict(model, Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, zero=zero, recompute=rc,
+                p = cost_model(model, Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, zero=zero, recompute=rc,
                                           micro_batch=mb, dp_replicate=r, cp_method=method, ep_overlap=overlap),
                             cluster, global_batch, seq_len, n_gpus)
             except LayoutError:

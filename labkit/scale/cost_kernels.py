@@ -5,6 +5,9 @@ The rules are stated once, in `labkit.scale.cost`'s docstring; this module appli
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 from labkit.measure.overlap import two_batch_overlap
 from labkit.scale.gpu import load_gpu
 from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops, seconds
@@ -20,7 +23,28 @@ def params_per_gpu(model, layout) -> dict:
     layers = layout.layers_per_rank(m.n_layers)
     head = max(m.embedding_params, m.head_params)  # the heavier end stage
     dense = layers * m.layer_dense_params + (head if layout.pp > 1 else m.embedding_params + m.head_params)
-    return {"dense": dense / layout.tp, "experts": layers * m.expert_params * m.n_experts / (layout.tp * layout.ep)}
+    return {"dense": dense / layout.tp,
+            "experts": layers * m.expert_params * m.n_experts / (layout.expert_tp * layout.ep)}
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """What the schedule simulator reads of a Layout (so that layouts differing only in ZeRO stage or replicas,
+    which feed it the same stage times, share one simulation: labkit.scale.ranking predicts many of them)."""
+    pp: int
+    schedule: str
+    virtual_stages: int
+
+
+@lru_cache(maxsize=4096)
+def _actions(pp: int, schedule: str, virtual_stages: int, n_micro: int):
+    return schedule_actions(_Schedule(pp, schedule, virtual_stages), n_micro)
+
+
+@lru_cache(maxsize=65536)
+def _makespan(pp, schedule, virtual_stages, n_micro, fwd: tuple, bwd: tuple, message: float) -> float:
+    lay = _Schedule(pp, schedule, virtual_stages)
+    return pipeline_time(lay, n_micro, list(fwd), list(bwd), message, _actions(pp, schedule, virtual_stages, n_micro))["makespan"]
 
 
 def two_batch_exposed(ep_s: float, experts_s: float, layers: int, n_micro: int) -> float:
@@ -61,9 +85,9 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     gpu = load_gpu(cluster.gpu)
     impl = options.get("attention") or ("fa2" if "fa2" in gpu.attention else "unfused")
     shape = Shape(layout.micro_batch, seq_len, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
-                  layout.cp_method)
+                  layout.cp_method, layout.expert_tp)
     try:  # a schedule that does not fit, an unknown recompute policy, fp8 on a GPU without it: before any arithmetic
-        actions = schedule_actions(layout, n_micro) if layout.pp > 1 else None
+        actions = _actions(layout.pp, layout.schedule, layout.virtual_stages, n_micro) if layout.pp > 1 else None
         opts = Options(options.get("compile", False), options.get("float8", False), impl, layout.recompute)
         blk = block_ops(model, shape, opts, gpu)
     except ValueError as err:
@@ -93,7 +117,7 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     if layout.pp > 1:
         pp = traffic.get("pp", {})
         message = pp["seconds"] / pp["count"] if pp.get("count") else 0.0
-        makespan = pipeline_time(layout, n_micro, fwd, bwd, message, actions)["makespan"]
+        makespan = _makespan(layout.pp, layout.schedule, layout.virtual_stages, n_micro, tuple(fwd), tuple(bwd), message)
     else:
         makespan = work
     backward = n_micro * sum(bwd[s] for s in busiest)

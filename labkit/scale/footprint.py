@@ -1,9 +1,10 @@
 """Peak memory per GPU of a layout: model states, gathered layers, activations, logits (notebook 15).
 
     model states   labkit.measure.memory.memory_per_rank (the ZeRO paper's formulas) for the parameters
-                   this GPU's stage and tp shard hold, sharded over dp x cp (experts over the
-                   dp x cp / ep ranks that replicate them); under HSDP over the shard group
-                   only, dp_shard x cp (experts / ep), each replica holding a full copy. ZeRO-3 is FSDP2's mixed precision,
+                   this GPU's stage and tp shard hold, sharded over dp x cp (experts, 1/(expert_tp x ep)
+                   of them, over the `Layout.efsdp` ranks that replicate them: dp x cp / ep, or
+                   dp x cp x tp / ep with ep folded over tp); under HSDP over the shard group
+                   only, dp_shard x cp (experts: efsdp), each replica holding a full copy. ZeRO-3 is FSDP2's mixed precision,
                    as torchtitan runs it: fp32 parameters, gradients and Adam moments, all
                    sharded (labkit.measure.memory's "fp32": 4 + 4 + 8 bytes); the other stages keep
                    Megatron's bf16 parameters and gradients with fp32 master + moments
@@ -11,7 +12,7 @@
     gathered       ZeRO-3 only: the layer being computed and the prefetched next one in bf16
                    (2 x 2 bytes/param), plus that layer's unsharded gradient in bf16 and its
                    fp32 copy for the reduce-scatter (2 + 4): 10 bytes x the larger of a block
-                   (its experts / ep) and the head, / tp. Under PP, FSDP keeps the whole stage gathered across
+                   (its experts / (expert_tp x ep)) and the head, / tp. Under PP, FSDP keeps the whole stage gathered across
                    its micro-batches, as torchtitan does (reshard_after_forward=False, the
                    gradient accumulated unsharded in fp32): 6 bytes x the stage's parameters.
     activations    bytes a block saves for backward for one micro-batch (bf16), x the blocks
@@ -122,12 +123,12 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
 
 def stage_params(model, layout, first: bool, last: bool, layers: int | None = None) -> tuple[int, int]:
     """(dense, expert) parameters one GPU of a pipeline rank holds before ZeRO: its blocks (`layers`;
-    None: the busiest rank's), the embedding if first, the head if last, / tp; experts also / ep."""
+    None: the busiest rank's), the embedding if first, the head if last, / tp; experts / (expert_tp x ep)."""
     m = model
     layers = layout.layers_per_rank(m.n_layers) if layers is None else layers
     dense = layers * m.layer_dense_params + first * m.embedding_params + last * m.head_params
     experts = layers * m.expert_params * m.n_experts
-    return -(-dense // layout.tp), -(-experts // (layout.tp * layout.ep))
+    return -(-dense // layout.tp), -(-experts // (layout.expert_tp * layout.ep))
 
 
 def _states(model, layout, first: bool, last: bool, layers: int) -> dict:
@@ -137,7 +138,7 @@ def _states(model, layout, first: bool, last: bool, layers: int) -> dict:
     shard_over = layout.dp_shard * layout.cp  # dp x cp without HSDP (dp_replicate = 1)
     out = memory_per_rank(dense, shard_over, layout.zero, precision)
     if experts:
-        extra = memory_per_rank(experts, shard_over // layout.ep, layout.zero, precision)  # an expert's replicas
+        extra = memory_per_rank(experts, layout.efsdp, layout.zero, precision)  # an expert's replicas
         out = {k: out[k] + extra[k] for k in out}
     return out
 
@@ -156,7 +157,7 @@ def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int, cp_local
         # (reshard_after_forward=False) and accumulates its unsharded gradient in fp32: 2 + 4 bytes
         gathered = 6 * sum(stage_params(model, layout, first, last, layers))
     elif layout.zero == "zero3":
-        block = m.layer_dense_params / layout.tp + m.expert_params * m.n_experts / (layout.tp * layout.ep)
+        block = m.layer_dense_params / layout.tp + m.expert_params * m.n_experts / (layout.expert_tp * layout.ep)
         ends = max(last * m.head_params, first * m.embedding_params) / layout.tp
         gathered = 10 * max(block, ends)
     out["gathered"] = gathered

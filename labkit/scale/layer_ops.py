@@ -9,6 +9,7 @@ projections wq, wk, wv; Megatron fuses them, the same FLOPs):
     forward   norm, wq (n = d/tp), wk and wv (n = kv_dim/tp), rotary, attention, wo (k = d/tp), residual,
               norm, w1 and w3 (n = H/tp), SwiGLU, w2 (k = H/tp), residual; MoE: a router GEMM (n = E) and
               the local experts' GEMMs as one grouped GEMM of the T top_k ep / E rows each receives
+              (ep folded over tp, `Layout.ep_over_tp`: whole experts, n = H, on T top_k ep / (E tp) rows)
     backward  the same in reverse (two GEMMs per linear, attention's backward), plus the recomputed
               forward ops of the recompute policy (`RECOMPUTED`)
 The first stage adds the embedding (a gather forward, a scatter-add into fp32 backward), the last
@@ -46,6 +47,7 @@ class Shape:
     ep: int = 1
     sequence_parallel: bool = True
     cp_method: str = "ring"
+    expert_tp: int = 0  # the tp ranks an expert is split over (Layout.expert_tp); 0: tp
 
 
 @dataclass(frozen=True)
@@ -114,12 +116,15 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
     if m.n_experts:
         add("router", _linear("router", T, m.n_experts, d, gpu, opts, fp8_ok=False))
         local = max(1, m.n_experts // s.ep)
-        rows = max(1, T * m.top_k * s.ep // m.n_experts)
+        etp = s.expert_tp or s.tp
+        # split experts (etp = tp) see the tp group's T tokens; whole ones (ep folded over tp) each tp rank's T / tp
+        rows = max(1, T // (s.tp // etp) * m.top_k * s.ep // m.n_experts)
+        hid = m.hidden_dim // etp
         pairs = [_linear(n, rows, width, k, gpu, opts) for n, width, k in
-                 (("w1", m.hidden_dim // s.tp, d), ("w3", m.hidden_dim // s.tp, d), ("w2", d, m.hidden_dim // s.tp))]
+                 (("w1", hid, d), ("w3", hid, d), ("w2", d, hid))]
         for name, (f, b) in zip(("w1", "w3", "w2"), pairs):
             add(name, ([o.scaled(times=local) for o in f], [o.scaled(times=local) for o in b]))
-        ew("swiglu", "swiglu", rows * local * m.hidden_dim // s.tp)
+        ew("swiglu", "swiglu", rows * local * hid)
     elif mlp == "gelu":  # GPT's MLP: d x H, GeLU, H x d
         add("w1", _linear("w1", T, m.hidden_dim // s.tp, d, gpu, opts))
         ew("gelu", "gelu", T * m.hidden_dim // s.tp)

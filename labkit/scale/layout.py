@@ -16,14 +16,24 @@ gives each stage's blocks. `first_stage_embedding_only` / `last_stage_loss_only`
 stage hold the embedding alone and the last the final norm, head and loss alone (Llama 3's split:
 Dubey et al. 2024, sec. 3.3.2, one layer fewer on the first and last stages); the L blocks are spread
 evenly over the other stages, the earlier ones taking one more when they do not divide.
-EP borrows its ranks from dp x cp (as torchtitan's ParallelDims): ep must divide dp x cp.
+EP borrows its ranks, as torchtitan's ParallelDims folds them (torchtitan/distributed/parallel_dims.py,
+its two expert meshes, `expert_tensor_parallel_degree` etp = tp or 1):
+    ep divides dp_shard x cp   (etp = tp) ep over the data and context ranks, cp's first (stride tp), then
+                               dp_shard's (stride pp cp tp); each expert tensor-parallel over tp (1/(tp ep)
+                               of the experts per GPU); its replicas, efsdp = dp_shard x cp / ep ranks
+    otherwise, ep divides      (etp = 1, `ep_over_tp`) torchtitan's mesh [pp, dp_replicate, efsdp, ep]:
+    dp_shard x cp x tp         (dp_shard, cp, tp) flattened in grid order, ep the innermost ep ranks (tp's
+                               first), efsdp = dp_shard x cp x tp / ep the rest; whole experts (1/ep of them
+                               per GPU), each tp rank dispatching its own sequence-parallel tokens (so SP is
+                               required), the expert gradients reduced over efsdp
+(dp_shard = dp without HSDP; replicas are never folded.) A layout picks etp = tp wherever it can.
 
 Three choices of how an axis runs (issue 35), each defaulting to the lab's first form:
 `dp_replicate` (HSDP, torchtitan's dp_replicate x dp_shard): dp = dp_replicate x dp_shard, the
 replicas outermost (a replica group holds ranks world / dp_replicate apart: across nodes), the
 model states sharded over dp_shard x cp only (the shard group) and all-reduced across the
-replicas; 1 is full sharding over dp x cp. Under HSDP, EP borrows from dp_shard x cp (inside a
-replica, as torchtitan's efsdp x ep), so ep must divide dp_shard x cp.
+replicas; 1 is full sharding over dp x cp. Under HSDP, EP borrows from dp_shard x cp (x tp) inside a
+replica, as torchtitan's efsdp x ep.
 `cp_method`: how attention crosses the cp ranks (labkit.scale.traffic.CP_METHODS): "ring"
 (K/V passed around), "allgather" (Llama 3's all-gather of K/V), "ulysses" (all-to-alls swap
 sequence for heads: the query heads per tp rank must divide by cp), "hybrid" (Ulysses over the
@@ -105,6 +115,22 @@ class Layout:
         """The data-parallel ranks inside one replica (HSDP's shard group is dp_shard x cp)."""
         return self.dp // self.dp_replicate
 
+    @property
+    def ep_over_tp(self) -> bool:
+        """ep folded over tp too (torchtitan's etp = 1): ep > 1 does not divide dp_shard x cp, so it takes tp's ranks."""
+        return self.ep > 1 and (self.dp_shard * self.cp) % self.ep != 0
+
+    @property
+    def expert_tp(self) -> int:
+        """The tp ranks each expert is split over: tp (etp = tp), or 1 when ep is folded over tp (whole experts)."""
+        return 1 if self.ep_over_tp else self.tp
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks of one replica that hold the same experts: dp_shard x cp / ep, or dp_shard x cp x tp / ep
+        when ep is folded over tp (torchtitan's efsdp); each ZeRO-shards the experts and reduces their gradients."""
+        return self.dp_shard * self.cp * (self.tp // self.expert_tp) // self.ep
+
     def cp_local(self, gpus_per_node: int) -> int:
         """The cp ranks of one cp group inside one node (tp ranks apart): gcd(cp, gpus_per_node / tp),
         1 when a tp group fills a node or does not divide one."""
@@ -124,7 +150,10 @@ class Layout:
 
     def level(self, axis: str, gpus_per_node: int) -> str:
         """"node" if every group along `axis` lies inside one node, else "network"."""
-        if axis == "ep":  # borrowed from dp x cp: cp's ranks first (stride tp), then dp's (stride pp cp tp);
+        if axis == "ep" and self.ep_over_tp:  # the innermost ep of (dp_shard, cp, tp) flattened: contiguous
+            # while inside cp x tp, then dp_shard's ranks, pp cp tp apart
+            span = self.ep if self.ep <= self.cp * self.tp else self.ep * self.pp
+        elif axis == "ep":  # borrowed from dp x cp: cp's ranks first (stride tp), then dp's (stride pp cp tp);
             # under HSDP dp's inner part is dp_shard (stride pp cp tp too), so the same span
             span = self.ep * self.tp if self.ep <= self.cp else self.ep * self.pp * self.tp
         else:
@@ -145,6 +174,8 @@ class Layout:
             extra += f" hsdp{self.dp_replicate}x{self.dp_shard}"
         if self.cp > 1 and self.cp_method != "ring":
             extra += f" cp-{self.cp_method}"
+        if self.ep_over_tp:
+            extra += " ep-over-tp"
         if self.ep > 1 and self.ep_overlap:
             extra += " ep-overlap"
         return f"{axes or 'single'} {self.zero} {self.recompute} mb{self.micro_batch}{extra}"
@@ -162,8 +193,8 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
     not an error: the search may pick it); pp divides the layers (x virtual stages) at most once each; cp
     splits the sequence into 2 cp zigzag chunks; Ulysses: cp divides the heads per tp rank; the
     hybrid: its cp ranks per node (`cp_local`) divide them, and are neither 1 nor cp (then it is
-    the ring, or Ulysses); ep divides the experts and dp x cp (dp_shard x cp under HSDP), and is
-    1 for a dense model; ep_overlap needs ep > 1; the global batch splits over dp and into micro-batches.
+    the ring, or Ulysses); ep divides the experts and dp x cp x tp (dp_shard x cp x tp under HSDP; folded
+    over tp only with sequence parallelism), and is 1 for a dense model; ep_overlap needs ep > 1; the global batch splits over dp and into micro-batches.
     """
     for axis in ("dp", "pp", "cp", "tp", "ep", "micro_batch", "virtual_stages", "dp_replicate"):
         value = getattr(layout, axis)
@@ -234,11 +265,18 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
     else:
         if not (m.n_experts % layout.ep == 0):
             raise LayoutError(f"ep={layout.ep} does not divide the {m.n_experts} experts")
-        if not ((layout.dp_shard * layout.cp) % layout.ep == 0):
-            raise LayoutError(f"ep={layout.ep} borrows its ranks from dp x cp = {layout.dp * layout.cp}: it must divide it"
-                              if layout.dp_replicate == 1 else
-                              f"ep={layout.ep} borrows its ranks from dp_shard x cp = {layout.dp_shard} x {layout.cp} (inside a "
-                              f"replica, dp_replicate={layout.dp_replicate}): it must divide {layout.dp_shard * layout.cp}")
+        folded = layout.dp_shard * layout.cp * layout.tp
+        if not (folded % layout.ep == 0):
+            works = [e for e in range(1, folded + 1) if folded % e == 0 and m.n_experts % e == 0]
+            where = (f"dp x cp x tp = {layout.dp} x {layout.cp} x {layout.tp} = {folded}" if layout.dp_replicate == 1 else
+                     f"dp_shard x cp x tp = {layout.dp_shard} x {layout.cp} x {layout.tp} = {folded} (inside a replica, "
+                     f"dp_replicate={layout.dp_replicate})")
+            raise LayoutError(f"ep={layout.ep} borrows its ranks from {where}: it must divide {folded}; the ep that "
+                              f"work here (dividing it and the {m.n_experts} experts): {works}")
+        if layout.ep_over_tp and not layout.sequence_parallel:
+            raise LayoutError(f"ep={layout.ep} is folded over tp (it does not divide dp_shard x cp = "
+                              f"{layout.dp_shard * layout.cp}), so each tp rank must hold its own tokens: use "
+                              "sequence_parallel=True, or an ep that divides dp_shard x cp")
     if layout.ep_overlap and layout.ep == 1:
         raise LayoutError("ep_overlap=True with ep=1: there is no all-to-all to hide; use ep > 1 or ep_overlap=False")
     if not (global_batch % layout.dp == 0):

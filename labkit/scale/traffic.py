@@ -22,7 +22,15 @@ Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch =
          all-to-alls' are on the critical path (cost.step_time)
     ep   dispatch and combine all-to-alls of top_k x T tokens of d (bf16), forward and backward;
          with `ep_overlap` each micro-batch's are two halves' (half the bytes each, twice the
-         calls: the same bytes, twice the latency terms)
+         calls: the same bytes, twice the latency terms). The group follows the Layout's expert
+         mesh (`Layout.level("ep")`): folded over dp_shard x cp, or, when ep does not divide that,
+         over dp_shard x cp x tp as torchtitan's [pp, dp_replicate, efsdp, ep] (`Layout.ep_over_tp`).
+         Per GPU per step, with T/tp tokens per tp rank (SP), E the experts' parameters per GPU
+         (E_all L_rank / (etp ep), etp = `Layout.expert_tp`: tp, or 1 when folded over tp) and
+         n_e = `Layout.efsdp` (dp_shard cp / ep, or dp_shard cp tp / ep folded), m micro-batches:
+             ep bytes   = 4 L_rank m x (ep-1)/ep x 2 top_k (mb s / cp / tp) d
+             experts' dp bytes (ZeRO-3) = (n_e - 1)/n_e x (2 + 2 + 4) E, (plain DP, ZeRO-1/2) 2 (n_e - 1)/n_e x 2 E;
+             under HSDP `hsdp_traffic` with S = n_e, R = dp_replicate
     pp   each micro-batch's activation forward and its gradient backward: A/(tp if SP) each way,
          v times with an interleaved schedule of v virtual stages per rank (each micro-batch goes
          round the ranks v times: "the amount of communication also increases by v", Narayanan
@@ -115,7 +123,7 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         _add_hsdp(out, layout, cluster, params_per_gpu, BF16)
         return out
     n_dp = layout.dp * layout.cp
-    for axis_params, ranks in ((params_per_gpu["dense"], n_dp), (params_per_gpu["experts"], n_dp // layout.ep)):
+    for axis_params, ranks in ((params_per_gpu["dense"], n_dp), (params_per_gpu["experts"], layout.efsdp)):
         if layout.zero == "zero3":
             add("dp", "all_gather", BF16 * axis_params, ranks, 2)
             add("dp", "reduce_scatter", 4 * axis_params, ranks, 1)
@@ -203,12 +211,12 @@ def cp_attention_bytes(method: str, cp: int, q_bytes: float, kv_bytes: float, lo
 
 def _add_hsdp(out: dict, layout, cluster, params_per_gpu: dict, value_bytes: int) -> None:
     """axis_traffic's "dp" entry under HSDP: `hsdp_traffic` of the dense parameters over S = dp_shard x cp and
-    of the experts over S / ep, R = dp_replicate replicas; its bytes by level in "shard_bytes", "replica_bytes"."""
+    of the experts over S = `Layout.efsdp`, R = dp_replicate replicas; its bytes by level in "shard_bytes", "replica_bytes"."""
     span = layout.dp_shard * layout.pp * layout.cp * layout.tp if layout.dp_shard > 1 else layout.cp * layout.tp
     entry = out.setdefault("dp", {"bytes": 0.0, "seconds": 0.0, "count": 0})
     entry.update(shard_bytes=0.0, replica_bytes=0.0)
     shard = layout.dp_shard * layout.cp
-    for params, ranks in ((params_per_gpu["dense"], shard), (params_per_gpu["experts"], shard // layout.ep)):
+    for params, ranks in ((params_per_gpu["dense"], shard), (params_per_gpu["experts"], layout.efsdp)):
         if params == 0:
             continue
         levels = hsdp_traffic(params, layout.dp_replicate, ranks, cluster, zero=layout.zero,

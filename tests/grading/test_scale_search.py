@@ -9,13 +9,14 @@ ep_overlap both ways when ep > 1), each layout predicted by labkit.scale.cost.pr
 refuses dropped, the ones that do not fit dropped, ranked by rank_key. About 15 s on 2 busy cores (3.5-5 s
 before those three choices, measured back to back): the MoE case is the longest.
 """
+import functools
 import re
 
 import pytest
 
 from labkit.grading import impl
 from labkit.grading.search_reference import brute_force, explain
-from labkit.scale.cost import rank_key
+from labkit.scale.cost import predict, rank_key
 from labkit.scale.layout import LayoutError
 from labkit.scale.specs import LLAMA3, ModelSpec
 
@@ -48,6 +49,23 @@ def test_search_equals_brute_force(case):
     if [(p.layout, p.tokens_per_s_per_gpu) for p in got] != [(p.layout, p.tokens_per_s_per_gpu) for p in want]:
         everything = impl("scale_search").search(model, cluster, batch, seq, gpus, top=10**9)
         pytest.fail(explain(got, want, everything), pytrace=False)
+
+
+@pytest.mark.exercise("search")
+def test_search_equals_brute_force_under_the_kernel_model():
+    """cost_model=: the same search under the kernel model (every op by a roofline, the schedule simulator),
+    on one node (8B, 8 H100s, 4 sequences of 8K). Its ranking differs from the flat model's (planted when
+    written: a search that ignores cost_model and calls predict itself returns the flat model's list)."""
+    kernels = functools.partial(predict, efficiency=None)
+    args = (LLAMA3["8b"], "h100-sxm", 4, 8192, 8)
+    got = impl("scale_search").search(*args, top=5, cost_model=kernels)
+    want = brute_force(*args, top=5, cost_model=kernels)
+    if [p.layout for p in got] != [p.layout for p in want]:
+        everything = impl("scale_search").search(*args, top=10**9, cost_model=kernels)
+        pytest.fail(explain(got, want, everything) + " (under cost_model=the kernel model: pass your predictions "
+                    "through the cost_model argument, not predict)", pytrace=False)
+    assert [p.tokens_per_s_per_gpu for p in got] == [p.tokens_per_s_per_gpu for p in want]
+    assert [p.layout for p in want] != [p.layout for p in brute_force(*args, top=5)]
 
 
 @pytest.mark.exercise("search")
