@@ -108,10 +108,8 @@ def serve_shared(owner_fd: int, listener_fd: int, path: str, prepare, serve) -> 
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        # its folder (socket, log) goes too: an owner killed by SIGKILL cannot remove it
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         os._exit(0)
 
 
