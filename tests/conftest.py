@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+import background
+
 
 @pytest.fixture
 def one_thread():
@@ -29,3 +31,23 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _shared_zygote is not None:
         _shared_zygote.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that read a background job's result run last, so that the jobs run beside the others."""
+    items.sort(key=lambda item: item.get_closest_marker("reads_background") is not None)  # stable
+
+
+def pytest_collection_finish(session):
+    """Start every background job that the selected tests will read (tests/background.py)."""
+    if session.config.option.collectonly:
+        return
+    by_module = {}
+    for item in session.items:
+        if item.get_closest_marker("reads_background"):
+            by_module.setdefault(item.module, []).append(item)
+    jobs = [job for module, items in by_module.items() for job in module.background_jobs(items)]
+    runner = background.Background(cwd=session.config.rootpath)
+    background.install(runner)
+    runner.start(jobs)
+    session.config.add_cleanup(runner.close)

@@ -9,29 +9,30 @@ solutions and on the untouched stubs; no cell raises.
 Both need pristine stubs and the solutions, so they run in the maintainers' mode (`--impl=solutions`,
 as `make test` and CI do).
 
-The notebooks run two at a time, each in its own interpreter and kernel (tests/run_notebook.py): a
-kernel keeps about one core busy (measured on the stubs: 198 s of CPU in 208 s for six notebooks), so
-two share a 2-core machine in well under the time of one after the other. Only the notebooks selected
-run (`-k "stubs and 03_"`); the longest start first, so that the last two end together.
+Each notebook runs in its own interpreter and kernel (tests/run_notebook.py), started by
+tests/background.py as soon as collection ends: one at a time beside the other tests, two at a time
+once these tests (ordered last) wait for them. A kernel keeps about one core busy (measured on the
+stubs: 198 s of CPU in 208 s for six notebooks), and most other tests leave one of the two cores idle.
+Only the notebooks selected run (`-k "stubs and 03_"`); the longest start first.
 """
 import json
 import os
-import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+import background
 from labkit.grading import REPO_ROOT, current_impl
 
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 RUNNER = Path(__file__).resolve().parent / "run_notebook.py"
-AT_ONCE = 2
+IMPLS = {"test_notebook_runs_to_the_end_on_the_solutions": "solutions",
+         "test_notebook_runs_to_the_end_on_untouched_stubs": "exercises"}
 TIMEOUT = 900  # seconds for one whole notebook, sharing the cores with another (a backstop: the
 # runner's per-cell timeout, 600 s, reports a stuck cell first, with the kernel shut down)
-ALL_TIMEOUT = 2400  # seconds for every notebook of the module (about 8 minutes idle, both settings)
+ALL_TIMEOUT = 2400  # seconds a test waits for its notebook, queued behind the others (all of them take
+# about 11 minutes idle, two at a time, both settings)
 
 pytestmark = [
     pytest.mark.skipif(current_impl() != "solutions", reason="needs the solutions and pristine stubs: maintainers' "
@@ -40,34 +41,29 @@ pytestmark = [
 ]
 
 
-def _run(job: tuple[str, Path], deadline: float) -> dict:
-    impl, path = job
-    left = min(TIMEOUT, deadline - time.monotonic())
-    if left < 1:
-        return {"error": f"not run: the notebooks of this module took more than {ALL_TIMEOUT} s in all"}
-    env = dict(os.environ, LABKIT_IMPL=impl, LABKIT_QUICK="1")  # the kernel inherits them
-    try:
-        out = subprocess.run([sys.executable, str(RUNNER), str(path)], capture_output=True, text=True,
-                             timeout=left, env=env, cwd=REPO_ROOT)
-    except subprocess.TimeoutExpired:  # the runner is killed; its kernel sees its parent gone and exits
-        return {"error": f"did not finish in {left:.0f} s"}
-    lines = out.stdout.strip().splitlines()
-    if out.returncode != 0 or not lines:
-        return {"error": f"the runner exited with {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"}
+def background_jobs(items) -> list:
+    """One job per notebook and setting that pytest selected (tests/background.py runs them beside the
+    other tests); the longest notebooks first."""
+    jobs = []
+    if current_impl() != "solutions":
+        return jobs  # skipped: maintainers' mode only
+    for item in items:
+        impl = IMPLS.get(item.originalname)
+        if impl:
+            path = item.callspec.params["path"]
+            env = dict(os.environ, LABKIT_IMPL=impl, LABKIT_QUICK="1")  # the kernel inherits them
+            jobs.append(((impl, path), [sys.executable, str(RUNNER), str(path)], env, TIMEOUT, path.stat().st_size))
+    return jobs
+
+
+def _result(impl: str, path: Path) -> dict:
+    done = background.current().result((impl, path), ALL_TIMEOUT)
+    if done.returncode is None:  # the runner was killed; its kernel sees its parent gone and exits
+        return {"error": f"did not finish in {TIMEOUT} s ({done.stderr[-500:]})"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return {"error": f"the runner exited with {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"}
     return json.loads(lines[-1])
-
-
-@pytest.fixture(scope="module")
-def runs(request):
-    """(impl, path) -> the runner's JSON, for every test of this module that pytest selected."""
-    impls = {"test_notebook_runs_to_the_end_on_the_solutions": "solutions",
-             "test_notebook_runs_to_the_end_on_untouched_stubs": "exercises"}
-    jobs = [(impls[item.originalname], item.callspec.params["path"]) for item in request.session.items
-            if item.module is request.module and item.originalname in impls]
-    jobs.sort(key=lambda job: -job[1].stat().st_size)
-    deadline = time.monotonic() + ALL_TIMEOUT
-    with ThreadPoolExecutor(AT_ONCE) as pool:
-        return dict(zip(jobs, pool.map(_run, jobs, [deadline] * len(jobs))))
 
 
 def _failed(path: Path, result: dict, on: str):
@@ -75,14 +71,16 @@ def _failed(path: Path, result: dict, on: str):
         pytest.fail(f"{path.name} stops {on}:\n{result['error'][-3000:]}", pytrace=False)
 
 
+@pytest.mark.reads_background
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_to_the_end_on_the_solutions(path: Path, runs):
-    _failed(path, runs["solutions", path], "on the solutions")
+def test_notebook_runs_to_the_end_on_the_solutions(path: Path):
+    _failed(path, _result("solutions", path), "on the solutions")
 
 
+@pytest.mark.reads_background
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_to_the_end_on_untouched_stubs(path: Path, runs):
-    result = runs["exercises", path]
+def test_notebook_runs_to_the_end_on_untouched_stubs(path: Path):
+    result = _result("exercises", path)
     _failed(path, result, "on the untouched stubs")
     if result["uses_impl"]:
         # it really ran on the stubs, and said so in the stub's own words
