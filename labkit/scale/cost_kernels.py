@@ -97,7 +97,9 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     L = layout.layers_per_rank(model.n_layers)
     traffic = axis_traffic(model, layout, cluster, n_micro, seq_len, params_per_gpu(model, layout), value_bytes)
     async_tp = options.get("async_tp", False) and layout.tp > 1
-    chunk = block_ops(model, replace(shape, seq_len=shape.seq_len // layout.tp), opts, gpu) if async_tp else None
+    # one chunk: T / tp rows (at least one row per cp rank, so that a tiny layout's chunk is not empty)
+    chunk_seq = max(shape.cp, shape.seq_len // layout.tp)
+    chunk = block_ops(model, replace(shape, seq_len=chunk_seq), opts, gpu) if async_tp else None
     comm = _block_comm(blk, traffic, layout, L * n_micro, async_tp, chunk)
     layers, roles = stage_layers(layout, model.n_layers), stage_roles(layout, model.n_layers)
     f_block, b_block = seconds(blk["forward"]), seconds(blk["backward"])
