@@ -20,9 +20,15 @@ labkit.scale.cost.predict), the kernel model (every op by a roofline from kernel
 The kernel model's hardware inputs come from the cluster files, each chosen from the source's own
 description of its machines, not from the rows: torchtitan's hosts run their H100s at 500 W (its
 'Hardware' section), so h100-grand-teton uses the GPU kind h100-sxm-500w (FBGEMM's GEMM measured
-on an 'H100 500W', the FlashAttention tables scaled by the same clock ratio); Llama 3's run at 700 W
-(h100-sxm); every kind's eager cost per kernel is one measured profile (sam2 issue #768), the same
-for all.
+on an 'H100 500W', the FlashAttention tables scaled by the same clock ratio; its HBM2e at the 2.4 TB/s
+torchtitan's async TP file gives for these hosts, at the 0.92 of it torchao measured for pointwise kernels
+on them); Llama 3's run at 700 W (h100-sxm); every kind's eager cost per kernel is one measured profile
+(sam2 issue #768), the same for all. Async TP rows run labkit.scale.async_tp's decomposition (each TP
+collective in tp chunks behind its matmuls, the chunks' GEMMs timed like every GEMM: no constant of its
+own); float8 rows run their table's recipe (tensorwise, torchao's default, or rowwise where the table
+says so), rowwise with FBGEMM's measured rowwise GEMM (1125.51 TFLOP/s at 8192^3 on an 'H100 500W') and
+torchao's own count of each recipe's cast kernels. These inputs were fixed from their sources before
+the rows were predicted again.
 --ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
 same model, cluster, global batch, sequence length and GPU count), its gap to the top prediction, whether
 it meets issue 34's criterion (top 5, or within 5%), and for each row that does not, the terms that make

@@ -8,8 +8,9 @@ model (opt-in until it meets issue 34's aims on the published set; `python bench
     traffic    each axis's closed-form bytes (labkit.scale.traffic), timed from measured bus bandwidth
                and latency (labkit.scale.collectives, via Cluster.link), then ONE overlap rule per
                mechanism, the same everywhere:
-        tp     on the critical path of its block; with `async_tp` hidden behind the GEMM it feeds:
-               exposed = max(0, t_tp - t_gemms) per block and direction
+        tp     on the critical path of its block; with `async_tp` each collective decomposed into tp
+               chunks behind the matmuls it feeds (labkit.scale.async_tp): exposed per collective
+               max(0, g + (tp - 1) max(g, t / (tp - 1)) - G), G its matmuls whole, g on one chunk
         cp     the ring's K/V hops hidden only where a chunk's attention outlasts its transfer:
                exposed = max(0, t_ring - t_attention) + the all-gathers' / all-to-alls' time, per block
         ep     exposed in full; with `ep_overlap` labkit.measure.overlap.two_batch_overlap's rule
@@ -37,7 +38,7 @@ figure: the kernel model replaces it once it validates.
 Outputs tokens/s per GPU, MFU (model FLOPs against the cluster's bf16 peak) and the peak memory
 (labkit.scale.footprint). A power limit enters through the GPU kind (h100-sxm-500w: its GEMM measured
 at 500 W). Not modelled: stragglers, link contention between axes sharing a NIC, the SMs a collective
-takes from the GEMMs.
+takes from the GEMMs (async TP's transfers run on copy engines).
 """
 from __future__ import annotations
 
@@ -111,12 +112,13 @@ def step_time(compute_s: float, attention_s: float, traffic_s: dict, layout: Lay
 
 def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_gpus: int | None = None,
             efficiency: float | None = EFFICIENCY, value_bytes: int = 2, overlap: bool = True, *,
-            compile: bool = False, float8: bool = False, async_tp: bool = False,
+            compile: bool = False, float8: bool | str = False, async_tp: bool = False,
             attention: str | None = None) -> Prediction:
     """The cost model's figures for one layout (LayoutError if it cannot run, before any arithmetic).
     value_bytes, overlap: see axis_traffic and step_time (the defaults: bf16 GPUs that overlap).
     efficiency=None and a cluster with a GPU kind: the kernel model (module docstring), with
-    compile (torch.compile's fusion), float8 (fp8 block GEMMs), async_tp (TP hidden behind its GEMMs)
+    compile (torch.compile's fusion), float8 (fp8 block GEMMs: True or "tensorwise", "rowwise", torchao's
+    recipes), async_tp (TP decomposed behind its GEMMs, labkit.scale.async_tp)
     and attention ("fa2", "fa3", "unfused"; default fa2 where the GPU has its figures, else unfused)."""
     n_gpus = layout.world_size if n_gpus is None else n_gpus
     n_micro = check_layout(model, layout, n_gpus, cluster.gpus_per_node, global_batch, seq_len)

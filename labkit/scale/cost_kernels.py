@@ -5,10 +5,11 @@ The rules are stated once, in `labkit.scale.cost`'s docstring; this module appli
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from labkit.measure.overlap import two_batch_overlap
+from labkit.scale import async_tp as atp
 from labkit.scale.gpu import load_gpu
 from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops, seconds
 from labkit.scale.kernels import optimizer_step
@@ -59,17 +60,17 @@ def two_batch_exposed(ep_s: float, experts_s: float, layers: int, n_micro: int) 
     return layers * n_micro * per_layer
 
 
-def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool) -> dict:
-    """Exposed seconds of one block's tp, cp and ep traffic for one micro-batch, forward and backward."""
+def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool, chunk_blk: dict | None = None) -> dict:
+    """Exposed seconds of one block's tp, cp and ep traffic for one micro-batch, forward and backward.
+    async_tp: each TP collective decomposed into tp chunks behind the matmuls it feeds (labkit.scale.async_tp),
+    chunk_blk: the block's ops on one chunk of T / tp rows."""
     def share(axis, key="seconds"):
         return traffic.get(axis, {}).get(key, 0.0) / per_block
 
     passes = 3 if layout.recompute == "full" else 2  # axis_traffic repeats forward's TP for full recompute
-    gemms_f = sum(op.seconds for op in blk["forward"] if op.kind == "gemm")
-    gemms_b = sum(op.seconds for op in blk["backward"] if op.kind == "gemm")
     tp_f, tp_b = share("tp") / passes, share("tp") * (passes - 1) / passes
-    if async_tp:  # TP's collectives run beside the GEMMs they feed
-        tp_f, tp_b = max(0.0, tp_f - gemms_f), max(0.0, tp_b - gemms_b)
+    if async_tp and share("tp"):  # each collective in tp chunks, beside the matmuls it feeds
+        tp_f, tp_b = atp.exposed(blk, chunk_blk, share("tp") / (4 * passes), layout.tp, passes)
     attn = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.kind == "attention")
     ring = share("cp", "hideable_seconds")
     cp = max(0.0, ring - attn) + share("cp") - ring
@@ -95,7 +96,11 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     emb, head = end_ops(model, shape, opts, gpu, "embedding"), end_ops(model, shape, opts, gpu, "head")
     L = layout.layers_per_rank(model.n_layers)
     traffic = axis_traffic(model, layout, cluster, n_micro, seq_len, params_per_gpu(model, layout), value_bytes)
-    comm = _block_comm(blk, traffic, layout, L * n_micro, options.get("async_tp", False))
+    async_tp = options.get("async_tp", False) and layout.tp > 1
+    # one chunk: T / tp rows (at least one row per cp rank, so that a tiny layout's chunk is not empty)
+    chunk_seq = max(shape.cp, shape.seq_len // layout.tp)
+    chunk = block_ops(model, replace(shape, seq_len=chunk_seq), opts, gpu) if async_tp else None
+    comm = _block_comm(blk, traffic, layout, L * n_micro, async_tp, chunk)
     layers, roles = stage_layers(layout, model.n_layers), stage_roles(layout, model.n_layers)
     f_block, b_block = seconds(blk["forward"]), seconds(blk["backward"])
     fwd, bwd, kern = [], [], []

@@ -16,6 +16,9 @@ units, and a "sources" object giving, for each, the measurement it comes from (U
                                autograd, allocator, launch): what a launch-bound eager model runs at
     attention_scale   1        optional (default 1): the attention tables' figures x this, where they
                                were measured on another power limit than this kind's (see h100-sxm-500w)
+    fp8_rowwise_tflops TFLOP/s optional: a measured fp8 GEMM with rowwise scales (torchao's "rowwise" float8
+                               recipe runs CUTLASS's rowwise-scaled kernel, not cuBLAS's tensorwise one), at
+    fp8_rowwise_shape [m,n,k]  this shape; absent: rowwise GEMMs run at the tensorwise (bf16-derived) rate
     attention         {impl: {"forward"|"forward_causal"|"backward": {seq_len: TFLOP/s}}}: published
                       FlashAttention throughput against sequence length at head dim 128
 
@@ -42,6 +45,7 @@ FIELDS = {
     "eager_op_us": (float, "microseconds (e.g. 45)", 0.5, 1000),
 }
 ATTENTION_SCALE = (float, "a fraction of the attention tables' figures (e.g. 0.75)", 0.2, 1.0)
+FP8_ROWWISE = (float, "TFLOP/s (e.g. 1125.51 for an H100 at 500 W)", 10, 40000)
 ATTENTION_KINDS = ("forward", "forward_causal", "backward")
 
 
@@ -65,20 +69,23 @@ class GPU:
     attention: dict = field(default_factory=dict)  # impl -> kind -> ((seq, TFLOP/s), ...) ascending
     description: str = ""
     attention_scale: float = 1.0
+    fp8_rowwise_tflops: float = 0.0   # 0: not measured (rowwise GEMMs at the tensorwise rate)
+    fp8_rowwise_shape: tuple | None = None
 
     def host_us(self, compile: bool) -> float:
         """CPU microseconds per kernel: eager PyTorch's per-op cost, or compiled code's launch."""
         return self.launch_us if compile else self.eager_op_us
 
     def peak_flops(self, dtype: str = "bf16") -> float:
-        """FLOP/s of the tensor cores for `dtype` ("bf16" or "fp8"); GPUError for fp8 on a GPU without it."""
+        """FLOP/s of the tensor cores for `dtype` ("bf16", "fp8" or "fp8_rowwise": the same fp8 peak);
+        GPUError for fp8 on a GPU without it."""
         if dtype == "bf16":
             return self.peak_bf16_tflops * 1e12
-        if dtype == "fp8":
+        if dtype in ("fp8", "fp8_rowwise"):
             if not self.peak_fp8_tflops:
                 raise GPUError(f"{self.name} has no fp8 tensor cores (peak_fp8_tflops=0): run float8=False on it")
             return self.peak_fp8_tflops * 1e12
-        raise GPUError(f"dtype={dtype!r}: choose 'bf16' or 'fp8'")
+        raise GPUError(f"dtype={dtype!r}: choose 'bf16', 'fp8' or 'fp8_rowwise'")
 
     @property
     def hbm_bytes_per_s(self) -> float:
@@ -144,6 +151,16 @@ def check_gpu(values: dict, where: str = "the GPU kind") -> dict:
     out["attention"] = attention
     if "attention_scale" in values:
         out["attention_scale"] = checked_number(values, "attention_scale", ATTENTION_SCALE, where)
+    if "fp8_rowwise_tflops" in values:
+        out["fp8_rowwise_tflops"] = checked_number(values, "fp8_rowwise_tflops", FP8_ROWWISE, where)
+        if not out["peak_fp8_tflops"] or out["fp8_rowwise_tflops"] > out["peak_fp8_tflops"]:
+            raise GPUError(f"{where}: fp8_rowwise_tflops={out['fp8_rowwise_tflops']:g} exceeds peak_fp8_tflops="
+                           f"{out['peak_fp8_tflops']:g}: a measured GEMM cannot beat the peak; check both units")
+        rshape = values.get("fp8_rowwise_shape")
+        if not (isinstance(rshape, list) and len(rshape) == 3 and all(isinstance(x, int) and x > 0 for x in rshape)):
+            raise GPUError(f"{where}: fp8_rowwise_shape={rshape!r} must be [m, n, k] (positive ints), the shape "
+                           "fp8_rowwise_tflops was measured at")
+        out["fp8_rowwise_shape"] = tuple(rshape)
     if "sources" not in values:
         raise GPUError(f"{where} has no 'sources': every figure needs the measurement it comes from")
     return out

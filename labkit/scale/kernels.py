@@ -17,8 +17,10 @@ SM; the tiles run in waves of `sm_count`; a wave takes a whole tile's FLOPs at o
     t_compute = ceil(tiles / SMs) x 2 tm tn k / (per-SM rate),   tiles = ceil(m / tm) ceil(n / tn)
 (tile and wave quantization), the better of the tiles. The per-SM rate is the measured best GEMM
 (`mamf_tflops`) over the waves of its own shape: `gemm_efficiency` = MAMF / (peak x its quantization),
-so the model reproduces the MAMF figure at the MAMF shape. Float8 GEMMs: the same tiles and
-efficiency at the fp8 peak, 1-byte inputs, and a cast of each input (read bf16, write fp8).
+so the model reproduces the MAMF figure at the MAMF shape. Float8 GEMMs: the same tiles at the fp8
+peak, 1-byte inputs; tensorwise scales (cuBLAS) at the MAMF's efficiency, rowwise scales (CUTLASS's
+rowwise kernel) at a measured rowwise GEMM's where the kind gives one; and each recipe's casts
+(`float8_casts`: torchao's own count of the kernels each recipe runs per operand).
 
 Attention, `attention`: FlashAttention's published TFLOP/s at head dim 128 against sequence length
 (FA3 paper, arXiv 2407.08608, figures 5 and 6: FA3, and FA2 on the same H100), log-linear between the
@@ -81,8 +83,13 @@ def quantization(m: int, n: int, gpu: GPU) -> float:
     return max(m * n / (waves(m, n, t, gpu.sm_count)[1] * gpu.sm_count * t[0] * t[1]) for t in gpu.gemm_tiles)
 
 
-def gemm_efficiency(gpu: GPU) -> float:
-    """Fraction of the peak one SM reaches inside a full wave: MAMF / (peak x the MAMF shape's quantization)."""
+def gemm_efficiency(gpu: GPU, dtype: str = "bf16") -> float:
+    """Fraction of the peak one SM reaches inside a full wave: MAMF / (peak x the MAMF shape's quantization).
+    "fp8_rowwise" where the kind gives a measured rowwise GEMM: that figure / (fp8 peak x its shape's
+    quantization); bf16 and tensorwise fp8 (and rowwise where none is measured) share the MAMF's."""
+    if dtype == "fp8_rowwise" and gpu.fp8_rowwise_tflops:
+        m, n, _ = gpu.fp8_rowwise_shape
+        return gpu.fp8_rowwise_tflops / (gpu.peak_fp8_tflops * quantization(m, n, gpu))
     q = quantization(gpu.mamf_shape[0], gpu.mamf_shape[1], gpu) if gpu.mamf_shape else 1.0
     return gpu.mamf_tflops / (gpu.peak_bf16_tflops * q)
 
@@ -94,9 +101,9 @@ def gemm(name: str, m: int, n: int, k: int, gpu: GPU, dtype: str = "bf16", batch
     'Parallelized Reductions'): s = min(SMs // tiles, k // 256) slices run side by side, their fp32 partial
     sums written and read back (8 m n s bytes more); the better of split and not."""
     flops = 2.0 * m * n * k * batch
-    in_bytes = 1 if dtype == "fp8" else 2
+    in_bytes = 1 if dtype in ("fp8", "fp8_rowwise") else 2
     nbytes = batch * (in_bytes * (m * k + k * n) + 2 * m * n)
-    per_sm = gpu.peak_flops(dtype) * gemm_efficiency(gpu) / gpu.sm_count
+    per_sm = gpu.peak_flops(dtype) * gemm_efficiency(gpu, dtype) / gpu.sm_count
     best, extra = math.inf, 0.0
     for t in gpu.gemm_tiles:
         tiles = waves(m, n, t, gpu.sm_count)[0] * batch
@@ -176,7 +183,6 @@ ELEMENTWISE = {
     "swiglu": {"forward": ((10, 2), (6, 1)), "backward": ((16, 4), (8, 1))},
     "residual": {"forward": ((6, 1), (2, 0)), "backward": ((6, 1), (2, 0))},
     "cross_entropy": {"forward": ((14, 3), (6, 1)), "backward": ((14, 3), (6, 1))},
-    "float8_cast": {"forward": ((5, 2), (3, 1)), "backward": ((5, 2), (3, 1))},
     # GPT's GeLU per hidden element: read 2, write 2 (its backward reads x and dy, writes dx); a dropout: read 2,
     # write 2 and a 1-byte mask (backward: read dy and the mask, write dx); fused RMSNorm / SwiGLU kernels
     # (Apex, Transformer Engine, torchtitan's Triton norm): the compiled figures in eager too
@@ -185,6 +191,35 @@ ELEMENTWISE = {
     "rmsnorm_fused": {"forward": ((4, 1), (4, 1)), "backward": ((6, 2), (6, 2))},
     "swiglu_fused": {"forward": ((6, 1), (6, 1)), "backward": ((8, 1), (8, 1))},
 }
+
+
+# torchao's casts of one linear's operands to float8, per recipe and role: (bytes per element, kernels) in the
+# forward and in the backward, as torchao counts them (torchao/testing/training/roofline_utils.py,
+# get_tensor_memory_traffic_ovhd_s, fuse_with_prev=False; its kernels are torch.compile's):
+#   tensorwise  input / grad_output: amax (read 2), a second-stage amax (no traffic), one cast writing both
+#               layouts (read 2, write 1 + 1): 6 bytes, 3 kernels, where the tensor is made (input: forward,
+#               grad_output: backward); weight: amax (2) and the forward cast (2 + 1), the backward's cast (2 + 1)
+#   rowwise     input / grad_output: a cast along dim 0 that also writes the transposed bf16 copy (read 2, write
+#               1 + 2), then the cast along dim 1 (read 2, write 1): 8 bytes, 2 kernels; weight: the forward
+#               cast (2 + 1), the backward's transpose (2 + 2) and cast (2 + 1): 10 bytes, 3 kernels
+FLOAT8_CASTS = {
+    "tensorwise": {"input": ((6, 3), (0, 0)), "weight": ((5, 3), (3, 1)), "grad_output": ((0, 0), (6, 3))},
+    "rowwise": {"input": ((8, 2), (0, 0)), "weight": ((3, 1), (7, 2)), "grad_output": ((0, 0), (8, 2))},
+}
+FLOAT8_RECIPES = tuple(FLOAT8_CASTS)
+
+
+def float8_casts(name: str, recipe: str, rows: int, k: int, n: int, gpu: GPU, compile: bool) -> tuple[Op, Op]:
+    """(forward, backward) casts of a linear Y (rows x n) = X (rows x k) W (k x n) under float8 `recipe`."""
+    if recipe not in FLOAT8_CASTS:
+        raise ValueError(f"float8={recipe!r} is not a recipe the kernel model knows: choose one of {FLOAT8_RECIPES}")
+    elements = {"input": rows * k, "weight": k * n, "grad_output": rows * n}
+    ops = []
+    for direction in (0, 1):
+        nbytes = sum(FLOAT8_CASTS[recipe][role][direction][0] * elements[role] for role in elements)
+        kernels = sum(FLOAT8_CASTS[recipe][role][direction][1] for role in elements)
+        ops.append(roofline(f"{name} cast", "elementwise", 0.0, nbytes, kernels, gpu, compile=compile))
+    return ops[0], ops[1]
 
 
 def ew(op: str, direction: str, elements: float, gpu: GPU, compile: bool, name: str | None = None) -> Op:

@@ -14,8 +14,8 @@ projections wq, wk, wv; Megatron fuses them, the same FLOPs):
               forward ops of the recompute policy (`RECOMPUTED`)
 The first stage adds the embedding (a gather forward, a scatter-add into fp32 backward), the last
 the final norm, the head GEMM (n = V/tp, vocabulary-parallel) and the cross-entropy. Float8
-(torchao's dynamic scaling, as torchtitan's float8 rows): every block linear (not the head) in fp8,
-each input cast (forward X and W; backward dY twice, W, X).
+(torchao's dynamic scaling, as torchtitan's float8 rows): every block linear (not the head) in fp8, its
+operands cast as the recipe does (tensorwise or rowwise: `kernels.float8_casts`).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class Shape:
 class Options:
     """How the kernels run: torch.compile's fusion, float8 GEMMs, the attention kernel, the recompute policy."""
     compile: bool = False
-    float8: bool = False
+    float8: bool | str = False  # True or "tensorwise", "rowwise": torchao's recipes (kernels.FLOAT8_CASTS)
     attention: str = "fa2"
     recompute: str = "none"
 
@@ -65,16 +65,28 @@ def recomputed(policy: str) -> frozenset | None:
     return RECOMPUTED[policy]
 
 
+def float8_recipe(float8) -> str | None:
+    """Options.float8 as a recipe: False/None -> None (bf16), True -> "tensorwise", or the recipe named."""
+    if not float8:
+        return None
+    recipe = "tensorwise" if float8 is True else float8
+    if recipe not in K.FLOAT8_RECIPES:
+        raise ValueError(f"float8={float8!r} is not a recipe the kernel model knows: choose one of {K.FLOAT8_RECIPES}")
+    return recipe
+
+
 def _linear(name, rows, n, k, gpu, opts, fp8_ok=True):
     """Forward and backward ops of a linear layer on `rows` rows: Y (rows x n) = X (rows x k) W (k x n)."""
-    dtype = "fp8" if opts.float8 and fp8_ok else "bf16"
+    recipe = float8_recipe(opts.float8) if fp8_ok else None
+    dtype = {None: "bf16", "tensorwise": "fp8", "rowwise": "fp8_rowwise"}[recipe]
     c = opts.compile
     fwd = [K.gemm(name, rows, n, k, gpu, dtype, compile=c)]
     bwd = [K.gemm(f"{name} dgrad", rows, k, n, gpu, dtype, compile=c),
            K.gemm(f"{name} wgrad", k, n, rows, gpu, dtype, compile=c)]
-    if dtype == "fp8":
-        fwd.append(K.ew("float8_cast", "forward", rows * k + k * n, gpu, opts.compile, f"{name} cast"))
-        bwd.append(K.ew("float8_cast", "backward", 2 * rows * n + k * n + rows * k, gpu, opts.compile, f"{name} cast"))
+    if recipe:
+        cast_f, cast_b = K.float8_casts(name, recipe, rows, k, n, gpu, c)
+        fwd.append(cast_f)
+        bwd.append(cast_b)
     return fwd, bwd
 
 

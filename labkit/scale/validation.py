@@ -14,7 +14,8 @@ The error of a row is predicted / published - 1 (throughput, and memory where pu
 
 Two models predict (`MODELS_OF_COST`): "flat", compute / (peak x labkit.scale.cost.EFFICIENCY) plus
 exposed traffic and bubble, the default of `predict`; and "kernels", every op by a roofline from
-kernel-level figures (`predict(..., efficiency=None)`), with each row's torch.compile, float8 and
+kernel-level figures (`predict(..., efficiency=None)`), with each row's torch.compile, float8 (its
+recipe: "float8 rowwise" where the source names rowwise scales, else tensorwise, torchao's default) and
 async TP (its "outside_model" list) switched on, since the kernel model can express them.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ from labkit.scale.specs import MODELS
 
 RUNS_FILE = Path(__file__).with_name("published_runs.json")
 LAYOUT_FIELDS = ("dp", "pp", "cp", "tp", "zero", "recompute", "micro_batch", "schedule", "virtual_stages",
-                 "first_stage_embedding_only", "last_stage_loss_only")
+                 "first_stage_embedding_only", "last_stage_loss_only", "cp_method")
 
 
 def load_sets(path: Path | str = RUNS_FILE) -> dict:
@@ -69,7 +70,8 @@ def model_options(row: dict, model: str) -> dict:
     if model == "flat":
         return {}
     out = row.get("outside_model", [])
-    return dict(efficiency=None, compile="torch.compile" in out, float8="float8" in out, async_tp="async TP" in out)
+    float8 = "rowwise" if "float8 rowwise" in out else "float8" in out  # True: torchao's default, tensorwise
+    return dict(efficiency=None, compile="torch.compile" in out, float8=float8, async_tp="async TP" in out)
 
 
 def predict_row(row: dict, set_info: dict, model: str = "flat") -> dict:

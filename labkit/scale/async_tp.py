@@ -1,0 +1,59 @@
+"""Async TP's exposed time, by its mechanism: the collective decomposed into per-rank chunks (notebook 15).
+
+torchtitan's async TP (`--parallelism.enable_async_tensor_parallel`; the PyTorch post "[Distributed w/
+TorchTitan] Introducing Async Tensor Parallelism in PyTorch", discuss.pytorch.org/t/209487, after Wang et
+al., "Overlap Communication with Dependent Computation via Decomposition in Large Deep Learning Models",
+ASPLOS 2023) splits each sequence-parallel all-gather -> matmul, and matmul -> reduce-scatter, into tp
+steps: at each step one rank's chunk of T / tp rows is multiplied while the next chunk moves. The local
+chunk needs no transfer, so one chunk's matmul is never overlapped; the others each take the longer of
+their matmul and their transfer:
+
+    t_async = g + (tp - 1) max(g, c),   c = t_collective / (tp - 1)   (one ring step: alpha + (A / tp) / busbw)
+    exposed = max(0, t_async - G)
+
+G: the matmuls the collective feeds (or that feed it) at their whole shape, g: the same matmuls on one
+chunk of T / tp rows, each timed by `labkit.scale.kernels.gemm` (tile and wave quantization: a chunk is a
+smaller GEMM and runs at a lower efficiency, the post's "wave quantization" cost of decomposition). With
+a free link (c = 0) the exposed time is the split GEMMs' slowdown, tp g - G; with a slow one it tends to
+the collective's time less the matmuls it hides behind. The clamp at 0 keeps a split that happens to beat
+the whole GEMM (a bad last wave of the whole shape) from paying back other axes' time.
+
+Which matmuls each of a block's TP collectives overlaps (torchtitan's Llama with sequence parallelism;
+torch's fused_all_gather_matmul takes several weights at once, fused_matmul_reduce_scatter one):
+    forward   all-gather -> wq, wk, wv;  wo -> reduce-scatter;  all-gather -> w1, w3;  w2 -> reduce-scatter
+    backward  all-gather of dY -> w2's input gradient;  w1's and w3's input gradients -> reduce-scatter;
+              all-gather of dY -> wo's input gradient;  wq's, wk's, wv's input gradients -> reduce-scatter
+(the weight gradients contract over T, the dimension the chunks split, and are not decomposed).
+A full-recompute block runs the forward's four again in its backward.
+Not modelled: the copy engines (the post's NVLink transfers use them, not SMs, so no SM contention is
+charged) and their share of HBM bandwidth, for which no kernel-level figure was found.
+"""
+from __future__ import annotations
+
+FORWARD_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w1", "w3"), ("w2",))
+BACKWARD_GROUPS = (("w2 dgrad",), ("w1 dgrad", "w3 dgrad"), ("wo dgrad",), ("wq dgrad", "wk dgrad", "wv dgrad"))
+
+
+def decomposed(full_s: float, chunk_s: float, collective_s: float, tp: int) -> float:
+    """Exposed seconds of one collective decomposed over tp ranks: max(0, g + (tp-1) max(g, c) - G)."""
+    if tp <= 1:
+        return 0.0
+    c = collective_s / (tp - 1)
+    return max(0.0, chunk_s + (tp - 1) * max(chunk_s, c) - full_s)
+
+
+def _gemm_seconds(ops, names) -> float:
+    return sum(op.seconds for op in ops if op.kind == "gemm" and op.name in names)
+
+
+def exposed(blk: dict, chunk_blk: dict, collective_s: float, tp: int, passes: int) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of one block's TP collectives under async TP, for one micro-batch.
+    blk: `layer_ops.block_ops` at the block's shape; chunk_blk: the same on T / tp rows (one chunk);
+    collective_s: one collective's time (the block's TP time / (4 passes)); passes: 3 with full recompute."""
+    def groups(direction, names):
+        return sum(decomposed(_gemm_seconds(blk[direction], g), _gemm_seconds(chunk_blk[direction], g),
+                              collective_s, tp) for g in names)
+
+    forward = groups("forward", FORWARD_GROUPS)
+    backward = groups("backward", BACKWARD_GROUPS) + (passes - 2) * forward
+    return forward, backward

@@ -1,0 +1,124 @@
+"""The kernel model's mechanisms for torchtitan's async TP and float8 recipes (issue 34), each against its closed
+form and each constant against its cited figure. Pure arithmetic, no process: well under a second."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from labkit.scale import async_tp as atp
+from labkit.scale import kernels as K
+from labkit.scale.cluster import load_cluster
+from labkit.scale.cost import predict
+from labkit.scale.gpu import GPU_DIR, GPUError, load_gpu
+from labkit.scale.layer_ops import Options, Shape, block_ops
+from labkit.scale.layout import Layout, LayoutError
+from labkit.scale.specs import LLAMA3
+
+H500 = load_gpu("h100-sxm-500w")
+H100 = load_gpu("h100-sxm")
+TETON = load_cluster("h100-grand-teton")
+
+
+def _tflops(m, n, k, gpu, dtype):
+    op = K.gemm("g", m, n, k, gpu, dtype)
+    return op.flops / op.seconds / 1e12
+
+
+def test_decomposed_collective_closed_form():
+    """g + (tp - 1) max(g, c) - G, c = t / (tp - 1), never below 0: a free link leaves the split GEMMs' slowdown
+    tp g - G; a slow one the transfer less what hides it. Planted mistake: the rule before, everything hidden
+    behind the GEMMs (max(0, t - G)), gives 0 where the decomposition does not."""
+    assert atp.decomposed(8.0, 1.25, 0.0, 8) == pytest.approx(8 * 1.25 - 8.0)       # free link: 2.0
+    assert atp.decomposed(8.0, 1.25, 14.0, 8) == pytest.approx(1.25 + 14.0 - 8.0)  # c = 2 > g
+    assert atp.decomposed(8.0, 0.9, 0.0, 8) == 0.0                                  # a split faster than whole
+    assert atp.decomposed(8.0, 1.25, 5.0, 1) == 0.0
+    planted_all_hidden = max(0.0, 7.0 - 8.0)
+    assert atp.decomposed(8.0, 1.25, 7.0, 8) == pytest.approx(2.0) != planted_all_hidden
+
+
+def test_async_tp_pairs_each_collective_with_the_gemms_it_feeds():
+    """atp.exposed on 70B at tp 8 (torchtitan's async TP rows: 16 x 8K tokens, float8 tensorwise, full recompute)
+    equals the closed form summed over the four groups of each pass, G and g computed here from kernels.gemm
+    directly (T = 131,072 rows; a chunk T / 8); full recompute runs the forward's four again in the backward."""
+    spec, tp, T = LLAMA3["70b"], 8, 16 * 8192
+    d, kv, H = spec.d_model, spec.kv_dim, spec.hidden_dim
+    opts = Options(compile=True, float8=True, recompute="full")
+    blk = block_ops(spec, Shape(16, 8192, tp=tp), opts, H500)
+    chunk = block_ops(spec, Shape(16, 8192 // tp, tp=tp), opts, H500)
+
+    def g(rows, shapes):  # the group's GEMMs, (n, k) each, on `rows` rows
+        return sum(K.gemm("x", rows, n, k, H500, "fp8").seconds for n, k in shapes)
+
+    fwd = [[(d // tp, d), (kv // tp, d), (kv // tp, d)], [(d, d // tp)], [(H // tp, d), (H // tp, d)], [(d, H // tp)]]
+    bwd = [[(H // tp, d)], [(d, H // tp), (d, H // tp)], [(d // tp, d)], [(d, d // tp), (d, kv // tp), (d, kv // tp)]]
+    t = 3e-3
+    want_f = sum(atp.decomposed(g(T, s), g(T // tp, s), t, tp) for s in fwd)
+    want_b = sum(atp.decomposed(g(T, s), g(T // tp, s), t, tp) for s in bwd) + want_f
+    got_f, got_b = atp.exposed(blk, chunk, t, tp, passes=3)
+    assert got_f == pytest.approx(want_f, rel=1e-12) and got_b == pytest.approx(want_b, rel=1e-12)
+    assert got_f > 0  # fp8 GEMMs at tp 8 are shorter than their chunks' transfers: part of TP shows
+
+
+def test_async_tp_in_predict_lies_between_all_hidden_and_all_exposed():
+    lay = Layout(dp=32, tp=8, zero="zero3", recompute="full", micro_batch=16)
+    kw = dict(efficiency=None, compile=True, float8=True)
+    plain = predict(LLAMA3["70b"], lay, TETON, 512, 8192, **kw)
+    hidden = predict(LLAMA3["70b"], lay, TETON, 512, 8192, async_tp=True, **kw)
+    assert 0 < hidden.parts_s["exposed_tp"] < plain.parts_s["exposed_tp"]
+    assert hidden.step_s == pytest.approx(sum(hidden.parts_s.values()), rel=1e-12)
+
+
+def test_rowwise_gemm_reproduces_fbgemm_figure_tensorwise_keeps_the_mamf_efficiency():
+    """FBGEMM 3ad9031d's 'H100 500W' table: fp8 rowwise (CUTLASS) 1125.51 TFLOP/s at 8192^3, exactly; tensorwise
+    (the MAMF's per-SM efficiency at the fp8 peak) 1171.1 there. A kind without a rowwise figure (h100-sxm) runs
+    both recipes alike. Planted mistake: rowwise at the tensorwise rate would give 1171, not 1125.51."""
+    assert _tflops(8192, 8192, 8192, H500, "fp8_rowwise") == pytest.approx(1125.51, rel=1e-9)
+    tensorwise = _tflops(8192, 8192, 8192, H500, "fp8")
+    assert tensorwise == pytest.approx(1171.1, rel=1e-3) and tensorwise != pytest.approx(1125.51, rel=1e-3)
+    assert _tflops(4096, 1024, 8192, H100, "fp8_rowwise") == _tflops(4096, 1024, 8192, H100, "fp8")
+
+
+def test_float8_casts_are_torchaos_count_per_recipe():
+    """torchao's roofline_utils (fuse_with_prev=False): tensorwise 6 rk + 8 kn + 6 rn bytes in 3 + 4 + 3 kernels,
+    rowwise 8 rk + 10 kn + 8 rn in 2 + 3 + 2 (X: rows x k, W: k x n, dY: rows x n); the input's in the forward,
+    dY's in the backward, the weight's split 5 | 3 (tensorwise) and 3 | 7 (rowwise)."""
+    r, k, n = 4096, 1024, 512
+    for recipe, (a, w, wf, kern, kern_f) in {"tensorwise": (6, 8, 5, 10, 6), "rowwise": (8, 10, 3, 7, 3)}.items():
+        f, b = K.float8_casts("x", recipe, r, k, n, H500, True)
+        assert f.bytes + b.bytes == a * r * k + w * k * n + a * r * n
+        assert f.bytes == a * r * k + wf * k * n and f.kernels + b.kernels == kern and f.kernels == kern_f
+    with pytest.raises(ValueError, match="not a recipe"):
+        K.float8_casts("x", "blockwise", r, k, n, H500, True)
+    with pytest.raises(LayoutError, match="not a recipe"):
+        predict(LLAMA3["8b"], Layout(dp=8), TETON, 8, 8192, efficiency=None, float8="blockwise")
+
+
+def test_rowwise_block_runs_rowwise_gemms_and_casts_and_a_longer_step():
+    """A block under float8="rowwise" times its linears with the rowwise GEMM and the rowwise casts (True is
+    tensorwise, torchao's default); the step is longer than tensorwise's."""
+    spec, T = LLAMA3["8b"], 12 * 8192
+    blk = {f: block_ops(spec, Shape(12, 8192, tp=8), Options(compile=True, float8=f), H500) for f in (True, "rowwise")}
+    for f, dtype, recipe in ((True, "fp8", "tensorwise"), ("rowwise", "fp8_rowwise", "rowwise")):
+        wq = [op for op in blk[f]["forward"] if op.name == "wq"][0]
+        cast = [op for op in blk[f]["forward"] if op.name == "wq cast"][0]
+        assert wq.seconds == K.gemm("wq", T, spec.d_model // 8, spec.d_model, H500, dtype).seconds
+        assert cast == K.float8_casts("wq", recipe, T, spec.d_model, spec.d_model // 8, H500, True)[0]
+    lay = Layout(dp=8, tp=8, zero="zero3", recompute="selective-op", micro_batch=12)
+    tw, rw = (predict(spec, lay, TETON, 96, 8192, efficiency=None, compile=True, float8=f) for f in (True, "rowwise"))
+    assert rw.step_s > tw.step_s
+
+
+def test_500w_hbm_is_the_hosts_published_bandwidth_and_torchaos_measured_fraction():
+    """torchtitan's async TP file: '96GB HBM2e with 2.4 TB/sec'; torchao: pointwise kernels 'about 2.2k GBPS on
+    Meta's H100 variant', 0.92 of it."""
+    assert H500.hbm_tbytes_per_s == 2.4 and round(2.2 / 2.4, 2) == H500.hbm_fraction
+    assert H500.hbm_bytes_per_s == pytest.approx(2.4e12 * 0.92)
+
+
+def test_rowwise_figure_checked_like_every_field():
+    values = json.loads((GPU_DIR / "h100-sxm-500w.json").read_text())
+    with pytest.raises(GPUError, match="fp8_rowwise_tflops.*unit off by 1,000"):
+        load_gpu(dict(values, fp8_rowwise_tflops=1125.51e3))
+    with pytest.raises(GPUError, match="fp8_rowwise_shape"):
+        load_gpu({k: v for k, v in values.items() if k != "fp8_rowwise_shape"})
