@@ -208,14 +208,14 @@ _cell_parser.add_argument("--tabs", action="store_true")
 def ranks_line(line: str):
     """The ``%ranks`` line magic; returns what it says (``timeline``: the merged spans)."""
     global current
-    words = shlex.split(line)
+    words = shlex.split(line, comments=True)
     if words[:1] == ["timeline"]:
         if current is None or not current.up or len(words) > 2:
             raise SessionError("usage: `spans = %ranks timeline [NAME]` with a session up: each rank's Timeline "
                                "NAME (default tl), recorded in a %%ranks cell")
         return session_timeline(current, *words[1:])
     try:
-        options = _parser.parse_args(shlex.split(line))
+        options = _parser.parse_args(shlex.split(line, comments=True))
     except SystemExit:
         raise ValueError(USAGE) from None
     if options.action == "status":
@@ -247,7 +247,7 @@ def ranks_line(line: str):
 def run_on_session(line: str, cell: str) -> None:
     """``%%ranks`` with no number: the cell on the session's ranks (``--targets 0,2`` for some)."""
     try:
-        options = _cell_parser.parse_args(shlex.split(line))
+        options = _cell_parser.parse_args(shlex.split(line, comments=True))
     except SystemExit:
         raise ValueError("usage: %%ranks N [--timeout S] [--backend B] (a cell on N new ranks), or, with a "
                          "session up, %%ranks [--targets 0,2] [--tabs]") from None
