@@ -199,7 +199,7 @@ a, b, unreachable, namespaces = sys.argv[1], sys.argv[2], sys.argv[3], set(sys.a
 t0 = time.monotonic()
 print("START", ranks_line(f"start 2 --launcher mpiexec --backend gloo --hosts {a},{b} --start-timeout 90"))
 run_on_session("", "import os\\nx = torch.tensor([2.0 ** rank], dtype=torch.float64)\\ndist.all_reduce(x)\\n"
-                   "print('SUM', int(x.item()), 'NETNS', os.stat('/proc/self/ns/net').st_ino)")
+                   "print('SUM', int(x.item()), 'NETNS', os.stat('/proc/self/ns/net').st_ino, 'LOCAL', os.environ['LOCAL_RANK'])")
 print("HOSTS", json.dumps(sess.current.hosts))
 t1 = time.monotonic()
 ranks_line("stop")
@@ -229,8 +229,8 @@ print("SECONDS", json.dumps({"start+cell": t1 - t0, "stop": t2 - t1, "unreachabl
 def test_a_session_spans_two_hosts_reduces_across_them_and_stops_everything(hosts, tmp_path, nothing_left):
     """`%ranks start 2 --launcher mpiexec --hosts A,B` from host A: the engines join one group across the link
     (an all_reduce of 2**rank in float64 is 2**2 - 1 = 3 only if each rank took part once), rank 0 runs in host
-    A's network namespace and rank 1 in B's (each rank reads its own namespace), the session names both hosts by
-    their addresses, and `%ranks stop` leaves no process on either host. Then bad input: the controller at an
+    A's network namespace and rank 1 in B's (each rank reads its own namespace), each is local rank 0 on its
+    host (its GPU under nccl), the session names both hosts by their addresses, and `%ranks stop` leaves no process on either host. Then bad input: the controller at an
     address of A that B has no route to (`--ip`) is named, with what to do, within the start timeout.
     One engine per host: the hosts are what is tested, and each engine imports torch (seconds on 2 cores)."""
     if shutil.which("mpiexec") is None:
@@ -249,7 +249,9 @@ def test_a_session_spans_two_hosts_reduces_across_them_and_stops_everything(host
                                              f"{a} [rank 0], {b} [rank 1], engine pids"), output[-3000:]
     assert f"{b} {hosts.ns[1]}" in calls.read_text(), "mpiexec never started anything on host B"
     ino_a, ino_b = inodes.values()
-    assert f"[rank 0] SUM 3 NETNS {ino_a}" in output and f"[rank 1] SUM 3 NETNS {ino_b}" in output, output[-3000:]
+    # LOCAL: the rank on its own host, the GPU it would take under nccl: 0 on each host, not the global rank
+    assert f"[rank 0] SUM 3 NETNS {ino_a} LOCAL 0" in output and f"[rank 1] SUM 3 NETNS {ino_b} LOCAL 0" in output, \
+        output[-3000:]
     assert json.loads(lines["HOSTS"]) == {"0": a, "1": b}
     assert json.loads(lines["LEFT"]) == [], f"processes left on the hosts after %ranks stop: {lines['LEFT']}"
     assert "REFUSED" in lines, output[-3000:]
