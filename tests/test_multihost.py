@@ -12,6 +12,9 @@ subnet that exists inside the namespaces only, on an interface named lab0 on bot
 each running `python -m labkit.apps.train` on gloo, whose final weights and losses must
 equal the single-process `labkit.training.loop.train` (the comparison of test_train_scripts).
 And a fault: a rank on host B is killed mid-run; every process on both hosts must end.
+And a session of persistent ranks (`%ranks start 2 --launcher mpiexec --hosts A,B`) driven from a
+process in host A's namespace, as a notebook kernel there would: its controller and store listen at host
+A's address, its all-reduce crosses the link, and `%ranks stop` leaves nothing on either host.
 
 Needs root and a working `ip netns` (CI runs as root); otherwise skipped with one line.
 Every namespace, daemon and process is removed at the end, also when a test fails.
@@ -19,6 +22,7 @@ Cost: about 1 minute per launcher on two idle cores (each starts 4 ranks that im
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -150,20 +154,25 @@ def test_torchrun_three_axes_across_two_hosts_equals_single_process(hosts, refer
     _check(_the_report(_run(jobs)), saved, reference, "composed", 8)
 
 
-def test_mpiexec_across_two_hosts_equals_single_process(hosts, reference, tmp_path, nothing_left):
-    if shutil.which("mpiexec") is None:
-        pytest.skip(f"no mpiexec: install it with {INSTALL}")
+def _open_mpi_rsh_agent(hosts, tmp_path):
+    """Open MPI starts its daemon on a remote host with `<agent> <host> <command>`: ssh on a cluster, here
+    `ip netns exec` into that host's namespace (each call logged, to prove host B was used)."""
     flavour = _sh("mpiexec", "--version", check=False).stdout
     if "Open MPI" not in flavour and "OpenRTE" not in flavour:
         pytest.skip("the rsh agent below is written for Open MPI's mpiexec (apt-get install -y openmpi-bin)")
-    # Open MPI starts its daemon on a remote host with `<agent> <host> <command>`: ssh on a cluster,
-    # here `ip netns exec` into that host's namespace (each call logged, to prove host B was used).
     agent, calls = tmp_path / "netns-rsh", tmp_path / "agent-calls.txt"
     cases = "\n".join(f"  {addr}) ns={ns} ;;" for addr, ns in zip(hosts.addrs, hosts.ns))
     agent.write_text(f'#!/bin/sh\nhost=$1; shift\ncase "$host" in\n{cases}\n'
                      f'  *) echo "unknown host $host" >&2; exit 1 ;;\nesac\n'
                      f'echo "$host $ns" >> {calls}\nexec ip netns exec "$ns" sh -c "$*"\n')
     agent.chmod(0o755)
+    return agent, calls
+
+
+def test_mpiexec_across_two_hosts_equals_single_process(hosts, reference, tmp_path, nothing_left):
+    if shutil.which("mpiexec") is None:
+        pytest.skip(f"no mpiexec: install it with {INSTALL}")
+    agent, calls = _open_mpi_rsh_agent(hosts, tmp_path)
     nodefile = tmp_path / "nodefile"  # what PBS writes: one line per process
     nodefile.write_text("".join(f"{addr}\n" * 2 for addr in hosts.addrs))
     saved = tmp_path / "weights.pt"
@@ -175,6 +184,83 @@ def test_mpiexec_across_two_hosts_equals_single_process(hosts, reference, tmp_pa
     (output,) = _run([(cmd, env)])
     assert f"{hosts.addrs[1]} {hosts.ns[1]}" in calls.read_text(), "mpiexec never started anything on host B"
     _check(_report(output), saved, reference, "hybrid", 4)
+
+
+# The "kernel" of a two-host session: a process in host A's namespace that drives the session as the
+# magics do in a notebook (`%ranks ...` is `ranks_line`, a `%%ranks` cell is `run_on_session`).
+SESSION_DRIVER = """
+import json, os, sys, time
+import psutil
+from labkit.session.engines import EnginesDidNotStart
+from labkit.session.session import ranks_line, run_on_session
+import labkit.session.session as sess
+
+a, b, unreachable, namespaces = sys.argv[1], sys.argv[2], sys.argv[3], set(sys.argv[4:])
+t0 = time.monotonic()
+print("START", ranks_line(f"start 2 --launcher mpiexec --backend gloo --hosts {a},{b} --start-timeout 90"))
+run_on_session("", "import os\\nx = torch.tensor([2.0 ** rank], dtype=torch.float64)\\ndist.all_reduce(x)\\n"
+                   "print('SUM', int(x.item()), 'NETNS', os.stat('/proc/self/ns/net').st_ino, 'LOCAL', os.environ['LOCAL_RANK'])")
+print("HOSTS", json.dumps(sess.current.hosts))
+t1 = time.monotonic()
+ranks_line("stop")
+t2 = time.monotonic()
+
+def left():  # every process in the two namespaces but this one
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and str(os.stat(f"/proc/{p.pid}/ns/net").st_ino) in namespaces \\
+                    and p.status() != psutil.STATUS_ZOMBIE:
+                found.append((p.pid, " ".join(p.cmdline())[:80]))
+        except (OSError, psutil.Error):
+            pass
+    return found
+print("LEFT", json.dumps(left()))
+began = time.monotonic()
+try:
+    ranks_line(f"start 2 --launcher mpiexec --backend gloo --hosts {a},{b} --ip {unreachable} --start-timeout 40")
+    print("UNREACHABLE STARTED")
+except EnginesDidNotStart as err:
+    print("REFUSED", json.dumps([str(err), time.monotonic() - began]))
+print("SECONDS", json.dumps({"start+cell": t1 - t0, "stop": t2 - t1, "unreachable": time.monotonic() - began}))
+"""
+
+
+def test_a_session_spans_two_hosts_reduces_across_them_and_stops_everything(hosts, tmp_path, nothing_left):
+    """`%ranks start 2 --launcher mpiexec --hosts A,B` from host A: the engines join one group across the link
+    (an all_reduce of 2**rank in float64 is 2**2 - 1 = 3 only if each rank took part once), rank 0 runs in host
+    A's network namespace and rank 1 in B's (each rank reads its own namespace), each is local rank 0 on its
+    host (its GPU under nccl), the session names both hosts by their addresses, and `%ranks stop` leaves no process on either host. Then bad input: the controller at an
+    address of A that B has no route to (`--ip`) is named, with what to do, within the start timeout.
+    One engine per host: the hosts are what is tested, and each engine imports torch (seconds on 2 cores)."""
+    if shutil.which("mpiexec") is None:
+        pytest.skip(f"no mpiexec: install it with {INSTALL}")
+    agent, calls = _open_mpi_rsh_agent(hosts, tmp_path)
+    unreachable = "10.232.0.1"  # on host A's loopback: a /32 route host B does not have
+    _sh("ip", "-n", hosts.ns[0], "addr", "add", f"{unreachable}/32", "dev", "lo")
+    inodes = {ns: os.stat(f"/var/run/netns/{ns}").st_ino for ns in hosts.ns}
+    env = _env(PYTHON=sys.executable, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_plm_rsh_agent=str(agent), OMPI_MCA_oob_tcp_if_include=IFNAME)  # no GLOO_SOCKET_IFNAME: chosen
+    cmd = _in(hosts.ns[0], sys.executable, "-c", SESSION_DRIVER, *hosts.addrs, unreachable, *inodes.values())
+    (output,) = _run([(cmd, env)], timeout=240)
+    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in output.splitlines() if " " in line}
+    a, b = hosts.addrs
+    assert lines.get("START", "").startswith(f"session up of 2 rank(s), backend gloo, mpiexec launcher, hosts "
+                                             f"{a} [rank 0], {b} [rank 1], engine pids"), output[-3000:]
+    assert f"{b} {hosts.ns[1]}" in calls.read_text(), "mpiexec never started anything on host B"
+    ino_a, ino_b = inodes.values()
+    # LOCAL: the rank on its own host, the GPU it would take under nccl: 0 on each host, not the global rank
+    assert f"[rank 0] SUM 3 NETNS {ino_a} LOCAL 0" in output and f"[rank 1] SUM 3 NETNS {ino_b} LOCAL 0" in output, \
+        output[-3000:]
+    assert json.loads(lines["HOSTS"]) == {"0": a, "1": b}
+    assert json.loads(lines["LEFT"]) == [], f"processes left on the hosts after %ranks stop: {lines['LEFT']}"
+    assert "REFUSED" in lines, output[-3000:]
+    text, seconds = json.loads(lines["REFUSED"])
+    assert "the mpiexec launcher started" in text and "of 2 engine(s)" in text, text
+    assert (f"the controller and the session's store listen at {unreachable}" in text
+            and f"check that every host reaches {unreachable}" in text and "--ip" in text), text
+    assert seconds < 40 + 15, seconds  # within the start timeout (and the stop that follows it)
+    print("two-host session, seconds:", lines["SECONDS"])
 
 
 def test_slurm_one_node_cluster_runs_the_sbatch_script(hosts, reference, tmp_path, nothing_left):

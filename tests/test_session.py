@@ -4,7 +4,8 @@ One kernel runs the whole story (engines cost seconds to start on 2 cores): vari
 cells, grouped output, an edit seen in the engines, an exception named at its rank and line, a hang
 reported with the waiting line, a killed engine reported and a restart, a second start refused, the
 output as a tab per rank (`%%ranks --tabs`, text without ipywidgets), a KeyboardInterrupt raised inside a
-rank; then the kernel shuts down and no engine or controller is left. About a minute on 2 busy cores.
+rank, a timeline recorded on the ranks and drawn in the kernel (`%ranks timeline`); then the kernel shuts
+down and no engine or controller is left. About a minute on 2 busy cores. Apart: a kernel killed by SIGKILL.
 """
 import os
 import time
@@ -17,7 +18,8 @@ from labkit.grading import REPO_ROOT
 pytestmark = pytest.mark.timeout(300)
 
 CELLS = [
-    "import labkit, os, time, signal\nimport labkit.session.session as sess\nfrom labkit.grading import impl\n%load_ext labkit",
+    "import labkit, os, time, signal\nimport labkit.session.session as sess\nfrom labkit.grading import impl\n%load_ext labkit\n"
+    "%matplotlib inline",
     "%ranks start 2 --backend gloo",
     "%%ranks\nt = torch.ones(2) * (rank + 1)\nsq = rank ** 2\nprint('hello from the session')",
     "%%ranks\ndist.all_reduce(t)\nprint(sq, t.tolist())\nsq + 100",
@@ -49,6 +51,15 @@ CELLS = [
     "time.sleep(0.5)\nprint('LEFT', [p for p in before if psutil.pid_exists(p) and psutil.Process(p).status() != 'zombie'])",
     "%ranks restart",
     "s = sess.current\nprint('PIDS', *s.pids.values(), s.engines.cluster.controller.pid)",
+    # 30-32: a timeline recorded on the session's ranks, gathered by the kernel and drawn by the launch's function
+    "%%ranks\nfrom labkit.measure.timeline import Timeline\ntl = Timeline()\ntl.sync()\nfor i in range(rank + 2):\n"
+    "    with tl.span('F', mb=i):\n        pass\nwith tl.span('allreduce'):\n    dist.all_reduce(torch.ones(1))",
+    "import labkit.measure.viz as viz\ndrawn, _draw = [], viz.plot_timeline\n"
+    "viz.plot_timeline = lambda spans, **kw: drawn.append(list(spans)) or _draw(spans, **kw)\ntry:\n"
+    "    spans = %ranks timeline\nfinally:\n    viz.plot_timeline = _draw\n"
+    "print('DRAWN', drawn == [spans], spans == sorted(spans, key=lambda s: (s.start, s.rank)))\n"
+    "print('PER_RANK', {r: [(s.label, s.start, s.end) for s in spans if s.rank == r] for r in (0, 1)})",
+    "%%ranks\nprint(repr([(s.label, s.start, s.end) for s in tl.spans]))",
 ]
 
 
@@ -191,6 +202,25 @@ def test_kernel_shutdown_leaves_no_engine_and_no_controller(story):
 
 
 
+def test_a_session_timeline_holds_each_ranks_recorded_spans_drawn_by_the_launchs_function(story):
+    """`spans = %ranks timeline`: rank r recorded F0..F(r+1) then an allreduce; the kernel's spans, rank by rank,
+    are exactly each rank's own (labels, starts and ends, read back from the rank), merged in start order, and
+    the figure is drawn by `labkit.measure.viz.plot_timeline`, the function a launch's spans are drawn with."""
+    import ast
+
+    nb, texts, errors = story
+    assert errors[30] is None and errors[31] is None and errors[32] is None, [e and e.traceback for e in errors[30:33]]
+    lines = dict(line.split(" ", 1) for line in texts[31].splitlines())
+    assert lines["DRAWN"] == "True True", texts[31]  # drawn once, by plot_timeline, with the merged spans
+    per_rank = ast.literal_eval(lines["PER_RANK"])
+    assert [[label for label, *_ in per_rank[r]] for r in (0, 1)] == [["F0", "F1", "allreduce"],
+                                                                      ["F0", "F1", "F2", "allreduce"]]
+    recorded = {int(line[len("[rank "):line.index("]")]): ast.literal_eval(line[line.index("]") + 2:])
+                for line in texts[32].splitlines()}
+    assert recorded == per_rank  # exactly what each rank holds, times included
+    assert any("image/png" in o.get("data", {}) for o in nb.cells[31].outputs), nb.cells[31].outputs
+
+
 # --------------------------------------------------------------------------- bad input, each a clear error
 
 def _session_processes():
@@ -224,3 +254,58 @@ def test_engines_that_do_not_come_up_in_time_name_the_launcher_and_leave_nothing
     while _session_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _session_processes() == []
+
+
+# --------------------------------------------------------------------------- a kernel killed by SIGKILL
+
+def _marked(variable: str, value: str) -> list[int]:
+    """Live processes whose environment has variable=value (the test's own marker, not the session's)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(variable) == value and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_a_kernel_killed_by_sigkill_leaves_no_controller_and_no_engine(tmp_path):
+    """The kernel SIGKILLs itself (what the out-of-memory killer does): no exit handler runs, yet within seconds
+    no process it started is left: controller, engine, the session's reaper. Found by a marker in their
+    environment that this test sets in the kernel's (every child inherits it); the session's own marker and
+    reaper are what is under test, so the test does not use them. About 10 s (one engine)."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import DeadKernelError
+
+    variable, marker = "LABKIT_TEST_SIGKILL_MARKER", f"{os.getpid()}-{time.time_ns()}"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in (
+        "import os, signal, psutil\nimport labkit.session.session as sess\n%load_ext labkit",
+        "%ranks start 1 --backend gloo",
+        f"s = sess.current\npids = [s.engines.cluster.controller.pid, *s.pids.values(), s.engines.reaper.process.pid]\n"
+        "def env(p):\n    try:\n        return p.environ()\n    except psutil.Error:\n        return {}\n"
+        f"marked = {{p.pid for p in psutil.process_iter() if env(p).get({variable!r}) == {marker!r}}}\n"
+        "print('PIDS', *pids, all(p in marked for p in pids))",
+        "os.kill(os.getpid(), signal.SIGKILL)",
+    )]
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", variable)}
+    os.environ.update({"PYTHONPATH": str(REPO_ROOT), variable: marker})  # the kernel and all it starts inherit both
+    try:
+        client = NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
+                                resources={"metadata": {"path": str(tmp_path)}})
+        with pytest.raises(DeadKernelError):
+            client.execute()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    killed = time.monotonic()
+    text = "".join(o.get("text", "") for o in nb.cells[2].outputs)
+    assert text.startswith("PIDS") and text.split()[-1] == "True", [nb.cells[1].outputs, nb.cells[2].outputs]
+    deadline = killed + 10
+    while _marked(variable, marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _marked(variable, marker)
+    assert left == [], f"left after the kernel was killed: {[(p, psutil.Process(p).cmdline()[:4]) for p in left]}"
+    print(f"nothing of the session left {time.monotonic() - killed:.1f} s after the kernel's SIGKILL")

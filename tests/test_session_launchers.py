@@ -156,3 +156,30 @@ def test_a_launcher_that_exits_is_named_with_what_it_printed_at_once(monkeypatch
     assert "`mpiexec` exited with code 3 before every engine was up" in text
     assert "fake mpiexec: not enough slots for 2 processes" in text
     assert time.monotonic() - began < 60  # not the 120 s start timeout
+
+
+def test_hosts_and_ip_that_cannot_work_are_refused_before_any_process(monkeypatch, tmp_path):
+    """`--hosts` and `--ip` (engines on several hosts) checked as arithmetic on names and addresses; no process
+    starts (192.0.2.0/24 is TEST-NET-1: never this node's)."""
+    from labkit.session.hosts import LOOPBACK, controller_address, parse_hosts
+    from labkit.session.session import Session
+
+    fake = tmp_path / "mpiexec"  # only on PATH: nothing may run it
+    fake.write_text("#!/bin/sh\nexit 99\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with pytest.raises(ValueError, match=r"--hosts places the engines with mpiexec: add --launcher mpiexec"):
+        Session(4, "gloo", "local", hosts="a:2,b:2")
+    with pytest.raises(ValueError, match=r"--hosts 'a:2,b:1' places 3 rank\(s\), not the session's 4: give every host"):
+        Session(4, "gloo", "mpiexec", hosts="a:2,b:1")
+    with pytest.raises(ValueError, match=r"4 ranks do not split evenly over 3 hosts: say how many go where"):
+        parse_hosts("a,b,c", 4)
+    with pytest.raises(ValueError, match=r"--hosts entry 'a:x': write host or host:ranks"):
+        parse_hosts("a:x,b", 4)
+    assert parse_hosts("a,b", 4) == [("a", 2), ("b", 2)]
+    with pytest.raises(ValueError, match=r"--ip 127.0.0.1 is a loopback address, which the engines on 192.0.2.1 "
+                                         r"cannot reach: give this node's address on their network"):
+        Session(2, "gloo", "mpiexec", hosts="127.0.0.1:1,192.0.2.1:1", ip="127.0.0.1")
+    with pytest.raises(ValueError, match=r"--ip 192.0.2.55 is not an address of this node \(it has .*127.0.0.1"):
+        Session(2, "gloo", "mpiexec", hosts="127.0.0.1:1,192.0.2.1:1", ip="192.0.2.55")
+    assert controller_address(["localhost", "127.0.0.1"]) == LOOPBACK  # every host is this node: loopback, as before

@@ -78,7 +78,10 @@ def load_ipython_extension(ipython):
     def ranks_line_magic(line):  # %ranks start N | stop | restart: a session of persistent ranks
         from labkit.session.session import ranks_line
 
-        print(ranks_line(line))
+        said = ranks_line(line)
+        if not isinstance(said, str):
+            return said  # %ranks timeline: the spans, for `spans = %ranks timeline`
+        print(said)
 
     ipython.register_magic_function(ranks_magic, magic_kind="cell", magic_name="ranks")
     ipython.register_magic_function(ranks_line_magic, magic_kind="line", magic_name="ranks")

@@ -182,9 +182,7 @@ class Timeline:
         size = dist.get_world_size(group)
         out = [None] * size if dist.get_rank() == dst else None
         dist.gather_object([asdict(s) for s in self.spans], out, dst=dst, group=group)
-        if out is None:
-            return None
-        return sorted((Span(**d) for rank_spans in out for d in rank_spans), key=lambda s: (s.start, s.rank))
+        return None if out is None else merge_spans(out)
 
     def all_gather(self, group=None) -> list[Span]:
         """Collective: every rank's spans, sorted by start, on every rank."""
@@ -192,7 +190,13 @@ class Timeline:
 
         out = [None] * dist.get_world_size(group)
         dist.all_gather_object(out, [asdict(s) for s in self.spans], group=group)
-        return sorted((Span(**d) for rank_spans in out for d in rank_spans), key=lambda s: (s.start, s.rank))
+        return merge_spans(out)
+
+
+def merge_spans(per_rank) -> list[Span]:
+    """Every rank's spans (each a list of `Span` fields as dicts, as they travel) as one list, sorted by start
+    (then rank): what `Timeline.gather` returns and a session's `%ranks timeline` draws."""
+    return sorted((Span(**d) for rank_spans in per_rank for d in rank_spans), key=lambda s: (s.start, s.rank))
 
 
 class NullTimeline:

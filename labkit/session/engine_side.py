@@ -22,13 +22,17 @@ import traceback
 _state: dict = {}  # this engine's rank, world size, hooks
 
 
-def identify() -> dict:
-    """Who this engine is: its pid, host, and its place as its launcher set it (None for the local launcher)."""
+def identify(controller: str = "127.0.0.1") -> dict:
+    """Who this engine is: its pid, host, its address on the route to the ``controller`` (the host as the network
+    sees it: two nodes, or two network namespaces of one machine, differ there), its machine (who shares pids
+    with it), and its place as its launcher set it (None for the local launcher)."""
     import socket
 
     from labkit.launching.cluster import scheduled_world
+    from labkit.session.hosts import machine_id, route_source
 
-    return {"pid": os.getpid(), "host": socket.gethostname(), "world": scheduled_world()}
+    return {"pid": os.getpid(), "host": socket.gethostname(), "address": route_source(controller),
+            "machine": machine_id(), "world": scheduled_world()}
 
 
 def backend_here(requested: str, ranks_on_node: int) -> str:
@@ -44,10 +48,20 @@ def join(rank: int, world_size: int, local_rank: int, backend: str, address: str
 
     ``hooks``: the kernel's BEFORE_CELL hooks, pickled by reference: unpickling them imports their
     module here (the grading switch), which is how the engine gets the same reload rule.
-    ``kernel``: (host, pid, start time) of the kernel that started the session.
+    ``kernel``: (machine, pid, start time) of the kernel that started the session.
     """
     import pickle
 
+    import ipaddress
+
+    from labkit.session.hosts import interface_of, route_source
+
+    if not ipaddress.ip_address(address).is_loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # engines on several hosts. gloo's own choice is the interface of the host name, which may be loopback or
+        # a network the other hosts do not share: take the one this engine reaches the kernel through (lab0, ib0)
+        ifname = interface_of(route_source(address))
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR=address, MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       TORCHELASTIC_USE_AGENT_STORE="True")  # the kernel serves the store (Session.start)
@@ -65,18 +79,18 @@ def join(rank: int, world_size: int, local_rank: int, backend: str, address: str
     return os.getpid()
 
 
-def _watch_kernel(host: str, pid: int, started: float) -> None:
+def _watch_kernel(machine: str, pid: int, started: float) -> None:
     """Exit when the kernel is gone (killed, crashed): no engine outlives the notebook that started it.
 
     Watched by pid and start time (a reused pid is another process), which works whoever the engine's
     parent is: the kernel (local), mpiexec, or srun's slurmstepd.
     """
-    import socket
-
     import psutil
 
-    if socket.gethostname() != host:
-        return  # another host: the kernel's pid means nothing here (see engines.py)
+    from labkit.session.hosts import machine_id
+
+    if machine_id() != machine:
+        return  # another machine: the kernel's pid means nothing here (the controller's heartbeat ends us)
 
     def gone() -> bool:
         try:

@@ -12,13 +12,21 @@ Launchers (``--launcher``), all ipyparallel's own: ``local`` starts each engine 
 inside the PBS job: PALS on Cray systems) start all N engines with one command, ipyparallel's
 MPIEngineSetLauncher with that command. The engines then learn their rank and local rank from the
 launcher's variables (`labkit.launching.cluster`, the same rules as a launch under a scheduler).
+With mpiexec, ``hosts`` puts them on several hosts (Open MPI's ``--host a:2,b:2``, MPICH's ``-hosts``);
+the controller then listens at ``address``, this node's address that those hosts reach
+(`labkit.session.hosts`). Every process the cluster starts carries the session's marker in its
+environment, and a `labkit.session.reaper` ends them all when the kernel is gone, SIGKILL included.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import subprocess
 import time
+
+from labkit.session.hosts import LOOPBACK
+from labkit.session.reaper import Reaper
 
 # ours -> the command that starts N engines (None: ipyparallel's local launcher, one child per engine)
 LAUNCHERS = {"local": None, "mpiexec": "mpiexec", "slurm": "srun", "pbs": "mpiexec"}
@@ -64,23 +72,49 @@ def _engine_set_class(command: str):
     return CommandEngineSetLauncher
 
 
+def host_arguments(hosts: list[tuple[str, int]]) -> list[str]:
+    """mpiexec's own flag for 'this many ranks on each host': Open MPI's --host, MPICH (Hydra)'s -hosts."""
+    spec = ",".join(f"{name}:{slots}" for name, slots in hosts)
+    try:
+        said = subprocess.run(["mpiexec", "--version"], capture_output=True, text=True, timeout=10)
+        flavour = said.stdout + said.stderr
+    except (OSError, subprocess.TimeoutExpired):
+        flavour = ""
+    if "Open MPI" in flavour or "OpenRTE" in flavour:
+        return ["--host", spec]
+    if "HYDRA" in flavour.upper():
+        return ["-hosts", spec]
+    raise ValueError("--hosts knows Open MPI's and MPICH's mpiexec, and the `mpiexec` on PATH is neither "
+                     f"({(flavour.strip().splitlines() or ['no --version'])[0]}): give the hosts to your mpiexec "
+                     "another way (its host file variable), without --hosts")
+
+
 class Engines:
     """N engines and their controller; ``client`` talks to them."""
 
-    def __init__(self, n: int, launcher: str = "local", start_timeout: float = 60.0):
+    def __init__(self, n: int, launcher: str = "local", start_timeout: float = 60.0,
+                 hosts: list[tuple[str, int]] | None = None, address: str = LOOPBACK):
         check_launcher(launcher)
         self.n, self.launcher, self.start_timeout = n, launcher, start_timeout
-        self.cluster = self.client = None
+        self.mpi_args = host_arguments(hosts) if hosts else []
+        self.address = address  # where the controller listens (labkit.session.hosts.controller_address)
+        self.cluster = self.client = self.reaper = None
 
     def start(self) -> None:
         import ipyparallel as ipp
 
         command = LAUNCHERS[self.launcher]
         engine_class = "local" if command is None else _engine_set_class(command)
-        self.cluster = ipp.Cluster(n=self.n, engine_launcher_class=engine_class, log_level=40, shutdown_atexit=True)
+        self.cluster = ipp.Cluster(n=self.n, engine_launcher_class=engine_class, log_level=40, shutdown_atexit=True,
+                                   controller_ip=self.address)
+        self.reaper = Reaper()
         began = time.monotonic()
         try:
-            self.cluster.start_cluster_sync()
+            self.cluster.start_controller_sync(environment=dict(self.reaper.environment))
+            # no sleep between them (start_cluster's `delay`): start_engines waits for the controller's connection
+            # info and hands it to the engines in their environment (send_engines_connection_env)
+            engine_options = {"mpi_args": self.mpi_args} if self.mpi_args else {}
+            self.cluster.start_engines_sync(environment=dict(self.reaper.environment), **engine_options)
             self.client = self.cluster.connect_client_sync()
             while True:  # in short waits: a launcher that exits (mpiexec refused, srun outside the job) fails now
                 left = self.start_timeout - (time.monotonic() - began)
@@ -92,16 +126,25 @@ class Engines:
                     if exited or left <= 0:
                         raise TimeoutError(exited or f"{self.n - len(self.client.ids)} engine(s) not up") from None
         except (TimeoutError, Exception) as err:
+            err = self._exited() or err  # ipyparallel may say only "Engine set stopped": name the command
             said = self._launcher_output()
             up = len(self.client.ids) if self.client is not None else 0
             self.stop()
             raise EnginesDidNotStart(
                 f"the {self.launcher} launcher started {up} of {self.n} engine(s) in {time.monotonic() - began:.0f} s "
                 f"(--start-timeout {self.start_timeout:g} s) "
-                f"({err}).\nWhat the launcher printed:\n{said or '(nothing)'}\n"
-                "What to do: on a busy machine, start again with a longer --start-timeout; with mpiexec, "
-                "Slurm or PBS, run inside an allocation that has room for the engines, on this kernel's node "
-                "(the controller listens on this node only: salloc -N 1, or PBS select=1).") from None
+                f"({err}).\nWhat the launcher printed:\n{said or '(nothing)'}\n" + self._what_to_do()) from None
+
+    def _what_to_do(self) -> str:
+        if self.address == LOOPBACK:
+            return ("What to do: on a busy machine, start again with a longer --start-timeout; with mpiexec, "
+                    "Slurm or PBS, run inside an allocation that has room for the engines; the controller "
+                    f"listens at {LOOPBACK}, on this node only: engines on other hosts need --hosts (mpiexec) "
+                    "or a PBS host file, so that it listens where they reach it.")
+        return (f"What to do: the controller and the session's store listen at {self.address}, this node's address "
+                "on the route to the engines' hosts, and an engine that cannot reach it gives up after 5 s: check "
+                f"that every host reaches {self.address} (ping, a firewall between the nodes), or give --ip with "
+                "another address of this node that they reach; on a busy machine, a longer --start-timeout.")
 
     def _exited(self) -> str | None:
         """'`mpiexec` exited with code 3 before every engine was up', or None while the launchers run."""
@@ -164,5 +207,7 @@ class Engines:
             self.cluster.stop_cluster_sync()
         except Exception:
             pass
-        self.cluster = self.client = None
+        if self.reaper is not None:  # whatever is left of the session (mpiexec's daemons on another namespace)
+            self.reaper.stop()
+        self.cluster = self.client = self.reaper = None
 

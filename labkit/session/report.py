@@ -3,14 +3,17 @@
 `grouped_lines`: each rank's printed lines, lined up by position; a line that several ranks printed
 alike is shown once with their ranks (``[ranks 0-3] sum is 10.0``), a line that differs per rank once per
 rank. `show_results`: each rank's last expression, grouped the same way (identical text shown once).
-`failure_text`: a failed cell, rank by rank, at the learner's own line.
+`failure_text`: a failed cell, rank by rank, at the learner's own line. `show` / `show_tabs` /
+`display_results`: all of it printed (or displayed: figures, a tab per rank) in the kernel.
 """
 from __future__ import annotations
 
 import linecache
 import re
+import sys
 
 from labkit.launching.stacks import where_waiting
+from labkit.session import tabs as rank_tabs
 
 
 def ranks_label(ranks) -> str:
@@ -90,3 +93,59 @@ def failure_text(failed: dict[int, dict], world_size: int, cell_name: str) -> st
         lines.append(f"rank {rank}: {same}{last_line(text)}" + (f" ({where})" if where else ""))
     lines.append("The ranks keep their variables: fix the cell and run it again.")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- showing a cell's output in the kernel
+
+def printed(pending) -> tuple[dict, dict]:
+    """({rank: stdout}, {rank: stderr}) of the cell's ranks."""
+    for ar in pending.values():  # the printed output travels apart from the result (iopub): wait for it
+        if ar.ready():
+            try:
+                ar.wait_for_output(timeout=5)
+            except Exception:
+                pass
+    out = {r: ar.stdout for r, ar in pending.items() if ar.ready() or ar.stdout}
+    err = {r: ar.stderr for r, ar in pending.items() if ar.ready() or ar.stderr}
+    return out, err
+
+
+def show_tabs(pending, results, targets) -> bool:
+    out, err = printed(pending)
+    if not rank_tabs.show(out, err, results, targets):
+        return False
+    _show_displays(pending)
+    return True
+
+
+def show(pending) -> None:
+    out, err = printed(pending)
+    for line in grouped_lines(out):
+        print(line)
+    for line in grouped_lines(err):
+        print(line, file=sys.stderr)
+    _show_displays(pending)
+
+
+def _show_displays(pending) -> None:
+    for rank, ar in sorted(pending.items()):
+        for output in getattr(ar, "outputs", None) or []:  # display() calls: figures, widgets' fallbacks
+            _publish(output.get("data", {}), f"{ranks_label([rank])}")
+
+
+def display_results(results) -> None:
+    for ranks, bundle in grouped_results(results):
+        _publish(bundle, f"Out{ranks_label(ranks)}")
+
+
+def _publish(bundle: dict, label: str) -> None:
+    if set(bundle) <= {"text/plain"}:
+        print(f"{label}: {bundle.get('text/plain', '')}")
+        return
+    print(f"{label}:")
+    try:
+        from IPython.display import publish_display_data
+
+        publish_display_data(bundle)
+    except Exception:
+        print(bundle.get("text/plain", ""))

@@ -1,9 +1,11 @@
 """A session of persistent ranks, and the ``%ranks`` line magic that drives it.
 
     %ranks start 4 [--backend auto|gloo|nccl] [--launcher local|mpiexec|slurm|pbs] [--start-timeout S]
+                   [--hosts a:2,b:2] [--ip ADDRESS]  # mpiexec's engines on several hosts (labkit.session.hosts)
     %%ranks [--targets 0,2] [--tabs]  # a cell on every rank (or some), each keeping its variables;
                                       # --tabs: the output as a tab per rank (ipywidgets)
     %ranks stop | %ranks restart | %ranks
+    spans = %ranks timeline [NAME]    # each rank's Timeline (``tl``) merged and drawn (labkit.session.spans)
 
 Rank: the launcher's rank (mpiexec, srun), else the engine id; under nccl, each rank uses the GPU of its
 local rank (the launcher's local-rank variable, `labkit.launching.cluster`). A cell is one `engine_side.run_cell` per rank, waited
@@ -16,7 +18,6 @@ import linecache
 import os
 import pickle
 import shlex
-import socket
 import sys
 import tempfile
 
@@ -26,25 +27,34 @@ from labkit.launching.failures import LaunchError
 from labkit.launching.forked import rendezvous_store
 from labkit.launching.launcher import BACKENDS, choose_backend
 from labkit.launching.notebook import BEFORE_CELL
-from labkit.session import engine_side, report, watch
-from labkit.session import tabs as rank_tabs
+from labkit.session import engine_side, hosts as where, report, watch
 from labkit.session.engines import LAUNCHERS, Engines, check_launcher
+from labkit.session.spans import session_timeline
 from labkit.session.watch import SessionBroken, SessionError
 
 JOIN_TIMEOUT = 60.0  # seconds the engines get to form the process group
 USAGE = ("usage: %ranks start N [--backend auto|gloo|nccl] [--launcher local|mpiexec|slurm|pbs] "
-         "[--start-timeout S]; %ranks stop; %ranks restart; %ranks (status)")
+         "[--start-timeout S] [--hosts a:2,b:2] [--ip ADDRESS]; %ranks stop; %ranks restart; "
+         "spans = %ranks timeline [NAME]; %ranks (status)")
 
 
 class Session:
     """N persistent ranks; `run_cell` runs a cell on all (or some) of them."""
 
-    def __init__(self, world_size: int, backend: str = "auto", launcher: str = "local", start_timeout: float = 120.0):
+    def __init__(self, world_size: int, backend: str = "auto", launcher: str = "local", start_timeout: float = 120.0,
+                 hosts: str | None = None, ip: str | None = None):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"the number of ranks must be an int >= 1; got {world_size!r}")
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
         check_launcher(launcher)
+        if hosts is not None and launcher != "mpiexec":
+            raise ValueError(f"--hosts places the engines with mpiexec: add --launcher mpiexec (--launcher {launcher} "
+                             + ("starts them on this node)" if launcher == "local" else "uses the allocation's hosts)"))
+        self.host_option, self.ip = hosts, ip
+        self.host_slots = where.parse_hosts(hosts, world_size) if hosts is not None else None
+        names = [h for h, _ in self.host_slots] if self.host_slots else where.allocation_hosts(launcher)
+        self.address = where.controller_address(names, ip)  # where the controller and the store listen
         self.world_size, self.launcher, self.start_timeout = world_size, launcher, start_timeout
         # local: every rank on this node, so nccl with too few GPUs is refused here; the other launchers'
         # engines apply the same rule on their own nodes once they are up (Session.start)
@@ -52,9 +62,10 @@ class Session:
         self.requested_backend = backend
         self.engines: Engines | None = None
         self.store = None  # the TCPStore this kernel serves to the engines while the session is up
-        self.pids: dict[int, int] = {}  # rank -> engine pid (on this host; see `hosts`)
+        self.pids: dict[int, int] = {}  # rank -> engine pid (on its own machine: `here` says which this kernel sees)
         self.engine_of: dict[int, int] = {}  # rank -> ipyparallel engine id
-        self.hosts: dict[int, str] = {}  # rank -> its engine's host
+        self.hosts: dict[int, str] = {}  # rank -> its engine's host (its address when the session spans hosts)
+        self.here: set[int] = set()  # the ranks whose engines share this kernel's pids (same machine)
         self.cells = 0
 
     @property
@@ -62,7 +73,7 @@ class Session:
         return self.engines is not None
 
     def start(self) -> "Session":
-        self.engines = Engines(self.world_size, self.launcher, self.start_timeout)
+        self.engines = Engines(self.world_size, self.launcher, self.start_timeout, self.host_slots, self.address)
         self.engines.start()
         self.folder = tempfile.mkdtemp(prefix="labkit-session-")
         self.paths = {r: os.path.join(self.folder, f"rank{r}.stack") for r in range(self.world_size)}
@@ -82,7 +93,7 @@ class Session:
         """Ranks from the launcher's variables (else engine ids), the backend checked on each node, then the group."""
         client = self.engines.client
         ids = sorted(client.ids)
-        said = dict(zip(ids, client[ids].apply_sync(engine_side.identify)))
+        said = dict(zip(ids, client[ids].apply_sync(engine_side.identify, self.address)))
         if self.launcher == "local":  # a kernel inside an allocation passes its scheduler's variables on: ignored
             for e in ids:
                 said[e]["world"] = None
@@ -91,12 +102,14 @@ class Session:
             raise SessionError(f"the {self.launcher} launcher gave the engines ranks {sorted(ranks.values())}, "
                                f"not 0..{self.world_size - 1}")
         self.engine_of = {r: e for e, r in ranks.items()}
-        hosts = {r: said[e]["host"] for e, r in ranks.items()}
+        spans = self.address != where.LOOPBACK  # several hosts, maybe one machine's network namespaces: by address
+        hosts = {r: said[e]["address" if spans else "host"] for e, r in ranks.items()}
+        machine = where.machine_id()
+        self.here = {r for e, r in ranks.items() if said[e]["machine"] == machine}
         local = {r: sorted(q for q in hosts if hosts[q] == hosts[r]).index(r) for r in hosts}  # by host, else
         for e, r in ranks.items():  # the launcher's own local rank (labkit.launching.cluster's variables)
             if said[e]["world"]:
                 local[r] = said[e]["world"]["local_rank"]
-        here = socket.gethostname()
         if self.launcher != "local":
             per_node = {r: sum(h == hosts[r] for h in hosts.values()) for r in hosts}
             chosen = {r: client[self.engine_of[r]].apply_async(engine_side.backend_here, self.backend, per_node[r])
@@ -107,11 +120,10 @@ class Session:
             self.backend = backends[0]
         # the session's store, served from this kernel on a port the OS picks (no race with a launch beside it)
         self.store = rendezvous_store(self.world_size, JOIN_TIMEOUT)
-        address = "127.0.0.1" if set(hosts.values()) == {here} else socket.gethostbyname(here)
         port, hooks = self.store.port, pickle.dumps(list(BEFORE_CELL))
-        kernel = (here, os.getpid(), psutil.Process().create_time())
+        kernel = (machine, os.getpid(), psutil.Process().create_time())
         pending = {r: client[self.engine_of[r]].apply_async(
-                       engine_side.join, r, self.world_size, local[r], self.backend, address, port, JOIN_TIMEOUT,
+                       engine_side.join, r, self.world_size, local[r], self.backend, self.address, port, JOIN_TIMEOUT,
                        hooks, self.paths[r], kernel)
                    for r in range(self.world_size)}
         self.hosts = hosts
@@ -120,9 +132,8 @@ class Session:
 
     def stop(self) -> None:
         if self.engines is not None:
-            here = socket.gethostname()
-            self.engines.stop([pid for r, pid in self.pids.items() if self.hosts.get(r) == here])
-        self.engines, self.pids, self.store, self.hosts = None, {}, None, {}
+            self.engines.stop([pid for r, pid in self.pids.items() if r in self.here])
+        self.engines, self.pids, self.store, self.hosts, self.here = None, {}, None, {}, set()
 
     def run_cell(self, cell: str, targets: list[int] | None = None, tabs: bool = False) -> None:
         """Run ``cell`` on ``targets`` (default: every rank); print grouped output (``tabs``: a tab per rank, where
@@ -131,7 +142,7 @@ class Session:
         bad = [t for t in targets if not 0 <= t < self.world_size]
         if bad or not targets:
             raise ValueError(f"--targets {bad or targets}: this session has ranks 0..{self.world_size - 1}")
-        gone = [r for r, pid in self.pids.items() if not watch.alive(pid)]
+        gone = [r for r, pid in self.pids.items() if r in self.here and not watch.alive(pid)]
         if gone:
             self.stop()
             raise SessionBroken(f"the engine of rank(s) {', '.join(map(str, gone))} is gone (killed?). The session "
@@ -144,84 +155,35 @@ class Session:
         pending = {r: client[self.engine_of[r]].apply_async(engine_side.run_cell, cell, filename, context)
                    for r in targets}
         try:
-            answers = watch.wait(pending, self.pids, self.paths, self.world_size)
+            answers = watch.wait(pending, {r: p for r, p in self.pids.items() if r in self.here}, self.paths,
+                                 self.world_size)
         except BaseException as err:
             if isinstance(err, SessionBroken):
                 self.stop()
-            _show(pending)
+            report.show(pending)
             raise
         failed = {r: a for r, a in answers.items() if a["error"]}
         results = {r: answers[r]["result"] for r in targets}
         if failed or not tabs:
-            _show(pending)
-        elif not _show_tabs(pending, results, targets):
+            report.show(pending)
+        elif not report.show_tabs(pending, results, targets):
             print("(--tabs needs ipywidgets, which cannot be imported here: the output as text)")
-            _show(pending)
+            report.show(pending)
             tabs = False
         if failed:
             raise SessionError(report.failure_text(failed, self.world_size, "the cell"))
         if not tabs:
-            _display(results)
+            report.display_results(results)
 
     def status(self) -> str:
         if not self.up:
             return "no session: `%ranks start N` starts one"
-        return (f"a session of {self.world_size} rank(s), backend {self.backend}, {self.launcher} launcher, "
+        spread = ""
+        if len(set(self.hosts.values())) > 1:
+            spread = ", hosts " + ", ".join(f"{h} {report.ranks_label([r for r in self.hosts if self.hosts[r] == h])}"
+                                           for h in sorted(set(self.hosts.values())))
+        return (f"a session of {self.world_size} rank(s), backend {self.backend}, {self.launcher} launcher{spread}, "
                 f"engine pids {[self.pids[r] for r in sorted(self.pids)]}")
-
-
-def _printed(pending) -> tuple[dict, dict]:
-    """({rank: stdout}, {rank: stderr}) of the cell's ranks."""
-    for ar in pending.values():  # the printed output travels apart from the result (iopub): wait for it
-        if ar.ready():
-            try:
-                ar.wait_for_output(timeout=5)
-            except Exception:
-                pass
-    out = {r: ar.stdout for r, ar in pending.items() if ar.ready() or ar.stdout}
-    err = {r: ar.stderr for r, ar in pending.items() if ar.ready() or ar.stderr}
-    return out, err
-
-
-def _show_tabs(pending, results, targets) -> bool:
-    out, err = _printed(pending)
-    if not rank_tabs.show(out, err, results, targets):
-        return False
-    _show_displays(pending)
-    return True
-
-
-def _show(pending) -> None:
-    out, err = _printed(pending)
-    for line in report.grouped_lines(out):
-        print(line)
-    for line in report.grouped_lines(err):
-        print(line, file=sys.stderr)
-    _show_displays(pending)
-
-
-def _show_displays(pending) -> None:
-    for rank, ar in sorted(pending.items()):
-        for output in getattr(ar, "outputs", None) or []:  # display() calls: figures, widgets' fallbacks
-            _publish(output.get("data", {}), f"{report.ranks_label([rank])}")
-
-
-def _display(results) -> None:
-    for ranks, bundle in report.grouped_results(results):
-        _publish(bundle, f"Out{report.ranks_label(ranks)}")
-
-
-def _publish(bundle: dict, label: str) -> None:
-    if set(bundle) <= {"text/plain"}:
-        print(f"{label}: {bundle.get('text/plain', '')}")
-        return
-    print(f"{label}:")
-    try:
-        from IPython.display import publish_display_data
-
-        publish_display_data(bundle)
-    except Exception:
-        print(bundle.get("text/plain", ""))
 
 
 # --------------------------------------------------------------------------- the one session of a kernel
@@ -234,6 +196,8 @@ _parser.add_argument("world_size", nargs="?", type=int)
 _parser.add_argument("--backend", default="auto", choices=BACKENDS)
 _parser.add_argument("--launcher", default="local", choices=tuple(LAUNCHERS))
 _parser.add_argument("--start-timeout", type=float, default=120.0)
+_parser.add_argument("--hosts")
+_parser.add_argument("--ip")
 
 
 _cell_parser = argparse.ArgumentParser(prog="%%ranks", add_help=False)
@@ -241,11 +205,17 @@ _cell_parser.add_argument("--targets")
 _cell_parser.add_argument("--tabs", action="store_true")
 
 
-def ranks_line(line: str) -> str:
-    """The ``%ranks`` line magic; returns what it says."""
+def ranks_line(line: str):
+    """The ``%ranks`` line magic; returns what it says (``timeline``: the merged spans)."""
     global current
+    words = shlex.split(line, comments=True)
+    if words[:1] == ["timeline"]:
+        if current is None or not current.up or len(words) > 2:
+            raise SessionError("usage: `spans = %ranks timeline [NAME]` with a session up: each rank's Timeline "
+                               "NAME (default tl), recorded in a %%ranks cell")
+        return session_timeline(current, *words[1:])
     try:
-        options = _parser.parse_args(shlex.split(line))
+        options = _parser.parse_args(shlex.split(line, comments=True))
     except SystemExit:
         raise ValueError(USAGE) from None
     if options.action == "status":
@@ -261,21 +231,23 @@ def ranks_line(line: str) -> str:
                                "`%ranks restart` for fresh ranks.")
         if options.world_size is None:
             raise ValueError("%ranks start needs the number of ranks: `%ranks start 4`")
-        current = Session(options.world_size, options.backend, options.launcher, options.start_timeout).start()
+        current = Session(options.world_size, options.backend, options.launcher, options.start_timeout,
+                          options.hosts, options.ip).start()
     else:  # restart: the same settings unless new ones are given
         if current is None:
             raise SessionError("no session to restart: `%ranks start N` starts one")
         current.stop()
         n = options.world_size or current.world_size
         current = Session(n, current.requested_backend if options.backend == "auto" else options.backend,
-                          current.launcher, options.start_timeout).start()
+                          current.launcher, options.start_timeout, options.hosts or current.host_option,
+                          options.ip or current.ip).start()
     return current.status().replace("a session", "session up", 1)
 
 
 def run_on_session(line: str, cell: str) -> None:
     """``%%ranks`` with no number: the cell on the session's ranks (``--targets 0,2`` for some)."""
     try:
-        options = _cell_parser.parse_args(shlex.split(line))
+        options = _cell_parser.parse_args(shlex.split(line, comments=True))
     except SystemExit:
         raise ValueError("usage: %%ranks N [--timeout S] [--backend B] (a cell on N new ranks), or, with a "
                          "session up, %%ranks [--targets 0,2] [--tabs]") from None

@@ -52,7 +52,7 @@ def stacks(pids: dict[int, int], paths: dict[int, str], ranks) -> dict[int, str]
         offsets[rank] = os.path.getsize(paths[rank]) if os.path.exists(paths[rank]) else 0
         try:
             os.kill(pids[rank], signal.SIGUSR1)
-        except ProcessLookupError:
+        except (ProcessLookupError, KeyError):  # KeyError: an engine on another machine
             pass
     time.sleep(0.5)
     found = {}
@@ -97,7 +97,8 @@ def wait(pending: dict, pids: dict[int, int], paths: dict[int, str], world_size:
                 break
             failed = [r for r, answer in done.items() if answer["error"]]
             idle.window = AFTER_FAILURE_WINDOW if failed else HANG_WINDOW
-            if idle.all_asleep([pids[r] for r in running]):
+            # a hang is judged by the ranks' CPU and stacks, read by pid: on this machine only (`Session.here`)
+            if all(r in pids for r in running) and idle.all_asleep([pids[r] for r in running]):
                 now = stacks(pids, paths, running)
                 if failed or any(_waiting_call(s) for s in now.values()):
                     raise SessionBroken(_hang_text(now, running, failed, done, world_size, idle.window))
@@ -145,7 +146,7 @@ def _interrupt(pending, done, pids, paths, world_size):
     for rank in running:
         try:
             os.kill(pids[rank], signal.SIGINT)
-        except ProcessLookupError:
+        except (ProcessLookupError, KeyError):  # KeyError: an engine on another machine (not signalled yet)
             pass
     deadline = time.monotonic() + INTERRUPT_GRACE
     while time.monotonic() < deadline and not all(pending[r].ready() for r in running):
