@@ -74,22 +74,45 @@ def ranks(model: str) -> dict:
 
     print(f"\nwhere each published layout ranks in the search over its space, {model} model "
           f"(rank {CAP + 1} = beyond {CAP}; criterion: top 5 or within 5% of the top)")
-    print(f"  {'row':20s} {'rank':>5} {'gap':>7} meets  {'the model':s}")
+    print(f"  {'row':20s} {'rank':>5} {'gap':>7} meets {'s':>5}  {'the model':s}")
     out, missed, start = {}, [], time.perf_counter()
     for info in load_sets().values():
         for row in info["rows"]:
+            took = time.perf_counter()
             got = rank_published(row, info, model)
+            took = time.perf_counter() - took
             rank = "-" if got["rank"] is None else (f">{CAP}" if got["rank"] > CAP else str(got["rank"]))
             gap = "-" if got["gap"] is None else f"{got['gap']:+.1%}"
-            print(f"  {row['id']:20s} {rank:>5} {gap:>7} {'yes' if got['meets'] else 'NO ':5s} "
+            print(f"  {row['id']:20s} {rank:>5} {gap:>7} {'yes' if got['meets'] else 'NO ':5s} {took:5.1f}  "
                   f"top: {got['top'].layout.short() if got['top'] else '-'}")
             out[row["id"]] = dict(rank=got["rank"], gap=None if got["gap"] is None else round(got["gap"], 4),
-                                  meets=got["meets"], top=got["top"].layout.short() if got["top"] else None)
+                                  meets=got["meets"], top=got["top"].layout.short() if got["top"] else None,
+                                  seconds=round(took, 2))
             if not got["meets"]:
                 missed.append(f"  {row['id']}: {explain(got)}")
     print(f"rows that miss the criterion ({len(missed)} of {len(out)}), and why in the model's numbers:")
     print("\n".join(missed))
-    print(f"({time.perf_counter() - start:.0f} s)")
+    print(f"({time.perf_counter() - start:.0f} s; {sum(r['meets'] for r in out.values())} of {len(out)} meet the criterion)")
+    return out
+
+
+def picks(model: str) -> dict:
+    """The search's pick for issue 34's three questions (labkit.scale.ranking.QUESTIONS) under `model`."""
+    import time
+
+    from labkit.scale.ranking import QUESTIONS, pick
+    from labkit.scale.specs import LLAMA3
+
+    print(f"\nthe search's picks, {model} model (h100-sxm, global batch 512 x 8,192 tokens):")
+    out = {}
+    for question, (name, n) in QUESTIONS.items():
+        start = time.perf_counter()
+        p = pick(LLAMA3[name], "h100-sxm", 512, 8192, n, model)
+        took = time.perf_counter() - start
+        print(f"  {question:22s} {p.layout.short():44s} {p.tokens_per_s_per_gpu:7,.0f} tokens/s/GPU  MFU {p.mfu:5.1%}  "
+              f"{p.peak_gib:5.1f} GiB  ({took:.1f} s)")
+        out[question] = dict(layout=p.layout.short(), tps=round(p.tokens_per_s_per_gpu), gib=round(p.peak_gib, 1),
+                             seconds=round(took, 2))
     return out
 
 
@@ -99,6 +122,7 @@ def main():
     parser.add_argument("--model", choices=(*MODELS_OF_COST, "both"), default="both")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--ranks", action="store_true")
+    parser.add_argument("--picks", action="store_true")
     args = parser.parse_args()
     print("labkit.scale's cost model against published runs; err = predicted / published - 1")
     for name, info in load_sets().items():
@@ -121,6 +145,8 @@ def main():
                           overall=rounded(overall), not_fitting=[r["id"] for r in every if not r["fits"]])
         if args.ranks:
             out[model]["ranks"] = ranks(model)
+        if args.picks:
+            out[model]["picks"] = picks(model)
     if args.small:
         out["small"] = small_end()
         print("\nthe lab's own models on one H200 (bf16, eager), kernel model:")
