@@ -196,7 +196,8 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
     splits the sequence into 2 cp zigzag chunks; Ulysses: cp divides the heads per tp rank; the
     hybrid: its cp ranks per node (`cp_local`) divide them, and are neither 1 nor cp (then it is
     the ring, or Ulysses); ep divides the experts and dp x cp x tp (dp_shard x cp x tp under HSDP; folded
-    over tp only with sequence parallelism), and is 1 for a dense model; ep_overlap needs ep > 1; the global batch splits over dp and into micro-batches.
+    over tp only with sequence parallelism), and is 1 for a dense model; ep_overlap needs ep > 1; the global batch splits over dp and into micro-batches
+    (at least pp of them; a multiple of pp when interleaved).
     """
     for axis in ("dp", "pp", "cp", "tp", "ep", "micro_batch", "virtual_stages", "dp_replicate"):
         value = getattr(layout, axis)
@@ -290,4 +291,7 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
     if not (layout.pp == 1 or n_micro >= layout.pp):
         raise LayoutError(f"pp={layout.pp} needs at least {layout.pp} micro-batches per step, the layout has {n_micro}: "
                           "use smaller micro-batches or fewer stages")
+    if not (layout.schedule != "interleaved" or n_micro % layout.pp == 0):
+        raise LayoutError(f"schedule='interleaved' runs micro-batches in groups of pp={layout.pp}: {n_micro} micro-batches "
+                          "are not a multiple of it; use a micro-batch count that is, or schedule='1f1b'")
     return n_micro
