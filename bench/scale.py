@@ -1,6 +1,6 @@
 """The cost model against published training runs: the validation set (notebook 15).
 
-    python bench/scale.py [--quick] [--model flat|kernels|both] [--small] [--ranks]
+    python bench/scale.py [--quick] [--model flat|kernels|both] [--small] [--ranks] [--picks]
 
 Predicts, from each run's published setup only (model, layout, batch, sequence, recompute, GPU
 and network), the throughput per GPU and the peak memory of every row of
@@ -24,11 +24,14 @@ on an 'H100 500W', the FlashAttention tables scaled by the same clock ratio); Ll
 (h100-sxm); every kind's eager cost per kernel is one measured profile (sam2 issue #768), the same
 for all.
 --ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
-same model, cluster, global batch, sequence length and GPU count), its gap to the top prediction, whether
-it meets issue 34's criterion (top 5, or within 5%), and for each row that does not, the terms that make
-the model's pick faster. Measured on 2 shared CPU cores (2026-11-26): 74 s for the 47 rows under the flat
-model; under the kernel model minutes per large row (405B on 512 GPUs: 215 s), the schedule simulator
-and the kernel shapes of every layout left after pruning.
+same model, cluster, global batch, sequence length and GPU count; 1F1B, interleaved x2, ZB under the kernel
+model, and the row's own schedule; ties within 0.5% go to the least memory), its gap to the top prediction,
+whether it meets issue 34's criterion (top 5, or within 5%), the seconds each row took, and for each row that
+does not meet it, the terms that make the model's pick faster. Measured on 2 shared CPU cores (2026-11-26):
+89 s for the 47 rows under the flat model, 510 s under the kernel model (most rows under 10 s; Llama 3's
+8K- and 16K-GPU rows 115-176 s). 1 of 47 meets the criterion under either model.
+--picks: the search's pick for issue 34's three questions (Llama 3 8B on 64 H100s, 70B on 256, 405B on
+1,024; a global batch of 512 x 8,192 tokens): labkit.scale.ranking.pick.
 No process, no GPU: arithmetic, a few seconds (without --ranks). --quick is accepted (and changes nothing)
 so that every bench takes the same flags.
 """

@@ -36,8 +36,10 @@ published step drops out once CAP layouts are surely ahead of it, their steps be
        checks it): above the limit, its ZeRO stages and replicas are skipped.
 Every layout left is predicted. `rank_published(..., prune=False)` enumerates everything (the tests' brute force).
 Ranks are exact up to CAP (the criterion needs the top 5); past it the search only needs the top, which
-prunes harder. Cost (2 shared cores): the 47 rows in 74 s under the flat model; under the kernel model a
-large row takes minutes (405B on 512 GPUs: 15,000 layouts predicted, 215 s).
+prunes harder. Cost (2 shared cores, 2026-11-26, `bench/scale.py --ranks`): the 47 rows in 89 s under the flat
+model, 510 s under the kernel model: most rows 0.1-10 s, Megatron's 145B-1T 22-37 s, Llama 3's 8K- and 16K-GPU
+rows 115-176 s (their simulated schedules are long). 405B on 512 GPUs (tt24-t5-13) under the kernel model: 98 s
+before this bound (1F1B only, the same machine and load), 9.5-11 s now with more schedules in the space.
 """
 from __future__ import annotations
 
