@@ -59,15 +59,16 @@ def test_published_layout_in_top_5_or_within_5_percent(model, row):
 
 
 def test_kernel_bound_is_below_every_step_and_holds_the_bubble():
-    """The kernel model's group bound (`_bounds`, through the pipeline's critical path) is a lower bound on the step
-    of every layout of its group, under every schedule of the space (1F1B, interleaved x2, ZB): 8B on 8 H100s, a
+    """The kernel model's group bound (labkit.scale.bounds.group_bounds, through the pipeline's critical path) is a
+    lower bound on the step of every layout of its group, under every schedule of the space (1F1B, interleaved x2, ZB): 8B on 8 H100s, a
     batch of 8 x 4,096, every pp. It holds the bubble: on pp = 4 1F1B, it is above the busiest rank's work alone.
     Planted when written: the backwards behind a rank's last action counted whatever that action is (a ZB rank ends
     on a W, which no stage waits for) and in full (b_s, not ZB's B = b_s - w_s): the bound exceeds a ZB step."""
     from dataclasses import replace
 
+    from labkit.scale.bounds import group_bounds
     from labkit.scale.layout import CP_METHODS, ZERO_STAGES, LayoutError
-    from labkit.scale.ranking import _axes, _bounds, schedules_of
+    from labkit.scale.ranking import _axes, schedules_of
 
     cluster, spec, options = load_cluster("h100-sxm"), LLAMA3["8b"], dict(efficiency=None, compile=False,
                                                                            float8=False, async_tp=False)
@@ -76,7 +77,7 @@ def test_kernel_bound_is_below_every_step_and_holds_the_bubble():
         if pp == 1 and sched["schedule"] != "1f1b":
             continue
         base = Layout(dp=dp, pp=pp, cp=cp, tp=tp, **sched)
-        for (mb, rc), bound in _bounds(spec, base, cluster, 8, 4096, 8, options).items():
+        for (mb, rc), bound in group_bounds(spec, base, cluster, 8, 4096, 8, options).items():
             for method in CP_METHODS if cp > 1 else ("ring",):
                 for zero in ZERO_STAGES:
                     try:
