@@ -1,6 +1,6 @@
 """The cost model against published training runs: the validation set (notebook 15).
 
-    python bench/scale.py [--quick] [--model flat|kernels|both] [--small] [--ranks]
+    python bench/scale.py [--quick] [--model flat|kernels|both] [--small] [--ranks] [--picks]
 
 Predicts, from each run's published setup only (model, layout, batch, sequence, recompute, GPU
 and network), the throughput per GPU and the peak memory of every row of
@@ -30,11 +30,14 @@ says so), rowwise with FBGEMM's measured rowwise GEMM (1125.51 TFLOP/s at 8192^3
 torchao's own count of each recipe's cast kernels. These inputs were fixed from their sources before
 the rows were predicted again.
 --ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
-same model, cluster, global batch, sequence length and GPU count), its gap to the top prediction, whether
-it meets issue 34's criterion (top 5, or within 5%), and for each row that does not, the terms that make
-the model's pick faster. Measured on 2 shared CPU cores (2026-11-26): 74 s for the 47 rows under the flat
-model; under the kernel model minutes per large row (405B on 512 GPUs: 215 s), the schedule simulator
-and the kernel shapes of every layout left after pruning.
+same model, cluster, global batch, sequence length and GPU count; 1F1B, interleaved x2, ZB under the kernel
+model, and the row's own schedule; ties within 0.5% go to the least memory), its gap to the top prediction,
+whether it meets issue 34's criterion (top 5, or within 5%), the seconds each row took, and for each row that
+does not meet it, the terms that make the model's pick faster. Measured on 2 shared CPU cores (2026-11-26):
+89 s for the 47 rows under the flat model, 510 s under the kernel model (most rows under 10 s; Llama 3's
+8K- and 16K-GPU rows 115-176 s). 1 of 47 meets the criterion under either model.
+--picks: the search's pick for issue 34's three questions (Llama 3 8B on 64 H100s, 70B on 256, 405B on
+1,024; a global batch of 512 x 8,192 tokens): labkit.scale.ranking.pick.
 No process, no GPU: arithmetic, a few seconds (without --ranks). --quick is accepted (and changes nothing)
 so that every bench takes the same flags.
 """
@@ -80,22 +83,45 @@ def ranks(model: str) -> dict:
 
     print(f"\nwhere each published layout ranks in the search over its space, {model} model "
           f"(rank {CAP + 1} = beyond {CAP}; criterion: top 5 or within 5% of the top)")
-    print(f"  {'row':20s} {'rank':>5} {'gap':>7} meets  {'the model':s}")
+    print(f"  {'row':20s} {'rank':>5} {'gap':>7} meets {'s':>5}  {'the model':s}")
     out, missed, start = {}, [], time.perf_counter()
     for info in load_sets().values():
         for row in info["rows"]:
+            took = time.perf_counter()
             got = rank_published(row, info, model)
+            took = time.perf_counter() - took
             rank = "-" if got["rank"] is None else (f">{CAP}" if got["rank"] > CAP else str(got["rank"]))
             gap = "-" if got["gap"] is None else f"{got['gap']:+.1%}"
-            print(f"  {row['id']:20s} {rank:>5} {gap:>7} {'yes' if got['meets'] else 'NO ':5s} "
+            print(f"  {row['id']:20s} {rank:>5} {gap:>7} {'yes' if got['meets'] else 'NO ':5s} {took:5.1f}  "
                   f"top: {got['top'].layout.short() if got['top'] else '-'}")
             out[row["id"]] = dict(rank=got["rank"], gap=None if got["gap"] is None else round(got["gap"], 4),
-                                  meets=got["meets"], top=got["top"].layout.short() if got["top"] else None)
+                                  meets=got["meets"], top=got["top"].layout.short() if got["top"] else None,
+                                  seconds=round(took, 2))
             if not got["meets"]:
                 missed.append(f"  {row['id']}: {explain(got)}")
     print(f"rows that miss the criterion ({len(missed)} of {len(out)}), and why in the model's numbers:")
     print("\n".join(missed))
-    print(f"({time.perf_counter() - start:.0f} s)")
+    print(f"({time.perf_counter() - start:.0f} s; {sum(r['meets'] for r in out.values())} of {len(out)} meet the criterion)")
+    return out
+
+
+def picks(model: str) -> dict:
+    """The search's pick for issue 34's three questions (labkit.scale.ranking.QUESTIONS) under `model`."""
+    import time
+
+    from labkit.scale.ranking import QUESTIONS, pick
+    from labkit.scale.specs import LLAMA3
+
+    print(f"\nthe search's picks, {model} model (h100-sxm, global batch 512 x 8,192 tokens):")
+    out = {}
+    for question, (name, n) in QUESTIONS.items():
+        start = time.perf_counter()
+        p = pick(LLAMA3[name], "h100-sxm", 512, 8192, n, model)
+        took = time.perf_counter() - start
+        print(f"  {question:22s} {p.layout.short():44s} {p.tokens_per_s_per_gpu:7,.0f} tokens/s/GPU  MFU {p.mfu:5.1%}  "
+              f"{p.peak_gib:5.1f} GiB  ({took:.1f} s)")
+        out[question] = dict(layout=p.layout.short(), tps=round(p.tokens_per_s_per_gpu), gib=round(p.peak_gib, 1),
+                             seconds=round(took, 2))
     return out
 
 
@@ -105,6 +131,7 @@ def main():
     parser.add_argument("--model", choices=(*MODELS_OF_COST, "both"), default="both")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--ranks", action="store_true")
+    parser.add_argument("--picks", action="store_true")
     args = parser.parse_args()
     print("labkit.scale's cost model against published runs; err = predicted / published - 1")
     for name, info in load_sets().items():
@@ -127,6 +154,8 @@ def main():
                           overall=rounded(overall), not_fitting=[r["id"] for r in every if not r["fits"]])
         if args.ranks:
             out[model]["ranks"] = ranks(model)
+        if args.picks:
+            out[model]["picks"] = picks(model)
     if args.small:
         out["small"] = small_end()
         print("\nthe lab's own models on one H200 (bf16, eager), kernel model:")

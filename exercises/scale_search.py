@@ -1,6 +1,6 @@
 # GENERATED from solutions/scale_search.py by `python -m labkit.grading.stubgen`: this file is yours to edit.
 # Fill in every `raise NotImplementedError(...)`; see notebooks/15_at_scale.ipynb.
-# untouched-stub fingerprint: 5698cfbec84830e2
+# untouched-stub fingerprint: a7a2782471163ec5
 """The configuration search (notebook 15_at_scale): fit memory, reach the global batch, maximise throughput.
 
 The Ultra-Scale Playbook's recipe, done by the cost model instead of by 4,000 GPU runs:
@@ -26,13 +26,15 @@ The space searched (every layout `labkit.scale.layout.check_layout` accepts in i
 with the 1F1B schedule and sequence parallelism (the Layout's defaults for the other fields).
 check_layout (called by predict) refuses what cannot run, such as Ulysses with heads that do
 not split over cp, or zero="dp" with dp_replicate > 1: skip those layouts.
-The order is `labkit.scale.cost.rank_key`: fastest first, then the least memory, then the
-layout's fields (so that ties break the same way everywhere).
+The order is `labkit.scale.cost.ranked(fitting)`: fastest first, with ties by a relative tolerance
+(`labkit.scale.cost.TIE`, 0.5%: layouts within it of the fastest layout left are ties, the least memory per GPU
+first, then the layout's fields), so that ties break the same way everywhere. Not `sorted(..., key=rank_key)`:
+that key orders by the exact tokens/s and lets a layout 0.001% faster win while it costs GiBs more.
 """
 from itertools import product
 
 from labkit.scale.cluster import load_cluster
-from labkit.scale.cost import no_layout_fits, predict, rank_key
+from labkit.scale.cost import no_layout_fits, predict, ranked
 from labkit.scale.layout import CP_METHODS, RECOMPUTE, ZERO_STAGES, Layout, LayoutError
 
 NOTEBOOK = "15_at_scale"
@@ -46,7 +48,7 @@ def divisors(n: int) -> list[int]:
 def search(model, cluster, global_batch: int, seq_len: int, n_gpus: int, top: int = 5, *,
            cost_model=predict) -> list:
     """The `top` best layouts of `model` on `n_gpus` GPUs of `cluster` as labkit.scale Predictions,
-    best first (order: `rank_key`), among those that fit the GPUs' memory.
+    best first (order: `ranked`, ties within 0.5% by memory), among those that fit the GPUs' memory.
 
     model: a labkit.scale.specs.ModelSpec; cluster: a Cluster or a name ("h100-sxm").
     cost_model: predicts one layout, called as cost_model(model, layout, cluster, global_batch, seq_len,

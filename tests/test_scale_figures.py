@@ -2,7 +2,7 @@
 
 The data functions are tested, not pixels: the validation figure's points are predict_sets' rows and
 its count within the band is summarize's; the step's bars are predict's parts and add up to its step;
-the landscape's star is rank_key's first layout that fits. Each plot function is drawn once on the
+the landscape's star is `ranked`'s first layout that fits. Each plot function is drawn once on the
 Agg backend and its artists are read back. Planted mistakes: parts that do not add up to the step, a
 part the figure does not know, a faster layout that does not fit.
 """

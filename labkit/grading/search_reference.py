@@ -5,7 +5,7 @@ Written independently of the learner's loops: every value of every field of the 
 pp, cp, tp from 1 to the GPU count, every micro-batch size from 1 to the global batch, every ZeRO
 stage and recompute mode, every ep for a MoE (check_layout keeps the ones that divide dp_shard x cp x tp); every dp_replicate from 1 to dp whose replicas are whole
 nodes, every cp_method when cp > 1, ep_overlap both ways when ep > 1), each layout predicted by
-labkit.scale.cost.predict (or the cost model passed), the ones check_layout refuses dropped, the ones that do not fit dropped, ranked by rank_key. Used by
+labkit.scale.cost.predict (or the cost model passed), the ones check_layout refuses dropped, the ones that do not fit dropped, ordered by `ranked` (ties within 0.5% by memory). Used by
 tests/grading/test_scale_search.py and by notebook 15's check after the search exercise.
 """
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 import itertools
 
 from labkit.scale.cluster import load_cluster
-from labkit.scale.cost import predict, rank_key
+from labkit.scale.cost import TIE, predict, rank_key, ranked
 from labkit.scale.layout import CP_METHODS, RECOMPUTE, ZERO_STAGES, Layout, LayoutError
 
 
 def brute_force(model, cluster, global_batch, seq_len, n_gpus, top, *, cost_model=predict):
-    """The `top` fitting layouts by rank_key; cost_model as the search's (predict: the flat model)."""
+    """The `top` fitting layouts by `ranked`; cost_model as the search's (predict: the flat model)."""
     cluster = load_cluster(cluster)
     sizes = range(1, n_gpus + 1)
     eps = range(1, model.n_experts + 1) if model.n_experts else [1]
@@ -41,7 +41,7 @@ def brute_force(model, cluster, global_batch, seq_len, n_gpus, top, *, cost_mode
                 continue
             if p.fits:
                 found.append(p)
-    return sorted(found, key=rank_key)[:top]
+    return ranked(found)[:top]
 
 
 def explain(got, want, everything) -> str:
@@ -53,7 +53,7 @@ def explain(got, want, everything) -> str:
         extra = got[len(want)]
         return (f"search's first {len(want)} layouts equal brute force's, but it returned {len(got)} layouts, brute "
                 f"force {len(want)}; #{len(want) + 1} is {extra.layout.short()} ({extra.peak_gib:.1f} GiB, "
-                f"fits={extra.fits}): return only the `top` best that fit (sorted(..., key=rank_key)[:top])")
+                f"fits={extra.fits}): return only the `top` best that fit (ranked(fitting)[:top])")
     if i is None:
         j = next((j for j, (g, w) in enumerate(zip(got, want)) if g.tokens_per_s_per_gpu != w.tokens_per_s_per_gpu), None)
         if j is None:
@@ -73,8 +73,13 @@ def explain(got, want, everything) -> str:
     if not g.fits:
         return head + mine + ", which does not fit the GPUs' memory (keep only p.fits)"
     if w.layout in [p.layout for p in everything]:
-        return head + mine + f": search found it, but ranked it #{[p.layout for p in everything].index(w.layout) + 1} " \
-                             "(sort with rank_key)"
+        at = [p.layout for p in everything].index(w.layout) + 1
+        if [p.layout for p in got] == [p.layout for p in sorted(got, key=rank_key)] and g.layout != w.layout \
+                and abs(g.tokens_per_s_per_gpu / w.tokens_per_s_per_gpu - 1) <= TIE:
+            return head + mine + (f": search found it, but ranked it #{at}; the two are within {TIE:.1%} of each other, "
+                                  "a tie, which goes to the least memory: order with ranked(fitting), not by the "
+                                  "exact tokens/s (sorted(..., key=rank_key))")
+        return head + mine + f": search found it, but ranked it #{at} (order with ranked(fitting))"
     fields = ("dp", "pp", "cp", "tp", "ep", "zero", "recompute", "micro_batch", "dp_replicate", "cp_method", "ep_overlap")
     never = [f"{f}={getattr(w.layout, f)!r}" for f in fields
              if getattr(w.layout, f) not in {getattr(p.layout, f) for p in everything}]

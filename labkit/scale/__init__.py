@@ -22,7 +22,8 @@ Modules, one job each:
     published  torchtitan's published Llama 3.1 H100 runs, and our predictions of them
     figures    notebook 15's figures, each from the model's own numbers (validation, a step by part, the search's landscape)
     validation the validation set (published_runs.json: torchtitan, Megatron-LM, Llama 3) and its errors
-    ranking    where each published layout ranks in the search over its own space, and why
+    ranking    where each published layout ranks in the search over its own space, and why (pruned by
+               bounds: lower bounds on a group of layouts' step); cost.ranked: the search's order, ties by memory
     simulate   one rank of a large world on fake tensors and the fake process group: the
                place where a composed parallel step plugs in (`measure_step`)
 """

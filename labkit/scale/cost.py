@@ -73,12 +73,42 @@ class Prediction:
         return self.peak_bytes / 2**30
 
 
-def rank_key(p: Prediction):
-    """The search's order: fastest first, then the least memory, then the layout's fields."""
+# Predicted tokens/s within this fraction of a faster layout's are a tie (`ranked`). Why 0.5%: the model's inputs
+# are quoted to 2-3 significant figures (labkit/scale/gpus/*.json: hbm_fraction 0.84 is +-0.6%, FlashAttention's
+# 191 TFLOP/s +-0.3%, the flat model's EFFICIENCY 0.40 +-1.3%), so their rounding alone moves a prediction by
+# about half a percent: a smaller difference is not one the model can resolve.
+TIE = 0.005
+
+
+def tie_key(p: Prediction):
+    """The order among ties: the least memory per GPU, then the layout's fields (deterministic)."""
     lay = p.layout
-    return (-round(p.tokens_per_s_per_gpu, 6), round(p.peak_bytes), lay.dp, lay.pp, lay.cp, lay.tp, lay.ep,
-            lay.zero, lay.recompute, lay.micro_batch, lay.schedule, lay.virtual_stages, lay.dp_replicate,
-            lay.cp_method, lay.ep_overlap)
+    return (round(p.peak_bytes), lay.dp, lay.pp, lay.cp, lay.tp, lay.ep, lay.zero, lay.recompute, lay.micro_batch,
+            lay.schedule, lay.virtual_stages, lay.dp_replicate, lay.cp_method, lay.ep_overlap,
+            lay.first_stage_embedding_only, lay.last_stage_loss_only)
+
+
+def rank_key(p: Prediction):
+    """The strict order before ties: the exact predicted tokens/s, fastest first, then `tie_key`."""
+    return (-p.tokens_per_s_per_gpu, *tie_key(p))
+
+
+def ranked(predictions, tolerance: float = TIE) -> list:
+    """The search's order, with ties by a relative tolerance: take the fastest layout left; every layout left whose
+    tokens/s is within `tolerance` of it (>= its tokens/s x (1 - tolerance)) is a tie, and the ties go first, by
+    `tie_key` (the least memory per GPU, then the layout's fields); repeat with what is left. The result depends
+    only on the set of predictions, not on their order, and ranked(ranked(ps)[:k]) == ranked(ps)[:k]."""
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"tolerance={tolerance!r}: a fraction of the tokens/s, 0 <= tolerance < 1 (default TIE = {TIE})")
+    by_speed, out, i = sorted(predictions, key=rank_key), [], 0
+    while i < len(by_speed):
+        floor = by_speed[i].tokens_per_s_per_gpu * (1 - tolerance)
+        j = i
+        while j < len(by_speed) and by_speed[j].tokens_per_s_per_gpu >= floor:
+            j += 1
+        out += sorted(by_speed[i:j], key=tie_key)
+        i = j
+    return out
 
 
 _params_per_gpu = params_per_gpu  # the name before the kernel model

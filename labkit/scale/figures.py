@@ -7,7 +7,7 @@ and a plot function that draws exactly that data and returns the matplotlib Figu
     plot_validation({"flat": sets}) log-log, the line y = x and the +-25% band (issue 34's aim)
     step_parts({label: Prediction}) a step's seconds split into compute, exposed traffic per axis, bubble, optimizer
     plot_step_parts(...)            one stacked bar per layout (one panel per cost model)
-    landscape(predictions)          tokens/s/GPU against peak memory per GPU, and the pick (rank_key's first that fits)
+    landscape(predictions)          tokens/s/GPU against peak memory per GPU, and the pick (`ranked`'s first that fits)
     plot_landscape(...)             every layout a dot coloured by its recompute policy, the GPU's memory a line,
                                     the pick a star
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from labkit.scale.cost import rank_key
+from labkit.scale.cost import ranked
 from labkit.scale.layout import RECOMPUTE
 
 BAND = 0.25  # issue 34's aim for every row: |predicted / published - 1| <= 25%
@@ -110,10 +110,11 @@ def plot_step_parts(by_model: dict, title: str = ""):
 
 def landscape(predictions: list) -> dict:
     """{"gib", "tps", "fits", "recompute", "pick"} from a search's predictions: each layout's peak memory
-    per GPU (GiB) and tokens/s per GPU, and the index of the pick (rank_key's first among those that
+    per GPU (GiB) and tokens/s per GPU, and the index of the pick (`ranked`'s first among those that
     fit; None if none fits)."""
     fitting = [i for i, p in enumerate(predictions) if p.fits]
-    pick = min(fitting, key=lambda i: rank_key(predictions[i])) if fitting else None
+    first = ranked([predictions[i] for i in fitting])[0] if fitting else None
+    pick = next(i for i in fitting if predictions[i] is first) if fitting else None
     return dict(gib=[p.peak_gib for p in predictions], tps=[p.tokens_per_s_per_gpu for p in predictions],
                 fits=[p.fits for p in predictions], recompute=[p.layout.recompute for p in predictions], pick=pick)
 

@@ -10,7 +10,9 @@ its old name here and torchtitan's, is read as it), "selective-attn" (Megatron's
 core only) or "full" (every block's input only).
 `micro_batch` is sequences per micro-batch; each data-parallel rank's share of the global
 batch is cut into micro-batches (gradient accumulation, or the pipeline's micro-batches).
-`schedule`: "1f1b" or "interleaved" (`virtual_stages` stages per pipeline rank).
+`schedule`: "1f1b", "interleaved" (`virtual_stages` stages per pipeline rank) or "zb" (the lab's zero-bubble-style
+schedule, labkit.parallel.schedule_variants: B and W split, 1F1B's memory; the flat model prices it as 1F1B,
+the kernel model through the schedule simulator).
 Stages, in order (stage k on pipeline rank k mod pp, as interleaving loops): `stage_layers(L)`
 gives each stage's blocks. `first_stage_embedding_only` / `last_stage_loss_only` make the first
 stage hold the embedding alone and the last the final norm, head and loss alone (Llama 3's split:
@@ -52,7 +54,7 @@ from labkit.scale.specs import RECOMPUTE
 from labkit.scale.traffic import CP_METHODS  # noqa: F401 (re-exported: the methods a Layout may name)
 
 ZERO_STAGES = ("dp", "zero1", "zero2", "zero3")
-SCHEDULES = ("1f1b", "interleaved")
+SCHEDULES = ("1f1b", "interleaved", "zb")
 
 
 class LayoutError(ValueError):
@@ -194,7 +196,8 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
     splits the sequence into 2 cp zigzag chunks; Ulysses: cp divides the heads per tp rank; the
     hybrid: its cp ranks per node (`cp_local`) divide them, and are neither 1 nor cp (then it is
     the ring, or Ulysses); ep divides the experts and dp x cp x tp (dp_shard x cp x tp under HSDP; folded
-    over tp only with sequence parallelism), and is 1 for a dense model; ep_overlap needs ep > 1; the global batch splits over dp and into micro-batches.
+    over tp only with sequence parallelism), and is 1 for a dense model; ep_overlap needs ep > 1; the global batch splits over dp and into micro-batches
+    (at least pp of them; a multiple of pp when interleaved).
     """
     for axis in ("dp", "pp", "cp", "tp", "ep", "micro_batch", "virtual_stages", "dp_replicate"):
         value = getattr(layout, axis)
@@ -239,7 +242,7 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
         raise LayoutError(f"tp={layout.tp} does not divide the MLP width {m.hidden_dim}")
     stages = layout.pp * (layout.virtual_stages if layout.schedule == "interleaved" else 1)
     if not (layout.schedule == "1f1b" or layout.pp > 1):
-        raise LayoutError("schedule='interleaved' needs pp > 1")
+        raise LayoutError(f"schedule={layout.schedule!r} needs pp > 1 (use schedule='1f1b' without a pipeline)")
     layout.stage_layers(m.n_layers)  # LayoutError for a stage that would hold nothing
     if not (seq_len % (2 * layout.cp) == 0 if layout.cp > 1 else True):
         raise LayoutError(f"cp={layout.cp}: the sequence of {seq_len} tokens must split into 2 x cp = {2 * layout.cp} "
@@ -288,4 +291,7 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
     if not (layout.pp == 1 or n_micro >= layout.pp):
         raise LayoutError(f"pp={layout.pp} needs at least {layout.pp} micro-batches per step, the layout has {n_micro}: "
                           "use smaller micro-batches or fewer stages")
+    if not (layout.schedule != "interleaved" or n_micro % layout.pp == 0):
+        raise LayoutError(f"schedule='interleaved' runs micro-batches in groups of pp={layout.pp}: {n_micro} micro-batches "
+                          "are not a multiple of it; use a micro-batch count that is, or schedule='1f1b'")
     return n_micro

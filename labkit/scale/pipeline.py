@@ -17,6 +17,10 @@ L mod S one more, the embedding on stage 0 and the loss on stage S - 1.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
+from labkit.parallel.schedule_actions import lower
 from labkit.parallel.schedule_sim import simulate
 from labkit.parallel.schedule_variants import interleaved_schedule, zero_bubble_schedule
 
@@ -56,17 +60,38 @@ def one_f_one_b(p: int, m: int) -> list[list[str]]:
 def schedule_actions(layout, n_micro: int) -> list[list[str]]:
     """The action lists of `layout.schedule` for its pp ranks and `n_micro` micro-batches; ValueError
     (before any arithmetic) for a schedule that does not fit them."""
-    p, name = layout.pp, layout.schedule
+    return [list(acts) for acts in _actions(layout.pp, layout.schedule, layout.virtual_stages, n_micro)]
+
+
+@lru_cache(maxsize=1024)
+def _actions(p: int, name: str, virtual_stages: int, n_micro: int) -> tuple:
+    """schedule_actions' lists, made once per schedule (a search asks for the same ones many times)."""
     if name == "1f1b":
-        return one_f_one_b(p, n_micro)
-    if name == "interleaved":
+        out = one_f_one_b(p, n_micro)
+    elif name == "interleaved":
         if n_micro % p:
             raise ValueError(f"schedule='interleaved' runs micro-batches in groups of pp={p}: {n_micro} micro-batches "
                              f"are not a multiple of it; use a micro-batch count that is, or schedule='1f1b'")
-        return interleaved_schedule(p, layout.virtual_stages, n_micro)
-    if name == "zb":
-        return zero_bubble_schedule(p, n_micro)
-    raise ValueError(f"schedule={name!r}: the simulator knows '1f1b', 'interleaved' and 'zb'")
+        out = interleaved_schedule(p, virtual_stages, n_micro)
+    elif name == "zb":
+        out = zero_bubble_schedule(p, n_micro)
+    else:
+        raise ValueError(f"schedule={name!r}: the simulator knows '1f1b', 'interleaved' and 'zb'")
+    return tuple(tuple(acts) for acts in out)
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    pp: int
+    schedule: str
+    virtual_stages: int
+
+
+@lru_cache(maxsize=1024)
+def lowered_schedule(pp: int, schedule: str, virtual_stages: int, n_micro: int):
+    """`schedule_actions` lowered once (labkit.parallel.schedule_actions.lower): a search simulates the same
+    schedule with many stage times, and lowering costs more than the simulation (labkit.scale.ranking)."""
+    return lower(schedule_actions(_Schedule(pp, schedule, virtual_stages), n_micro))
 
 
 def pipeline_time(layout, n_micro: int, forward_s: list[float], backward_s: list[float], message_s: float,
@@ -74,8 +99,11 @@ def pipeline_time(layout, n_micro: int, forward_s: list[float], backward_s: list
     """{"makespan", "busy" (the busiest rank's compute), "bubble" (makespan - busy)} of one step.
 
     forward_s, backward_s: per stage, one micro-batch's seconds; message_s: one send's seconds;
-    actions: `schedule_actions(layout, n_micro)` when the caller has them already."""
-    actions = schedule_actions(layout, n_micro) if actions is None else actions
+    actions: `schedule_actions(layout, n_micro)` when the caller has them already (they are the layout's
+    schedule: the lowered copy of it, `lowered_schedule`, is what runs)."""
+    if actions is None:
+        schedule_actions(layout, n_micro)  # ValueError for a schedule that does not fit, before any arithmetic
+    actions = lowered_schedule(layout.pp, layout.schedule, layout.virtual_stages, n_micro)
     t_w = [b / 3 for b in backward_s] if layout.schedule == "zb" else None
     sim = simulate(actions, list(forward_s), list(backward_s), t_w=t_w, t_msg=message_s)
     busy = max(sim.busy)

@@ -13,39 +13,45 @@ The space (the search exercise's, solutions/scale_search.py, for a dense model, 
     micro_batch       every size that splits a dp rank's share of the global batch
     zero, recompute   every ZeRO stage and recompute policy (check_layout refuses what a model cannot run)
     dp_replicate      every R whose replicas are whole nodes; cp_method: each of the four when cp > 1
-    schedule          1F1B and, where the published row pipelines another way (interleaved, ends-alone
-                      stages), that way too; sequence parallelism as the row runs it
-Each layout is predicted by the row's cost model ("flat" or "kernels", with its compile / float8 / async TP),
-ranked by labkit.scale.cost.rank_key. The space holds up to about 600,000 layouts (Megatron's 145B on 1,536
-GPUs), so it is pruned, exactly: a layout can outrank the published one only if its step is no longer, and
+    schedule          for pp > 1: 1F1B, interleaved 1F1B with 2 stages per rank, ZB under the kernel model (the
+                      flat model prices ZB as 1F1B), and the published row's own (Llama 3's 8 stages per rank with
+                      embedding- and loss-only ends); sequence parallelism as the row runs it
+(the exercise's space, 1F1B only, plus the schedules the lab's simulator runs: labkit.scale.pipeline).
+Each layout is predicted by the row's cost model ("flat" or "kernels", with its compile / float8 / async TP) and
+ordered by labkit.scale.cost.ranked (ties within TIE = 0.5% go to the least memory). The space holds up to about
+600,000 layouts (Megatron's 145B on 1,536 GPUs), so it is pruned, exactly. A layout can come before the published
+one only if its step is at most the published step / (1 - TIE) (a tie group spans TIE of its fastest layout), and
+the top only if its step is at most the best step found / (1 - TIE); call the larger of the two the limit (the
+published step drops out once CAP layouts are surely ahead of it, their steps below its x (1 - TIE)). Then
     1. per (dp, pp, cp, tp, schedule, micro_batch, recompute): a lower bound on the step of every cp_method,
        ZeRO stage and dp_replicate: flat model, compute x (1 + bubble (pp-1)/(v m)) plus TP's bytes at the
-       link's bandwidth (exposed in full); kernel model, the busiest rank's block kernels (the cheapest
-       cp_method's) plus TP's time unless async TP hides it. Groups run in ascending bound; one above the
-       published step (while fewer than CAP layouts beat it) and the best step found is skipped; so is a
-       (..., cp_method) whose first stage's activations alone do not fit the GPU (every ZeRO stage and
-       replica holds the same activations).
+       link's bandwidth (exposed in full); kernel model (labkit.scale.bounds.kernel_bound), each stage's kernels (the cheapest
+       cp_method's, the embedding and the head) plus TP's time unless async TP hides it, through the pipeline's
+       critical path: the forwards ahead of a rank's first stage, its own work, the backwards behind its last
+       (1F1B's makespan with equal stages, without the message time). Groups run in ascending bound; one above
+       the limit is skipped; so is a (..., cp_method) whose first stage's activations alone do not fit the GPU
+       (every ZeRO stage and replica holds the same activations).
     2. per (... , micro_batch, recompute, cp_method): one prediction gives the step less its exposed dp and
        optimizer terms, which are all that ZeRO stage and dp_replicate change (tests/test_scale_ranking.py
-       checks it): above the published step, its ZeRO stages and replicas are skipped.
+       checks it): above the limit, its ZeRO stages and replicas are skipped.
 Every layout left is predicted. `rank_published(..., prune=False)` enumerates everything (the tests' brute force).
 Ranks are exact up to CAP (the criterion needs the top 5); past it the search only needs the top, which
-prunes harder. Cost (2 shared cores): the 47 rows in 74 s under the flat model; under the kernel model a
-large row takes minutes (405B on 512 GPUs: 15,000 layouts predicted, 215 s).
+prunes harder. Cost (2 shared cores, 2026-11-26, `bench/scale.py --ranks`): the 47 rows in 89 s under the flat
+model, 510 s under the kernel model: most rows 0.1-10 s, Megatron's 145B-1T 22-37 s, Llama 3's 8K- and 16K-GPU
+rows 115-176 s (their simulated schedules are long). 405B on 512 GPUs (tt24-t5-13) under the kernel model: 98 s
+before this bound (1F1B only, the same machine and load), 9.5-11 s now with more schedules in the space.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import replace
 
+from labkit.scale.bounds import divisors, group_bounds
 from labkit.scale.cluster import load_cluster
-from labkit.scale.cost import EFFICIENCY, predict, rank_key
-from labkit.scale.layer_ops import Options, Shape, block_ops, seconds
-from labkit.scale.footprint import stage_memory
-from labkit.scale.gpu import load_gpu
-from labkit.scale.layout import CP_METHODS, RECOMPUTE, ZERO_STAGES, Layout, LayoutError, check_layout
+from labkit.scale.cost import EFFICIENCY, TIE, predict, ranked
+from labkit.scale.footprint import peak_memory, stage_memory
+from labkit.scale.layout import CP_METHODS, ZERO_STAGES, Layout, LayoutError, check_layout
 from labkit.scale.specs import MODELS
-from labkit.scale.traffic import axis_traffic
 from labkit.scale.validation import layout_of, model_options
 
 TOP, WITHIN = 5, 0.05
@@ -54,15 +60,16 @@ _SEARCHED: dict = {}  # rank_published's searches, by everything they read
 TERMS = ("compute", "bubble", "exposed_tp", "exposed_cp", "exposed_ep", "exposed_pp", "exposed_dp", "optimizer")
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def schedules_of(published: Layout) -> list[dict]:
-    """The pipelining choices of the space: plain 1F1B, and the published row's own when it differs."""
+def schedules_of(published: Layout, model: str = "flat") -> list[dict]:
+    """The pipelining choices of the space (for pp > 1): 1F1B, interleaved 1F1B with 2 stages per rank, under the
+    kernel model ZB too (the flat model prices ZB as 1F1B: its twins would only repeat 1F1B's layouts), and the
+    published row's own when it is none of these (Llama 3's 8 stages per rank with embedding- and loss-only ends)."""
     plain = dict(schedule="1f1b", virtual_stages=1, first_stage_embedding_only=False, last_stage_loss_only=False)
+    out = [plain, dict(plain, schedule="interleaved", virtual_stages=2)]
+    if model == "kernels":
+        out.append(dict(plain, schedule="zb"))
     own = {k: getattr(published, k) for k in plain}
-    return [plain] if own == plain else [plain, own]
+    return out + ([own] if own not in out else [])
 
 
 def _axes(n: int):
@@ -72,78 +79,36 @@ def _axes(n: int):
                 yield n // (tp * pp * cp), pp, cp, tp
 
 
-def _bounds(model, base: Layout, cluster, batch, seq, n, options) -> dict:
-    """Lower bounds on the step of every layout with base's axes and schedule: {(micro_batch, recompute): seconds}
-    for the pairs check_layout accepts (module docstring)."""
-    kernel = options.get("efficiency", EFFICIENCY) is None
-    gpu = load_gpu(cluster.gpu) if kernel else None
-    out = {}
-    for mb, rc in itertools.product(divisors(batch // base.dp), RECOMPUTE):
-        lay = replace(base, micro_batch=mb, recompute=rc)
-        try:
-            n_micro = check_layout(model, lay, n, cluster.gpus_per_node, batch, seq)
-        except LayoutError:
-            continue
-        L = lay.layers_per_rank(model.n_layers)
-        tp = axis_traffic(model, lay, cluster, n_micro, seq, {"dense": 0.0, "experts": 0.0}).get("tp", {})
-        if kernel:  # the busiest rank's block kernels, and its TP traffic unless async TP hides it
-            impl = options.get("attention") or ("fa2" if "fa2" in gpu.attention else "unfused")
-            blocks = []
-            for method in CP_METHODS if lay.cp > 1 else ("ring",):
-                try:  # only the methods this layout can run (Ulysses needs the heads to split over cp)
-                    check_layout(model, replace(lay, cp_method=method), n, cluster.gpus_per_node, batch, seq)
-                except LayoutError:
-                    continue
-                shape = Shape(mb, seq, lay.tp, lay.cp, 1, lay.sequence_parallel, method, lay.expert_tp)
-                try:
-                    blk = block_ops(model, shape, Options(options["compile"], options["float8"], impl, rc), gpu)
-                except ValueError:
-                    continue
-                blocks.append(seconds(blk["forward"]) + seconds(blk["backward"]))
-            if not blocks:
-                continue
-            out[mb, rc] = n_micro * L * min(blocks) + (0.0 if options.get("async_tp") else tp.get("seconds", 0.0))
-        else:  # compute (recompute included), its bubble, TP's bytes at the link's bandwidth
-            try:
-                again = model.recompute_flops_per_token(seq, rc)
-            except ValueError:
-                again = 0.0
-            flops = (model.flops_per_token(seq) + again) * batch * seq / n
-            flops *= L * lay.pp / model.n_layers if lay.pp > 1 else 1.0
-            compute = flops / (cluster.peak_bf16_flops * options.get("efficiency", EFFICIENCY))
-            v = lay.virtual_stages if lay.schedule == "interleaved" else 1
-            bubble = (lay.pp - 1) / (v * n_micro) * compute if lay.pp > 1 else 0.0
-            _, beta = cluster.link(lay.level("tp", cluster.gpus_per_node))
-            out[mb, rc] = compute + bubble + tp.get("bytes", 0.0) / beta
-    return out
-
-
 def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: dict, *, cap: int = CAP,
                   prune: bool = True) -> dict:
-    """The top of the space around `mine` (the published layout's Prediction, or any layout of the space: the
-    top does not depend on it) and how many fitting layouts outrank it: {"top" (None if nothing fits),
-    "better" (exact up to `cap`; `cap` means at least that many), "predicted"}. The space's schedules are
-    1F1B and mine's (`schedules_of`).
-    Groups in ascending lower bound; a group is skipped once its bound exceeds the published step (while
-    fewer than `cap` better layouts are known) and the best step found. prune=False: every layout."""
-    slack = 1 + 1e-6  # rank_key rounds tokens/s to 1e-6: a tie may sit a hair above the step
-    key, best, better, predicted = rank_key(mine), mine if mine.fits else None, 0, 0
+    """The top of the space around `mine` (the published layout's Prediction, any layout of the space, or None:
+    the top does not depend on it) and how many fitting layouts `ranked` puts before it: {"top" (None if nothing
+    fits), "better" (exact up to `cap`; `cap` means at least that many; `cap` when mine is None), "predicted"}.
+    The space's schedules: `schedules_of` (1F1B, interleaved x2, ZB under the kernel model, and mine's);
+    sequence parallelism as mine (on when mine is None).
+    Ties (labkit.scale.cost.ranked, TIE): a layout's place depends on every layout within TIE of the fastest
+    layout of its tie group, so the search keeps every fitting layout whose step is within 1 / (1 - TIE) of the
+    published step (while fewer than `cap` layouts are surely ahead of it: a step shorter than the published one
+    x (1 - TIE)) and of the best step found, and ranks exactly those: their tie groups are the full space's.
+    Groups run in ascending lower bound; one above that limit is skipped. prune=False: every layout."""
+    widen = (1 + 1e-9) / (1 - TIE)  # 1e-9: float64 rounding of a step computed two ways
+    ref = mine.layout if mine is not None else Layout()
+    best, sure, kept, predicted = (mine.step_s if mine is not None and mine.fits else None), 0, [], 0
     groups = []
-    for (dp, pp, cp, tp), sched in itertools.product(_axes(n), schedules_of(mine.layout)):
+    kind = "kernels" if options.get("efficiency", EFFICIENCY) is None else "flat"
+    for (dp, pp, cp, tp), sched in itertools.product(_axes(n), schedules_of(ref, kind)):
         if batch % dp or (pp == 1 and sched["schedule"] != "1f1b"):
             continue
-        base = Layout(dp=dp, pp=pp, cp=cp, tp=tp, sequence_parallel=mine.layout.sequence_parallel, **sched)
-        bounds = _bounds(model, base, cluster, batch, seq, n, options)
+        base = Layout(dp=dp, pp=pp, cp=cp, tp=tp, sequence_parallel=ref.sequence_parallel, **sched)
+        bounds = group_bounds(model, base, cluster, batch, seq, n, options)
         if bounds:
             groups.append((min(bounds.values()) if prune else 0.0, len(groups), base, bounds))
     groups.sort(key=lambda g: g[:2])
 
     def limit():
-        if not prune:
+        if not prune or best is None:  # nothing fits yet (the reference does not): no bound
             return float("inf")
-        if best is None:  # nothing fits yet (the reference does not): no bound
-            return float("inf")
-        return max(best.step_s, mine.step_s if better < cap else 0.0) * slack
+        return max(best, mine.step_s if mine is not None and sure < cap else 0.0) * widen
 
     for bound, _, base, bounds in groups:
         if bound > limit():
@@ -159,8 +124,13 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
                     check_layout(model, group, n, cluster.gpus_per_node, batch, seq)
                 except LayoutError:
                     continue
-                held = stage_memory(model, group, 0, batch // base.dp // mb, seq, group.cp_local(cluster.gpus_per_node))
+                n_micro, local = batch // base.dp // mb, group.cp_local(cluster.gpus_per_node)
+                held = stage_memory(model, group, 0, n_micro, seq, local)
                 if held["activations"] + held["logits"] > cluster.memory_bytes:
+                    continue
+                # no replica holds less than full sharding (dp_replicate = 1): the least over the ZeRO stages of it
+                if min(peak_memory(model, replace(group, zero=z), n_micro, seq, local)["total"]
+                       for z in ZERO_STAGES) > cluster.memory_bytes:
                     continue
             first = True
             for lay in (replace(group, zero=z, dp_replicate=r) for z in ZERO_STAGES for r in replicas):
@@ -173,13 +143,14 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
                     first = False
                     if p.step_s - p.parts_s.get("exposed_dp", 0.0) - p.parts_s.get("optimizer", 0.0) > limit():
                         break
-                if not p.fits or lay == mine.layout:
+                if not p.fits or (mine is not None and lay == mine.layout) or p.step_s > limit():
                     continue
-                if best is None or rank_key(p) < rank_key(best):
-                    best = p
-                if rank_key(p) < key:
-                    better += 1
-    return dict(top=best, better=better, predicted=predicted)
+                kept.append(p)
+                best = p.step_s if best is None else min(best, p.step_s)
+                sure += mine is not None and mine.fits and p.step_s < mine.step_s * (1 - TIE)
+    order = ranked(kept + ([mine] if mine is not None and mine.fits else []))
+    at = next((i for i, p in enumerate(order) if p is mine), cap)
+    return dict(top=order[0] if order else None, better=cap if sure >= cap else min(at, cap), predicted=predicted)
 
 
 def rank_published(row: dict, set_info: dict, model: str = "flat", *, prune: bool = True, cap: int = CAP) -> dict:
@@ -224,3 +195,15 @@ def explain(result: dict) -> str:
     mem = result["why"]["memory_gib"]
     return (f"top {result['top'].layout.short()}: published step {step:.3f} s vs {result['top'].step_s:.3f} s; "
             f"published - top: {', '.join(parts) or 'no term'}; memory {mem[0]:.1f} vs {mem[1]:.1f} GiB")
+
+
+# issue 34 item 3: the search's picks at three scales, Llama 3 on H100s (DGX, h100-sxm), a global batch of 512
+# sequences of 8,192 tokens each (the issue gives the batch for the 8B question; the same for the other two)
+QUESTIONS = {"8B on 64 H100s": ("8b", 64), "70B on 256 H100s": ("70b", 256), "405B on 1,024 H100s": ("405b", 1024)}
+
+
+def pick(spec, cluster, batch: int, seq: int, n: int, model: str = "flat"):
+    """The search's pick (a Prediction, `ranked`'s first; None if nothing fits) for `spec` on `n` GPUs of `cluster`
+    under `model` ("flat", or "kernels": eager bf16, no async TP), over the space of the module docstring with no
+    published layout (1F1B, interleaved x2, and ZB under the kernel model); pruned as `search_around`, exactly."""
+    return search_around(spec, load_cluster(cluster), batch, seq, n, None, model_options({}, model))["top"]

@@ -6,7 +6,7 @@ learner's loops: every value of every field of the search space (dp, pp, cp, tp 
 count, every micro-batch size from 1 to the global batch, every ZeRO stage and recompute mode,
 every ep for a MoE, every dp_replicate whose replicas are whole nodes, every cp_method when cp > 1,
 ep_overlap both ways when ep > 1), each layout predicted by labkit.scale.cost.predict, the ones check_layout
-refuses dropped, the ones that do not fit dropped, ranked by rank_key. About 15 s on 2 busy cores (3.5-5 s
+refuses dropped, the ones that do not fit dropped, ordered by labkit.scale.cost.ranked (ties within 0.5% by memory). About 15 s on 2 busy cores (3.5-5 s
 before those three choices, measured back to back): the MoE case is the longest.
 """
 import functools
@@ -16,7 +16,7 @@ import pytest
 
 from labkit.grading import impl
 from labkit.grading.search_reference import brute_force, explain
-from labkit.scale.cost import predict, rank_key
+from labkit.scale.cost import predict, ranked
 from labkit.scale.layout import LayoutError
 from labkit.scale.specs import LLAMA3, ModelSpec
 
@@ -78,11 +78,12 @@ def test_search_returns_fitting_layouts_fastest_first():
                         "the GPU's memory: keep only the predictions with p.fits")
         assert p.layout.world_size == gpus, (f"search returned {p.layout.short()}, a layout of {p.layout.world_size} "
                                              f"GPUs, expected {gpus}: dp * pp * cp * tp must equal n_gpus")
-    ranked = sorted(got, key=rank_key)
-    i = next((i for i, (a, b) in enumerate(zip(got, ranked)) if a != b), None)
+    order = ranked(got)
+    i = next((i for i, (a, b) in enumerate(zip(got, order)) if a != b), None)
     assert i is None, (f"search's result #{i + 1} is {got[i].layout.short()} ({got[i].tokens_per_s_per_gpu:,.0f} "
-                       f"tokens/s/GPU), expected {ranked[i].layout.short()} ({ranked[i].tokens_per_s_per_gpu:,.0f} "
-                       "tokens/s/GPU) there: sort the fitting layouts with rank_key, fastest first")
+                       f"tokens/s/GPU, {got[i].peak_gib:.1f} GiB), expected {order[i].layout.short()} "
+                       f"({order[i].tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {order[i].peak_gib:.1f} GiB) there: order the "
+                       "fitting layouts with ranked(fitting), fastest first, ties within 0.5% by the least memory")
 
 
 def expect_layout_error(args, pattern, what):
