@@ -129,3 +129,19 @@ def current() -> Background:
 def install(background: Background | None):
     global _current
     _current = background
+
+
+def process_trees() -> set[int]:
+    """The pids of every running job and its descendants: tests that look for processes they left
+    behind among this process's children must not count these."""
+    import psutil
+
+    pids = set()
+    for job in (_current.jobs.values() if _current is not None else ()):
+        if job.process is not None and job.process.poll() is None:
+            try:
+                root = psutil.Process(job.process.pid)
+                pids |= {root.pid, *(child.pid for child in root.children(recursive=True))}
+            except psutil.Error:
+                pass
+    return pids
