@@ -18,6 +18,7 @@ import linecache
 import os
 import pickle
 import shlex
+import shutil
 import sys
 import tempfile
 
@@ -134,6 +135,9 @@ class Session:
         if self.engines is not None:
             self.engines.stop([pid for r, pid in self.pids.items() if r in self.here])
         self.engines, self.pids, self.store, self.hosts, self.here = None, {}, None, {}, set()
+        if getattr(self, "folder", None):  # the ranks' stack files: nothing reads them once the engines are gone
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
 
     def run_cell(self, cell: str, targets: list[int] | None = None, tabs: bool = False) -> None:
         """Run ``cell`` on ``targets`` (default: every rank); print grouped output (``tabs``: a tab per rank, where
