@@ -49,6 +49,7 @@ class Background:
         self.closed = False
         self.lock = threading.Condition()
         self.thread = None
+        self.helpers = []  # processes the jobs share (tests/kernel_factory.py): .pids(), .close()
 
     def start(self, specs):
         for key, argv, env, timeout, weight in specs:
@@ -115,6 +116,13 @@ class Background:
             if job.process is not None and job.process.poll() is None:
                 job.process.kill()
                 job.process.wait()
+        for helper in self.helpers:
+            helper.close()
+
+    def add_helper(self, helper):
+        """A process the jobs share: closed with them, its processes counted as theirs."""
+        self.helpers.append(helper)
+        return helper
 
 
 _current: Background | None = None
@@ -132,11 +140,13 @@ def install(background: Background | None):
 
 
 def process_trees() -> set[int]:
-    """The pids of every running job and its descendants: tests that look for processes they left
+    """The pids of every running job and its descendants (and of the helpers the jobs share): tests that look for processes they left
     behind among this process's children must not count these."""
     import psutil
 
     pids = set()
+    for helper in (_current.helpers if _current is not None else ()):
+        pids |= helper.pids()
     for job in (_current.jobs.values() if _current is not None else ()):
         if job.process is not None and job.process.poll() is None:
             try:

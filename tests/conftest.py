@@ -46,8 +46,8 @@ def pytest_collection_finish(session):
     for item in session.items:
         if item.get_closest_marker("reads_background"):
             by_module.setdefault(item.module, []).append(item)
-    jobs = [job for module, items in by_module.items() for job in module.background_jobs(items)]
     runner = background.Background(cwd=session.config.rootpath)
     background.install(runner)
+    jobs = [job for module, items in by_module.items() for job in module.background_jobs(items)]
     runner.start(jobs)
     session.config.add_cleanup(runner.close)
