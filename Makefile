@@ -38,7 +38,8 @@ $(STAMP): pyproject.toml
 	@# --no-compile: pip would byte-compile all ~12,000 .py files of the dependencies (about 55 s of one core);
 	@# Python compiles the few it imports on first use instead, and keeps them in __pycache__.
 	@set -o pipefail; $(BIN)/python -m pip install -q --no-compile -e ".[test]" $(PIP_EXTRA) $(PIP_QUIET)
-	@$(BIN)/python -c "import torch, labkit; print('torch', torch.__version__, '- labkit ready')"
+	@# ... and these imports compile, once, what the suite's first processes would each compile at once
+	@$(BIN)/python -c "import torch, labkit, matplotlib.pyplot, ipykernel.kernelapp, nbclient, ipyparallel; print('torch', torch.__version__, '- labkit ready')"
 	@touch $(STAMP)
 
 $(OVERRIDES): labkit/assets/jupyterlab-overrides.json $(STAMP)
