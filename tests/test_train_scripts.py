@@ -1,9 +1,8 @@
 """`python -m labkit.apps.train` under real launchers equals single-process training.
 
-The hybrid strategy (dp x pp) runs as a job under `torchrun --standalone` on CPU (gloo), as a
-learner would start it, and its final weights (saved with --save) and losses must equal
-`labkit.training.loop.train`'s, run here in one process; so must the single strategy, run in this
-process. Two more jobs start the ranks by hand
+The hybrid strategy (dp x pp) runs forked in this process, and its final weights (saved with --save)
+and losses must equal `labkit.training.loop.train`'s, run here in one process; so must the single
+strategy's. Two more jobs start the ranks by hand
 with the variables Slurm's srun and MPICH's mpiexec (PBS) set, which is how those
 launchers hand a rank its identity. The composed strategy (notebook 14's layouts: --tp, --cp,
 --ep, --zero) runs forked, under torchrun and with mpiexec's variables; a bad layout stops before
@@ -114,18 +113,14 @@ def test_train_single_in_process_equals_train_loop(reference, tmp_path, monkeypa
     _check(report, saved, reference, "single", 1)
 
 
-# hybrid only: it runs both the dp and the pp code under torchrun's variables, and the dp and pp strategies
-# alone run forked below (each flag alone) and under srun's and mpiexec's variables (about 15 s of CPU
-# saved per torchrun job: an agent and its workers each import torch)
-@pytest.mark.parametrize("strategy,nproc,extra", [
-    ("hybrid", 4, ["--dp", "2", "--pp", "2", "--microbatches", "2"]),
-])
-def test_train_under_torchrun_standalone_equals_single_process(strategy, nproc, extra, reference, tmp_path):
+def test_train_hybrid_forked_equals_train_loop(reference, tmp_path, monkeypatch):
+    # dp 2 x pp 2 (notebook 07's hybrid_step), forked: torchrun's variables are read by the composed job below,
+    # the same code for every strategy, and hybrid crosses two hosts under mpiexec in tests/test_multihost.py
+    # (a torchrun job here cost about 30 s of CPU: an agent and four workers each import torch)
+    monkeypatch.setenv("LABKIT_IMPL", "solutions")
     saved = tmp_path / "weights.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "labkit.apps.train", "--strategy", strategy, *extra, *COMMON, "--save", str(saved)]
-    (output,) = _run([(cmd, _env())])
-    _check(_report(output), saved, reference, strategy, nproc)
+    report = main(["--dp", "2", "--pp", "2", "--microbatches", "2", *COMMON, "--save", str(saved)])
+    _check(report, saved, reference, "hybrid", 4)
 
 
 def _free_port():
