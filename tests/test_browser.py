@@ -20,7 +20,7 @@ Playwright never downloads a browser here: we start Chromium ourselves (so we ow
 and connect over CDP. Screenshots go to a temporary folder printed at the end of the module.
 Missing Chromium or Playwright: the module is skipped with one line naming the fix.
 
-00_setup runs whole. Of 06 and 09 the copy keeps only the setup cell (the first) and the cells that
+00_setup runs whole but for its session section and its script cell (`DROPPED_FROM_00`). Of 06 and 09 the copy keeps only the setup cell (the first) and the cells that
 make the widget and what it needs (`WIDGET_CELLS`): tests/test_notebooks.py already runs every cell
 of both, twice, in a kernel; what only a browser shows is how the widgets render and redraw.
 A last test drives a session of persistent ranks (`%ranks start 2`) cell by cell, as a learner would,
@@ -53,7 +53,12 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 NOTEBOOKS = ("00_setup", "06_microbatches", "09_zero_fsdp")
-WIDGET_NOTEBOOKS = ("06_microbatches", "09_zero_fsdp")  # the schedule explorer, the memory calculator
+WIDGET_NOTEBOOKS = ("06_microbatches", "09_zero_fsdp")
+# What the browser's copy of 00_setup leaves out: its session section (the last test drives a session in
+# JupyterLab cell by cell) and the cell that runs a script in a subprocess (nothing a browser shows; both
+# run in tests/test_notebooks.py). About 25 s of CPU.
+DROPPED_FROM_00 = ("%ranks start", "%%ranks\nw = ", "%%ranks\ndist.all_reduce(w)", "%%ranks --targets 1",
+                   "%ranks stop", 'impl("from_scratch").__file__')  # the schedule explorer, the memory calculator
 # What the browser's copies of the widget notebooks keep besides their first cell: the code cells that
 # contain one of these (the widget, and the names it uses).
 WIDGET_CELLS = {"06_microbatches": ("viz.schedule_explorer(",),
@@ -179,6 +184,7 @@ def lab(artefacts):
     shutil.copytree(REPO / "notebooks", root / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     (root / "imgs").symlink_to(REPO / "imgs")  # notebooks show ../imgs/*.png
     stop_file = artefacts / "stop-ticker"
+    _drop_cells(root / "notebooks" / f"{NOTEBOOKS[0]}.ipynb", DROPPED_FROM_00)
     _append_scratch_cell(root / "notebooks" / f"{NOTEBOOKS[0]}.ipynb", stop_file)
     for name, markers in WIDGET_CELLS.items():
         _keep_the_widget_cells(root / "notebooks" / f"{name}.ipynb", markers)
@@ -307,6 +313,18 @@ def _wait_done(page, name, timeout=RUN_TIMEOUT, while_running=None):
         return seen["idle"] >= 2
 
     _wait_for(finished, timeout, f"{name}: every cell run and the kernel idle", interval=1.0)
+
+
+def _drop_cells(path: Path, markers: tuple):
+    """The copy leaves out the code cells holding a marker (each marker must be found)."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    dropped = [cell for cell in nb.cells if cell.cell_type == "code" and any(m in cell.source for m in markers)]
+    found = {m for m in markers if any(m in cell.source for cell in dropped)}
+    assert found == set(markers), f"{path.name}: no cell holds {set(markers) - found}: update DROPPED_FROM_00"
+    nb.cells = [cell for cell in nb.cells if not any(cell is d for d in dropped)]
+    nbformat.write(nb, path)
 
 
 def _keep_the_widget_cells(path: Path, markers: tuple):
