@@ -155,3 +155,23 @@ def process_trees() -> set[int]:
             except psutil.Error:
                 pass
     return pids
+
+
+def beside_this_process() -> set[int]:
+    """`process_trees()`, and the shared zygote's handlers that serve other processes (the jobs' kernels)
+    with their ranks and session engines: all that a leftover-process check of this process must skip."""
+    import psutil
+
+    from labkit.launching import zygote
+
+    beside = process_trees()
+    mine = zygote.current_pid()  # this process's own handler (or zygote): its children are this test's
+    try:
+        owner = psutil.Process(mine).ppid() if mine else os.getpid()
+        if owner != os.getpid():
+            for handler in psutil.Process(owner).children():
+                if handler.pid != mine:
+                    beside |= {handler.pid, *(c.pid for c in handler.children(recursive=True))}
+    except psutil.Error:
+        pass
+    return beside

@@ -25,16 +25,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _children():
     from labkit.launching import zygote  # the process ranks are born from lives as long as this one
 
-    beside = background.process_trees()  # the notebooks that run beside this test (tests/background.py)
+    beside = background.beside_this_process()  # the notebooks beside this test, their handlers and ranks
     mine = zygote.current_pid()
-    try:  # a shared zygote's handlers for those notebooks' kernels, and their ranks
-        owner = psutil.Process(mine).ppid() if mine else os.getpid()
-        if owner != os.getpid():
-            for handler in psutil.Process(owner).children():
-                if handler.pid != mine:
-                    beside |= {handler.pid, *(c.pid for c in handler.children(recursive=True))}
-    except psutil.Error:
-        pass
     return [p for p in psutil.Process().children(recursive=True) if p.is_running()
             and p.status() != psutil.STATUS_ZOMBIE and p.pid != mine and p.pid not in beside]
 

@@ -16,6 +16,7 @@ import pytest
 import background
 
 from labkit.grading import REPO_ROOT
+from labkit.launching.zygote_process import NAME as ENGINE_NAME
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -226,9 +227,12 @@ def test_a_session_timeline_holds_each_ranks_recorded_spans_drawn_by_the_launchs
 # --------------------------------------------------------------------------- bad input, each a clear error
 
 def _session_processes():
-    beside = background.process_trees()  # notebooks 00, 02 and 08 start sessions of their own beside this test
-    return [p for p in psutil.Process().children(recursive=True)
-            if p.pid not in beside and "ipyparallel" in " ".join(p.cmdline())]
+    # notebooks 00, 02 and 08 start sessions of their own beside this test (their engines are forked by the
+    # shared zygote's handlers that serve their kernels)
+    beside = background.beside_this_process()
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in beside and p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE
+            and (p.name() == ENGINE_NAME or "ipyparallel" in " ".join(p.cmdline()))]
 
 
 def test_a_cell_with_no_session_and_no_number_says_what_to_do():
@@ -276,9 +280,11 @@ def _marked(variable: str, value: str) -> list[int]:
 
 def test_a_kernel_killed_by_sigkill_leaves_no_controller_and_no_engine(tmp_path):
     """The kernel SIGKILLs itself (what the out-of-memory killer does): no exit handler runs, yet within seconds
-    no process it started is left: controller, engine, the session's reaper. Found by a marker in their
-    environment that this test sets in the kernel's (every child inherits it); the session's own marker and
-    reaper are what is under test, so the test does not use them. About 10 s (one engine)."""
+    no process it started is left: controller, engine, the session's reaper. The controller and the reaper are
+    found by a marker in their environment that this test sets in the kernel's (every child inherits it); the
+    session's own marker and reaper are what is under test, so the test does not use them. The engines, forked
+    by the zygote, carry the zygote's environment: found by the pid and start time the kernel saw. About 10 s
+    (one engine)."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
@@ -288,9 +294,11 @@ def test_a_kernel_killed_by_sigkill_leaves_no_controller_and_no_engine(tmp_path)
     nb.cells = [nbformat.v4.new_code_cell(c) for c in (
         "import os, signal, psutil\nimport labkit.session.session as sess\n%load_ext labkit",
         "%ranks start 1 --backend gloo",
-        f"s = sess.current\npids = [s.engines.cluster.controller.pid, *s.pids.values(), s.engines.reaper.process.pid]\n"
+        f"s = sess.current\npids = [s.engines.cluster.controller.pid, s.engines.reaper.process.pid]\n"
         "def env(p):\n    try:\n        return p.environ()\n    except psutil.Error:\n        return {}\n"
         f"marked = {{p.pid for p in psutil.process_iter() if env(p).get({variable!r}) == {marker!r}}}\n"
+        "print('ENGINES', *[f'{p}:{psutil.Process(p).create_time()}' for p in s.pids.values()])\n"
+        "print('BORN', *{(psutil.Process(p).name(), psutil.Process(p).ppid() == os.getpid()) for p in s.pids.values()})\n"
         "print('PIDS', *pids, all(p in marked for p in pids))",
         "os.kill(os.getpid(), signal.SIGKILL)",
     )]
@@ -305,11 +313,30 @@ def test_a_kernel_killed_by_sigkill_leaves_no_controller_and_no_engine(tmp_path)
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     killed = time.monotonic()
-    text = "".join(o.get("text", "") for o in nb.cells[2].outputs)
-    assert text.startswith("PIDS") and text.split()[-1] == "True", [nb.cells[1].outputs, nb.cells[2].outputs]
+    lines = "".join(o.get("text", "") for o in nb.cells[2].outputs).splitlines()
+    assert len(lines) == 3 and lines[2].startswith("PIDS") and lines[2].split()[-1] == "True", \
+        [nb.cells[1].outputs, nb.cells[2].outputs]
+    # forked by the zygote (labkit.session.forked_engines), never by the kernel
+    assert lines[1] == f"BORN ('{ENGINE_NAME}', False)", lines[1]
+    # the engines are forked by the zygote (labkit.session.forked_engines): its environment, not the marker's;
+    # known by pid and start time (a reused pid is another process)
+    engines = [(int(pid), float(began)) for pid, began in (word.split(":") for word in lines[0].split()[1:])]
+    assert engines, lines
+
+    def left_over():
+        alive = []
+        for pid, began in engines:
+            try:
+                p = psutil.Process(pid)
+                if abs(p.create_time() - began) < 0.01 and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.Error:
+                pass
+        return _marked(variable, marker) + alive
+
     deadline = killed + 10
-    while _marked(variable, marker) and time.monotonic() < deadline:
+    while left_over() and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = _marked(variable, marker)
+    left = left_over()
     assert left == [], f"left after the kernel was killed: {[(p, psutil.Process(p).cmdline()[:4]) for p in left]}"
     print(f"nothing of the session left {time.monotonic() - killed:.1f} s after the kernel's SIGKILL")

@@ -91,6 +91,8 @@ def serve(fd: int, prepared: bool = False) -> None:
                 if kind == "launch":
                     _import_quietly(request.get("preload", ()))
                     _fork_ranks(request, fds, children, sock, (wake_r, wake_w))
+                elif kind == "process":  # a session's engine (labkit.launching.zygote_process)
+                    _fork_process(request, fds, children, sock, (wake_r, wake_w))
                 elif kind == "stop":
                     break
     finally:
@@ -195,6 +197,19 @@ def _fork_ranks(request: dict, fds: list, children: dict, sock, wake) -> None:
     send(sock, ("forked", (request["launch_id"], pids)))
 
 
+def _fork_process(request: dict, fds: list, children: dict, sock, wake) -> None:
+    from labkit.launching import zygote_process
+
+    _import_quietly([request["module"]])  # once: the later engines inherit it
+    pid = os.fork()
+    if pid == 0:
+        zygote_process.become(request, fds, list(wake) + [sock.fileno()])  # never returns
+    children[pid] = (None, None)  # reaped without a report: the caller watches it by pid
+    for fd in fds:
+        os.close(fd)
+    send(sock, ("process", pid))
+
+
 # --------------------------------------------------------------------------- the caller's handle
 
 class ZygoteError(LaunchError):
@@ -273,6 +288,16 @@ class Zygote:
             kind, value = self.next_message(timeout=READY_TIMEOUT)
             if kind == "forked" and value[0] == request["launch_id"]:
                 return value[1]
+            if kind == "exit":
+                self.exits.append(value)
+
+    def start_process(self, request: dict, fds: list) -> int:
+        """Fork a long-lived process (`labkit.launching.zygote_process.request`); its pid."""
+        send(self.sock, ("process", request), fds)
+        while True:
+            kind, value = self.next_message(timeout=READY_TIMEOUT)
+            if kind == "process":
+                return value
             if kind == "exit":
                 self.exits.append(value)
 

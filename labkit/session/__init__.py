@@ -1,6 +1,6 @@
 """A session of persistent ranks: ``%ranks start N`` keeps N engines (ipyparallel) alive across cells.
 
-- `labkit.session.engines`: the ipyparallel cluster (controller and engines, fresh processes), started,
+- `labkit.session.engines`: the ipyparallel cluster (controller and engines; local engines forked by the zygote), started,
   waited for with a deadline, stopped, killed;
 - `labkit.session.engine_side`: what runs inside each engine: joining the process group, running a
   cell in the engine's own namespace, the reload rule before each cell;

@@ -1,4 +1,5 @@
-"""What runs inside each engine of a session (an ipyparallel engine: a fresh interpreter, never a fork).
+"""What runs inside each engine of a session (an ipyparallel engine: forked by the
+zygote or a fresh interpreter, never a fork of the kernel).
 
 `join` is called once, on every engine at the same time: the engine becomes rank ``rank`` of one
 torch.distributed group (gloo; under nccl, gloo for CPU tensors beside nccl on GPU ``rank``), answers

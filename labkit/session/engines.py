@@ -1,13 +1,14 @@
 """The engines of a session: an ipyparallel cluster (one controller, N engines), started and stopped.
 
-The engines are fresh interpreters that the launcher starts (``python -m ipyparallel.engine``), never
-forks of the kernel: on a GPU node torch refuses autograd and CUDA in a process forked after its parent
-used them (see CONTRIBUTING's "How a rank is born"). They are ordinary IPython kernels, so each keeps
+The engines are never forks of the kernel: on a GPU node torch refuses autograd and CUDA in a process
+forked after its parent used them (see CONTRIBUTING's "How a rank is born"). The local launcher's are
+forked by the lab's zygote, which never did either (`labkit.session.forked_engines`); the other launchers
+start fresh interpreters (``python -m ipyparallel.engine``). They are ordinary IPython kernels, so each keeps
 its own namespace between cells. Each engine exits when the kernel that started it is gone
 (`labkit.session.engine_side`), and ipyparallel stops the cluster when the kernel exits normally.
 
-Launchers (``--launcher``), all ipyparallel's own: ``local`` starts each engine as a child of the kernel
-(LocalEngineSetLauncher); ``mpiexec`` (Open MPI or MPICH, whichever ``mpiexec`` is first on PATH), ``slurm``
+Launchers (``--launcher``): ``local`` asks the zygote for each engine (ipyparallel's LocalEngineSetLauncher,
+forking instead of starting an interpreter); ``mpiexec`` (Open MPI or MPICH, whichever ``mpiexec`` is first on PATH), ``slurm``
 (``srun``, inside an allocation: salloc, or a batch job that runs JupyterLab) and ``pbs`` (``mpiexec``
 inside the PBS job: PALS on Cray systems) start all N engines with one command, ipyparallel's
 MPIEngineSetLauncher with that command. The engines then learn their rank and local rank from the
@@ -33,6 +34,13 @@ LAUNCHERS = {"local": None, "mpiexec": "mpiexec", "slurm": "srun", "pbs": "mpiex
 # the variable that says we are inside the scheduler's allocation, and how to get one
 ALLOCATION = {"slurm": ("SLURM_JOB_ID", "salloc -n N (or an sbatch job that runs JupyterLab)"),
               "pbs": ("PBS_JOBID", "qsub -I (or a PBS job that runs JupyterLab)")}
+
+
+# The hub counts an engine as up only after its first heartbeat, and pings every 3 s by default: 4 of the
+# 5.6 s an idle machine took to register 2 engines. Every 0.5 s instead (registered in 1.6 s), and 20
+# missed pings (10 s, not 30) before the hub gives an engine up: its heart answers from a zmq thread that
+# needs no GIL, so a busy engine still answers.
+HEARTBEAT = ["--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=20"]
 
 
 class EnginesDidNotStart(RuntimeError):
@@ -104,9 +112,12 @@ class Engines:
         import ipyparallel as ipp
 
         command = LAUNCHERS[self.launcher]
-        engine_class = "local" if command is None else _engine_set_class(command)
+        if command is None:  # forked by the zygote, torch already imported there (labkit.session.forked_engines)
+            from labkit.session.forked_engines import ForkedEngineSetLauncher as engine_class
+        else:
+            engine_class = _engine_set_class(command)
         self.cluster = ipp.Cluster(n=self.n, engine_launcher_class=engine_class, log_level=40, shutdown_atexit=True,
-                                   controller_ip=self.address)
+                                   controller_ip=self.address, controller_args=HEARTBEAT)
         self.reaper = Reaper()
         began = time.monotonic()
         try:
