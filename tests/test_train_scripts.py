@@ -2,10 +2,10 @@
 
 The hybrid strategy (dp x pp) runs forked in this process, and its final weights (saved with --save)
 and losses must equal `labkit.training.loop.train`'s, run here in one process; so must the single
-strategy's. Two more jobs start the ranks by hand
-with the variables Slurm's srun and MPICH's mpiexec (PBS) set, which is how those
-launchers hand a rank its identity. The composed strategy (notebook 14's layouts: --tp, --cp,
---ep, --zero) runs forked, under torchrun and with mpiexec's variables; a bad layout stops before
+strategy's. Jobs start the ranks by hand with the variables Slurm's srun (dp) and MPICH's mpiexec
+(PBS; the composed strategy) set, which is how those launchers hand a rank its identity. The composed
+strategy (notebook 14's layouts: --tp, --cp, --ep, --zero) runs forked, under torchrun and with
+mpiexec's variables; a bad layout stops before
 any rank starts, with one line naming the flag and the fix. Each axis flag alone (--dp 2, --pp 2, --tp 2,
 --cp 2, --zero 1 --dp 2; --ep 2 on tiny-moe; --dp 3, --pp 4) runs that many ranks, as the report and the
 summary line say (forked in this process: 1-2 s each).
@@ -129,7 +129,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("launcher", ["slurm_srun", "mpich_mpiexec"])
+# srun's variables here; MPICH's (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID) start the composed job further down
+# (each such job starts fresh interpreters: about 14 s of CPU)
+@pytest.mark.parametrize("launcher", ["slurm_srun"])
 def test_train_dp_with_scheduler_variables_equals_single_process(launcher, reference, tmp_path):
     # What srun / mpiexec do: start N copies of the command, each told its rank by variables.
     saved = tmp_path / "weights.pt"
