@@ -138,13 +138,27 @@ def test_fsdp_bytes_per_step_are_two_gathers_and_a_reduce_scatter():
     assert "tp" not in p.traffic or p.traffic["tp"]["bytes"] == 0
 
 
-def test_tp_bytes_per_step_follow_megatron_sp():
-    """Per block and micro-batch: 2 all-gathers + 2 reduce-scatters of b s d bf16, forward and backward."""
+def test_tp_bytes_per_step_follow_megatron_sp_and_the_recompute_policy():
+    """Per block and micro-batch, A = b s d bf16, each collective (tp-1)/tp A on the wire:
+        with SP     (2 all-gathers + 2 reduce-scatters) forward and backward, + r the backward runs again:
+                    r = 0 (none, Megatron's selective), 2 all-gathers (torchtitan's op policy saves
+                    reduce_scatter_tensor, not all_gather_into_tensor), 4 (full)
+        without SP  2 all-reduces each way (2 (tp-1)/tp A each), + 0 / 2 / 2 (op policy: all_reduce not saved)
+    Planted mistake: the op policy replaying no collective (the rule before) gives 8 per block, not 10."""
     spec = LLAMA3["70b"]
-    p = predict(spec, Layout(dp=32, tp=8, micro_batch=4, recompute="selective"), H100, 512, 8192)
-    n_micro, tp = 4, 8
+    n_micro, tp, L = 4, 8, spec.n_layers
     act = 2 * 4 * 8192 * spec.d_model
-    assert p.traffic["tp"]["bytes"] == pytest.approx(spec.n_layers * n_micro * 2 * 4 * (tp - 1) / tp * act)
+    for sp, per_collective, counts in ((True, 1, {"none": 8, "selective-attn": 8, "selective-op": 10, "full": 12}),
+                                       (False, 2, {"none": 4, "selective-attn": 4, "selective-op": 6, "full": 6})):
+        for policy, n in counts.items():
+            lay = Layout(dp=32, tp=tp, micro_batch=4, recompute=policy, sequence_parallel=sp)
+            p = predict(spec, lay, H100, 512, 8192)
+            assert p.traffic["tp"]["bytes"] == pytest.approx(L * n_micro * n * per_collective * (tp - 1) / tp * act,
+                                                             rel=1e-12), (sp, policy)
+            assert p.traffic["tp"]["count"] == L * n_micro * n
+    planted = L * n_micro * 8 * (tp - 1) / tp * act
+    op = predict(spec, Layout(dp=32, tp=tp, micro_batch=4, recompute="selective"), H100, 512, 8192)
+    assert op.traffic["tp"]["bytes"] != pytest.approx(planted, rel=1e-6)
 
 
 def test_pp_bytes_per_step_are_v_times_more_when_interleaved():

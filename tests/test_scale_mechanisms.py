@@ -55,7 +55,7 @@ def test_async_tp_pairs_each_collective_with_the_gemms_it_feeds():
     t = 3e-3
     want_f = sum(atp.decomposed(g(T, s), g(T // tp, s), t, tp) for s in fwd)
     want_b = sum(atp.decomposed(g(T, s), g(T // tp, s), t, tp) for s in bwd) + want_f
-    got_f, got_b = atp.exposed(blk, chunk, t, tp, passes=3)
+    got_f, got_b = atp.exposed(blk, chunk, t, tp, recompute="full")
     assert got_f == pytest.approx(want_f, rel=1e-12) and got_b == pytest.approx(want_b, rel=1e-12)
     assert got_f > 0  # fp8 GEMMs at tp 8 are shorter than their chunks' transfers: part of TP shows
 
@@ -122,3 +122,42 @@ def test_rowwise_figure_checked_like_every_field():
         load_gpu(dict(values, fp8_rowwise_tflops=1125.51e3))
     with pytest.raises(GPUError, match="fp8_rowwise_shape"):
         load_gpu({k: v for k, v in values.items() if k != "fp8_rowwise_shape"})
+
+
+def test_op_policy_replays_its_all_gathers_behind_the_recomputed_wk_and_w3():
+    """torchtitan's op policy saves reduce-scatter outputs, not all-gathers (labkit.scale.traffic.TP_RECOMPUTED), so
+    under async TP its backward decomposes two more all-gathers, each behind the one recomputed matmul it feeds:
+        backward = sum over BACKWARD_GROUPS + decomposed(G_wk, g_wk, t) + decomposed(G_w3, g_w3, t)
+    (8B at tp 8, torchtitan's async TP rows: 12 x 8K tokens, compile, bf16; G, g from kernels.gemm here). Planted
+    mistake: the policy replaying nothing (the rule before) gives the plain backward, less by those two terms."""
+    spec, tp, T = LLAMA3["8b"], 8, 12 * 8192
+    d, kv, H = spec.d_model, spec.kv_dim, spec.hidden_dim
+    opts = Options(compile=True, recompute="selective-op")
+    blk = block_ops(spec, Shape(12, 8192, tp=tp), opts, H500)
+    chunk = block_ops(spec, Shape(12, 8192 // tp, tp=tp), opts, H500)
+
+    def g(rows, n, k):
+        return K.gemm("x", rows, n, k, H500).seconds
+
+    t = 1.5e-3  # about one all-gather of 12 x 8K x 4096 bf16 at 460 GB/s, over 7 steps' worth
+    replayed = atp.decomposed(g(T, kv // tp, d), g(T // tp, kv // tp, d), t, tp) + \
+        atp.decomposed(g(T, H // tp, d), g(T // tp, H // tp, d), t, tp)
+    f_op, b_op = atp.exposed(blk, chunk, t, tp, recompute="selective-op")
+    f_none, b_none = atp.exposed(blk, chunk, t, tp, recompute="none")
+    assert f_op == f_none and b_op == pytest.approx(b_none + replayed, rel=1e-12)
+    assert replayed > 0 and b_op != pytest.approx(b_none, rel=1e-6)  # wk (n = 128) hides little of its gather
+
+
+def test_kernel_model_splits_tp_by_pass_as_the_policy_replays_it():
+    """Plain TP, 8B at tp 8 under each policy: the block's TP time t splits into forward 4/n t and backward
+    (4 + r)/n t, n = 8 + r (r = 0, 2, 4: none, op policy, full), and exposed_tp = L m t exactly.
+    Planted mistake: the op policy split as 'none' (4/8 forward) would put 0.5 t in the forward, not 0.4 t."""
+    from labkit.scale.cost_kernels import _block_comm
+
+    blk = block_ops(LLAMA3["8b"], Shape(1, 8192, tp=8), Options(), H100)
+    for policy, r in (("none", 0), ("selective-op", 2), ("full", 4)):
+        got = _block_comm(blk, {"tp": {"seconds": 1.0}}, Layout(tp=8, recompute=policy), 1, False)
+        assert got["forward"] == pytest.approx(4 / (8 + r)) and got["backward"] == pytest.approx((4 + r) / (8 + r))
+        assert got["tp"] == pytest.approx(1.0)
+    op = _block_comm(blk, {"tp": {"seconds": 1.0}}, Layout(tp=8, recompute="selective-op"), 1, False)
+    assert op["forward"] != pytest.approx(0.5)

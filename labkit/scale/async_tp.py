@@ -24,7 +24,10 @@ torch's fused_all_gather_matmul takes several weights at once, fused_matmul_redu
     backward  all-gather of dY -> w2's input gradient;  w1's and w3's input gradients -> reduce-scatter;
               all-gather of dY -> wo's input gradient;  wq's, wk's, wv's input gradients -> reduce-scatter
 (the weight gradients contract over T, the dimension the chunks split, and are not decomposed).
-A full-recompute block runs the forward's four again in its backward.
+A recomputing backward runs again the forward's collectives its policy does not save
+(`labkit.scale.traffic.tp_collectives`), each behind the recomputed matmuls it feeds (`RECOMPUTE_GROUPS`):
+full recompute the forward's four groups; torchtitan's op policy its two all-gathers, which feed only
+wk and w3 there (wq, wv and w1 are saved: every other matmul).
 Not modelled: the copy engines (the post's NVLink transfers use them, not SMs, so no SM contention is
 charged) and their share of HBM bandwidth, for which no kernel-level figure was found.
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 FORWARD_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w1", "w3"), ("w2",))
 BACKWARD_GROUPS = (("w2 dgrad",), ("w1 dgrad", "w3 dgrad"), ("wo dgrad",), ("wq dgrad", "wk dgrad", "wv dgrad"))
+RECOMPUTE_GROUPS = {"full": FORWARD_GROUPS, "selective-op": (("wk",), ("w3",))}
 
 
 def decomposed(full_s: float, chunk_s: float, collective_s: float, tp: int) -> float:
@@ -46,14 +50,16 @@ def _gemm_seconds(ops, names) -> float:
     return sum(op.seconds for op in ops if op.kind == "gemm" and op.name in names)
 
 
-def exposed(blk: dict, chunk_blk: dict, collective_s: float, tp: int, passes: int) -> tuple[float, float]:
+def exposed(blk: dict, chunk_blk: dict, collective_s: float, tp: int, recompute: str = "none") -> tuple[float, float]:
     """(forward, backward) exposed seconds of one block's TP collectives under async TP, for one micro-batch.
     blk: `layer_ops.block_ops` at the block's shape; chunk_blk: the same on T / tp rows (one chunk);
-    collective_s: one collective's time (the block's TP time / (4 passes)); passes: 3 with full recompute."""
+    collective_s: one collective's time (the block's TP time / its count, `traffic.tp_collectives`);
+    recompute: the policy, whose re-run collectives (`RECOMPUTE_GROUPS`) hide behind the recomputed forward's
+    matmuls (their times are the forward's)."""
     def groups(direction, names):
         return sum(decomposed(_gemm_seconds(blk[direction], g), _gemm_seconds(chunk_blk[direction], g),
                               collective_s, tp) for g in names)
 
     forward = groups("forward", FORWARD_GROUPS)
-    backward = groups("backward", BACKWARD_GROUPS) + (passes - 2) * forward
+    backward = groups("backward", BACKWARD_GROUPS) + groups("forward", RECOMPUTE_GROUPS.get(recompute, ()))
     return forward, backward

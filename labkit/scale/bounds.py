@@ -16,7 +16,7 @@ from labkit.scale.gpu import load_gpu
 from labkit.scale.layer_ops import Options, Shape, block_ops, end_ops, seconds
 from labkit.scale.layout import CP_METHODS, RECOMPUTE, Layout, LayoutError, check_layout
 from labkit.scale.pipeline import schedule_actions, stage_roles
-from labkit.scale.traffic import axis_traffic
+from labkit.scale.traffic import axis_traffic, tp_collectives
 
 _ACTION = re.compile(r"(\d+)([FBW])(\d+)")  # a schedule's action: stage, kind, micro-batch
 
@@ -64,8 +64,9 @@ def kernel_bound(model, lay: Layout, methods: list, seq: int, n_micro: int, opti
         return None
     L = lay.layers_per_rank(model.n_layers)
     tp = 0.0 if options.get("async_tp") else tp_s / (L * n_micro)  # TP per block and micro-batch, as kernel_step
-    passes = 3 if lay.recompute == "full" else 2
-    f_block, b_block = min(fwd) + tp / passes, min(bwd) + tp * (passes - 1) / passes
+    n = tp_collectives(lay.recompute, lay.sequence_parallel)  # split by pass as kernel_step splits it
+    one = tp / (n["forward"] + n["backward"] + n["recomputed"])
+    f_block, b_block = min(fwd) + one * n["forward"], min(bwd) + one * (n["backward"] + n["recomputed"])
     layers, roles = lay.stage_layers(model.n_layers), stage_roles(lay, model.n_layers)
     f = [count * f_block for count in layers]
     b = [count * b_block for count in layers]

@@ -8,7 +8,9 @@ model (opt-in until it meets issue 34's aims on the published set; `python bench
     traffic    each axis's closed-form bytes (labkit.scale.traffic), timed from measured bus bandwidth
                and latency (labkit.scale.collectives, via Cluster.link), then ONE overlap rule per
                mechanism, the same everywhere:
-        tp     on the critical path of its block; with `async_tp` each collective decomposed into tp
+        tp     on the critical path of its block (forward's collectives in its forward; the backward's, and the
+               forward's its recompute policy runs again, `traffic.tp_collectives`, in its backward);
+               with `async_tp` each collective decomposed into tp
                chunks behind the matmuls it feeds (labkit.scale.async_tp): exposed per collective
                max(0, g + (tp - 1) max(g, t / (tp - 1)) - G), G its matmuls whole, g on one chunk
         cp     the ring's K/V hops hidden only where a chunk's attention outlasts its transfer:

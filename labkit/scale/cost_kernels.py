@@ -15,7 +15,7 @@ from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops,
 from labkit.scale.kernels import optimizer_step
 from labkit.scale.layout import LayoutError
 from labkit.scale.pipeline import n_stages, pipeline_time, schedule_actions, stage_layers, stage_roles
-from labkit.scale.traffic import axis_traffic
+from labkit.scale.traffic import axis_traffic, tp_collectives
 
 
 def params_per_gpu(model, layout) -> dict:
@@ -67,10 +67,11 @@ def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool, chunk_bl
     def share(axis, key="seconds"):
         return traffic.get(axis, {}).get(key, 0.0) / per_block
 
-    passes = 3 if layout.recompute == "full" else 2  # axis_traffic repeats forward's TP for full recompute
-    tp_f, tp_b = share("tp") / passes, share("tp") * (passes - 1) / passes
+    n = tp_collectives(layout.recompute, layout.sequence_parallel)  # axis_traffic's count, by pass
+    one = share("tp") / (n["forward"] + n["backward"] + n["recomputed"])  # one collective: all alike in a block
+    tp_f, tp_b = one * n["forward"], one * (n["backward"] + n["recomputed"])
     if async_tp and share("tp"):  # each collective in tp chunks, beside the matmuls it feeds
-        tp_f, tp_b = atp.exposed(blk, chunk_blk, share("tp") / (4 * passes), layout.tp, passes)
+        tp_f, tp_b = atp.exposed(blk, chunk_blk, one, layout.tp, layout.recompute)
     attn = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.kind == "attention")
     ring = share("cp", "hideable_seconds")
     cp = max(0.0, ring - attn) + share("cp") - ring

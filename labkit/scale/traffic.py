@@ -12,7 +12,9 @@ with NCCL's tree for all-reduces across nodes.)
 Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch = mb x s / cp
 (b s d-sized activations in bf16: A = 2 mb s d):
     tp   with SP, per block: forward 2 all-gathers + 2 reduce-scatters of A, backward the same
-         (without SP: 2 all-reduces each way, the same bytes); full recompute repeats forward's
+         (without SP: 2 all-reduces each way, the same bytes), plus the forward's collectives the
+         recompute policy runs again in the backward (`tp_collectives`): full recompute all four,
+         torchtitan's op policy its 2 all-gathers (2 all-reduces without SP), Megatron's none
     cp   per layer and micro-batch, `cp_layer_traffic` by `layout.cp_method`: the bytes of
          `cp_attention_bytes` (the lab's code as labkit.comm counts it) with q = T d / tp and
          kv = T d_kv / tp values (this tp rank's heads; Ulysses and the hybrid replicate K/V heads
@@ -64,6 +66,30 @@ def ring_time(kind: str, nbytes: float, n: int, alpha: float, beta: float) -> tu
     return sent, steps * (n - 1) * alpha + sent / beta
 
 
+# The forward's TP collectives a block's backward runs again, per recompute policy: (all-gathers,
+# reduce-scatters) with SP, all-reduces without. A selective policy replays the forward, hands back the
+# saved outputs of the ops it lists and runs every other op again, collectives included. torchtitan's op
+# policy lists reduce_scatter_tensor, not all_gather_into_tensor nor all_reduce (`_save_list` in
+# torchtitan/models/llama3/infra/parallelize.py, June 2025; today `_COMM_OPS` in torchtitan/distributed/
+# activation_checkpoint.py, "Communication ops whose outputs should be saved to avoid re-communication"):
+# its 2 all-gathers run again (they feed wk and w3, recomputed). Full: all four; Megatron's (attention core)
+# and none: no collective.
+TP_RECOMPUTED = {"none": (0, 0, 0), "selective-attn": (0, 0, 0), "selective-op": (2, 0, 2), "full": (2, 2, 2)}
+
+
+def tp_collectives(recompute: str, sequence_parallel: bool = True) -> dict:
+    """One block's TP collectives per micro-batch: {"forward", "backward", "recomputed"} counts (the backward's
+    own, and the forward's run again by the recompute policy), and by kind: with SP {"all_gather",
+    "reduce_scatter"} = 2 + 2 + what is recomputed of each; without SP {"all_reduce"} = 2 + 2 + recomputed."""
+    if recompute not in TP_RECOMPUTED:
+        raise ValueError(f"recompute={recompute!r} is not a policy the model knows: choose one of {sorted(TP_RECOMPUTED)}")
+    gathers, scatters, reduces = TP_RECOMPUTED[recompute]
+    if sequence_parallel:
+        return {"forward": 4, "backward": 4, "recomputed": gathers + scatters,
+                "all_gather": 4 + gathers, "reduce_scatter": 4 + scatters}
+    return {"forward": 2, "backward": 2, "recomputed": reduces, "all_reduce": 4 + reduces}
+
+
 def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_gpu: dict,
                  value_bytes: int = BF16) -> dict:
     """{axis: {"bytes": sent per GPU per step, "seconds": alpha-beta time, "count": collectives}}.
@@ -89,13 +115,12 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
             entry["seconds"] += secs * count
             entry["count"] += count
 
-    passes = 3 if layout.recompute == "full" else 2  # forward, backward (+ forward again)
-    per_block = 4 * L * n_micro * passes  # 2 (AG + RS) for attention, 2 for the MLP
+    tp = tp_collectives(layout.recompute, layout.sequence_parallel)  # per block and micro-batch
     if layout.sequence_parallel:
-        add("tp", "all_gather", act, layout.tp, per_block // 2)
-        add("tp", "reduce_scatter", act, layout.tp, per_block // 2)
+        add("tp", "all_gather", act, layout.tp, L * n_micro * tp["all_gather"])
+        add("tp", "reduce_scatter", act, layout.tp, L * n_micro * tp["reduce_scatter"])
     else:
-        add("tp", "all_reduce", act, layout.tp, per_block // 2)
+        add("tp", "all_reduce", act, layout.tp, L * n_micro * tp["all_reduce"])
     if layout.cp > 1:
         local = layout.cp_local(cluster.gpus_per_node)
         head_dim = m.d_model // m.n_heads

@@ -88,7 +88,7 @@ def predict_row(row: dict, set_info: dict, model: str = "flat") -> dict:
                 outside_model=row.get("outside_model", []), published_tps=pub_tps, predicted_tps=p.tokens_per_s_per_gpu,
                 tps_error=p.tokens_per_s_per_gpu / pub_tps - 1, published_gib=gib, predicted_gib=p.peak_gib,
                 memory_error=None if gib is None else p.peak_gib / gib - 1, fits=p.fits,
-                gpu_gib=cluster.memory_gib, prediction=p)
+                gpu_gib=cluster.memory_gib, note=row.get("note"), prediction=p)
 
 
 def predict_sets(path: Path | str = RUNS_FILE, model: str = "flat") -> dict:
