@@ -39,7 +39,8 @@ Outputs tokens/s per GPU, MFU (model FLOPs against the cluster's bf16 peak) and 
 (labkit.scale.footprint); a layout fits when that peak plus labkit.scale.reserve's reserve (the cuBLAS
 workspace in its allocator segment, the CUDA context, NCCL's buffers) is within the GPU's memory.
 A power limit enters through the GPU kind (h100-sxm-500w: its GEMM measured at 500 W). Not modelled:
-stragglers, link contention between axes sharing a NIC, the SMs a collective takes from the GEMMs (async TP's transfers run on copy engines).
+stragglers, link contention between axes sharing a NIC, the SMs a collective takes from the GEMMs
+(async TP's transfers run on copy engines).
 """
 from __future__ import annotations
 
