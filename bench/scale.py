@@ -1,6 +1,6 @@
 """The cost model against published training runs: the validation set (notebook 15).
 
-    python bench/scale.py [--quick] [--model flat|kernels|both] [--small] [--ranks] [--picks]
+    python bench/scale.py [--quick] [--model flat|kernels|both] [--small] [--ranks] [--picks] [--memory]
 
 Predicts, from each run's published setup only (model, layout, batch, sequence, recompute, GPU
 and network), the throughput per GPU and the peak memory of every row of
@@ -40,6 +40,11 @@ whether it meets issue 34's criterion (top 5, or within 5%), the seconds each ro
 does not meet it, the terms that make the model's pick faster. Measured on 2 shared CPU cores (2026-11-26):
 89 s for the 47 rows under the flat model, 510 s under the kernel model (most rows under 10 s; Llama 3's
 8K- and 16K-GPU rows 115-176 s). 1 of 47 meets the criterion under either model.
+--memory: also a memory table per row: published memory (torchtitan's peak reserved GiB; "ran": every other row
+ran on its GPUs, so it must fit), the predicted reserved memory (footprint's tensors + the cuBLAS workspace's
+allocator segment, labkit.scale.reserve) and its error, the whole reserve (+ CUDA context, NCCL's buffers), the
+peak plus the reserve against the GPU's memory, and whether it fits; a summary: rows within 15%, rows that ran
+but do not fit. Memory does not depend on the cost model (flat or kernels): printed once.
 --picks: the search's pick for issue 34's three questions (Llama 3 8B on 64 H100s, 70B on 256, 405B on
 1,024; a global batch of 512 x 8,192 tokens): labkit.scale.ranking.pick.
 No process, no GPU: arithmetic, a few seconds (without --ranks). --quick is accepted (and changes nothing)
@@ -109,6 +114,29 @@ def ranks(model: str) -> dict:
     return out
 
 
+def memory_table(results: dict) -> dict:
+    """Predicted against published memory per row (a row without a figure ran: it must fit); the summary."""
+    print("\nmemory per GPU, GiB: published (torch's peak reserved) against predicted (tensors + cuBLAS workspace "
+          "segment); + the rest of the reserve (CUDA context, NCCL buffers) against the GPU")
+    print(f"  {'row':44s} {'published':>9} {'pred':>6} {'err':>6} {'reserve':>7} {'peak+res':>8} {'GPU':>6} fits")
+    within, errors, unfit = 0, [], []
+    for rows in results.values():
+        for r in rows:
+            pub = f"{r['published_gib']:9.1f}" if r["published_gib"] is not None else f"{'ran':>9}"
+            err = f"{r['memory_error']:+6.0%}" if r["memory_error"] is not None else f"{'-':>6}"
+            whole = r["prediction"].peak_gib + r["reserve_gib"]
+            print(f"  {r['id'][:44]:44s} {pub} {r['predicted_gib']:6.1f} {err} {r['reserve_gib']:7.2f} {whole:8.1f} "
+                  f"{r['gpu_gib']:6.1f} {'yes' if r['fits'] else 'NO'}")
+            if r["memory_error"] is not None:
+                errors.append(abs(r["memory_error"]))
+                within += abs(r["memory_error"]) <= 0.15
+            if not r["fits"]:
+                unfit.append(r["id"])
+    print(f"  -> {len(errors)} rows publish memory, {within} within 15% (worst |err| {max(errors):.0%}); "
+          f"rows that ran but the model says do not fit: {len(unfit)} {unfit}")
+    return dict(published=len(errors), within_15=within, worst_abs_memory_error=round(max(errors), 4), not_fitting=unfit)
+
+
 def picks(model: str) -> dict:
     """The search's pick for issue 34's three questions (labkit.scale.ranking.QUESTIONS) under `model`."""
     import time
@@ -136,6 +164,7 @@ def main():
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--ranks", action="store_true")
     parser.add_argument("--picks", action="store_true")
+    parser.add_argument("--memory", action="store_true")
     args = parser.parse_args()
     print("labkit.scale's cost model against published runs; err = predicted / published - 1")
     for name, info in load_sets().items():
@@ -160,6 +189,8 @@ def main():
             print(f"  {r['id']} ({r['tps_error']:+.0%}): {r['note'] or 'no note'}")
         out[model] = dict(sets={name: rounded(summarize(rows)) for name, rows in results.items()},
                           overall=rounded(overall), not_fitting=[r["id"] for r in every if not r["fits"]])
+        if args.memory and "memory" not in out:
+            out["memory"] = memory_table(results)
         if args.ranks:
             out[model]["ranks"] = ranks(model)
         if args.picks:

@@ -90,7 +90,7 @@ def test_summary_on_hand_rows():
 
 
 def test_bench_prints_rows_then_json():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--quick"], capture_output=True,
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--quick", "--memory"], capture_output=True,
                          text=True, timeout=120, check=True).stdout.splitlines()
     last = json.loads(out[-1])
     for model in MODELS_OF_COST:  # both models, the flat one's table first
@@ -101,3 +101,10 @@ def test_bench_prints_rows_then_json():
         section = "\n".join(out).split(f"=== the {model} model ===")[1]
         assert f"{row['tps_error']:+6.0%}" in section.split("===")[0]
     assert any("Table 1, 1T" in line for line in out)
+    # --memory: one line per row; the rows with a published figure, their error against predict_row's
+    rows = [r for info in SETS.values() for r in (predict_row(row, info) for row in info["rows"])]
+    published = [r for r in rows if r["memory_error"] is not None]
+    assert last["memory"]["published"] == len(published) == 18 and last["memory"]["not_fitting"] == []
+    assert last["memory"]["within_15"] == sum(abs(r["memory_error"]) <= 0.15 for r in published)
+    table = "\n".join(out).split("memory per GPU, GiB")[1]
+    assert all(f"{r['memory_error']:+6.0%}" in table for r in published)

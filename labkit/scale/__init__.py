@@ -14,6 +14,8 @@ Modules, one job each:
     layout     a layout (dp, pp, ep, cp, tp, ZeRO stage, recompute, micro-batches; HSDP's replicas,
                the CP method, EP's overlap), its checks, which link level each axis's group uses
     footprint  peak memory per GPU (labkit.measure.memory's ZeRO formulas + activations)
+    reserve    what a GPU holds beyond those tensors (allocator.json, sourced): the cuBLAS workspace in its
+               allocator segment, the CUDA context, NCCL's buffers; a layout fits with it
     traffic    bytes per axis per step, closed forms, and their alpha-beta time
     cost       step time = compute + exposed traffic + bubble -> tokens/s/GPU, MFU; efficiency=None:
                built up from kernels (gpu, kernels, layer_ops, collectives, pipeline, cost_kernels:

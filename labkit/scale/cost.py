@@ -38,9 +38,11 @@ overlap rules above in closed form and the 1F1B bubble (pp - 1) / (v m) of the c
 al. 2021). EFFICIENCY = 0.40 is Llama 3's 38-43% MFU (Dubey et al. 2024, table 4), an end-to-end
 figure: the kernel model replaces it once it validates.
 Outputs tokens/s per GPU, MFU (model FLOPs against the cluster's bf16 peak) and the peak memory
-(labkit.scale.footprint). A power limit enters through the GPU kind (h100-sxm-500w: its GEMM measured
-at 500 W). Not modelled: stragglers, link contention between axes sharing a NIC, the SMs a collective
-takes from the GEMMs (async TP's transfers run on copy engines).
+(labkit.scale.footprint); a layout fits when that peak plus labkit.scale.reserve's reserve (the cuBLAS
+workspace in its allocator segment, the CUDA context, NCCL's buffers) is within the GPU's memory.
+A power limit enters through the GPU kind (h100-sxm-500w: its GEMM measured at 500 W). Not modelled:
+stragglers, link contention between axes sharing a NIC, the SMs a collective takes from the GEMMs
+(async TP's transfers run on copy engines).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from dataclasses import dataclass, field
 from labkit.scale.cost_kernels import kernel_step, params_per_gpu, two_batch_exposed  # noqa: F401 (re-exported)
 from labkit.scale.footprint import peak_memory
 from labkit.scale.layout import Layout, check_layout
+from labkit.scale.reserve import reserve
 from labkit.scale.traffic import axis_traffic
 
 EFFICIENCY = 0.40  # predict's default: the flat model (efficiency=None: the kernel model)
@@ -69,6 +72,12 @@ class Prediction:
     traffic: dict = field(default_factory=dict)  # per axis: bytes, seconds, count
     flops_per_gpu: float = 0.0                   # model + recompute FLOPs per step
     bound_s: dict = field(default_factory=dict)  # one block, forward + backward: compute / memory / launch seconds
+    reserve: dict = field(default_factory=dict)  # bytes beyond the tensors (labkit.scale.reserve), by part
+
+    @property
+    def reserved_gib(self) -> float:
+        """What torch's reserved counter would show: the tensors' peak + the part of the reserve it holds."""
+        return (self.peak_bytes + self.reserve.get("in_reserved", 0.0)) / 2**30
 
     @property
     def peak_gib(self) -> float:
@@ -174,11 +183,12 @@ def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_g
                             n_micro, L, overlap, cp_hideable_s=traffic.get("cp", {}).get("hideable_seconds"),
                             experts_s=experts)
     memory = peak_memory(model, layout, n_micro, seq_len, cp_local=layout.cp_local(cluster.gpus_per_node))
+    extra = reserve(layout, getattr(cluster, "gpu", ""))  # fits: the tensors' peak + this within the GPU's memory
     return Prediction(
         layout=layout, step_s=step, tokens_per_s_per_gpu=tokens / step / n_gpus,
         mfu=model_flops / step / cluster.peak_bf16_flops, peak_bytes=memory["total"],
-        fits=memory["total"] <= cluster.memory_bytes, n_micro=n_micro,
-        parts_s=parts,
+        fits=memory["total"] + extra["total"] <= cluster.memory_bytes, n_micro=n_micro,
+        parts_s=parts, reserve=extra,
         memory=memory, traffic=traffic, flops_per_gpu=flops)
 
 
@@ -194,10 +204,12 @@ def _from_kernels(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro
         flops *= layout.layers_per_rank(model.n_layers) * layout.pp / model.n_layers
     got = kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, value_bytes, options)
     memory = peak_memory(model, layout, n_micro, seq_len, cp_local=layout.cp_local(cluster.gpus_per_node))
+    extra = reserve(layout, getattr(cluster, "gpu", ""))  # fits: the tensors' peak + this within the GPU's memory
     step = got["step_s"]
     return Prediction(layout=layout, step_s=step, tokens_per_s_per_gpu=tokens / step / n_gpus,
                       mfu=model_flops / step / cluster.peak_bf16_flops, peak_bytes=memory["total"],
-                      fits=memory["total"] <= cluster.memory_bytes, n_micro=n_micro, parts_s=got["parts_s"],
+                      fits=memory["total"] + extra["total"] <= cluster.memory_bytes, n_micro=n_micro,
+                      parts_s=got["parts_s"], reserve=extra,
                       memory=memory, traffic=got["traffic"], flops_per_gpu=flops, bound_s=got["bound_s"])
 
 

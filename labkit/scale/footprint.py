@@ -21,11 +21,11 @@
     logits         on the last stage, the loss of one micro-batch: the fp32 log-softmax output
                    saved for backward, its gradient and the gradient of its input: 12 bytes per
                    logit, / (tp x cp) (torchtitan computes the loss vocabulary-parallel).
-Not counted (stated, not guessed): the allocator's reserve, its fragmentation and cache (published
-"reserved" figures include them: torch's caching allocator rounds each block up and keeps freed
-blocks; a run near the limit sets expandable segments to shrink it), the CUDA context (about 0.5 GiB),
-NCCL's buffers, temporary buffers of attention's backward. A prediction that fits within a few GiB
-of the GPU's memory is therefore a close call, not a promise.
+Not counted here: what the GPU holds beyond these tensors, labkit.scale.reserve (the cuBLAS workspace in its
+allocator segment, the CUDA context, NCCL's buffers; `predict` says a layout fits only with it), the allocator's
+fragmentation (published "reserved" figures include it; a run near the limit sets expandable segments to
+shrink it) and temporary buffers of attention's backward. A prediction that fits within a few GiB of the GPU's
+memory is therefore a close call, not a promise.
 """
 from __future__ import annotations
 

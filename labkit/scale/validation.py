@@ -10,7 +10,9 @@ A published figure becomes tokens/s per GPU by the source's own FLOP count:
     tflops_per_gpu   Megatron 2021: / eq. 3 with recomputation (`ModelSpec.paper_flops_per_token`);
                      Llama 3: / model FLOPs per token (`ModelSpec.flops_per_token`)
     mfu              Megatron 2022: MFU x peak / eq. 3 without recomputation
-The error of a row is predicted / published - 1 (throughput, and memory where published).
+The error of a row is predicted / published - 1 (throughput, and memory where published: published
+memory is torch's peak reserved, so it is compared with `Prediction.reserved_gib`, the tensors' peak plus
+the cuBLAS workspace's segment; "fits" is the peak plus labkit.scale.reserve's whole reserve within the GPU).
 
 Two models predict (`MODELS_OF_COST`): "flat", compute / (peak x labkit.scale.cost.EFFICIENCY) plus
 exposed traffic and bubble, the default of `predict`; and "kernels", every op by a roofline from
@@ -86,8 +88,9 @@ def predict_row(row: dict, set_info: dict, model: str = "flat") -> dict:
     gib = row["published"].get("memory_gib")
     return dict(id=row["id"], source_row=row["source_row"], model=row["model"], layout=p.layout.short(),
                 outside_model=row.get("outside_model", []), published_tps=pub_tps, predicted_tps=p.tokens_per_s_per_gpu,
-                tps_error=p.tokens_per_s_per_gpu / pub_tps - 1, published_gib=gib, predicted_gib=p.peak_gib,
-                memory_error=None if gib is None else p.peak_gib / gib - 1, fits=p.fits,
+                tps_error=p.tokens_per_s_per_gpu / pub_tps - 1, published_gib=gib, predicted_gib=p.reserved_gib,
+                memory_error=None if gib is None else p.reserved_gib / gib - 1, fits=p.fits,
+                reserve_gib=p.reserve["total"] / 2**30,
                 gpu_gib=cluster.memory_gib, note=row.get("note"), prediction=p)
 
 
