@@ -8,7 +8,8 @@ file, which comes when the kernel closes its end: at `%ranks stop`, or when the 
 any signal (the operating system closes a dead process's descriptors). Then it kills, with SIGKILL, every
 process whose environment carries this session's marker (`MARKER`: set by the launchers in the controller's
 and the engines' environment, inherited by everything they start, mpiexec's daemons included), until none
-is left, and exits.
+is left, removes the session's folder (the ranks' stack files, `Session.folder`: a kernel that dies or shuts
+down without `%ranks stop` leaves it otherwise), and exits.
 
 Why not PR_SET_PDEATHSIG: it fires when the parent *thread* ends (in a kernel, whose event loop is
 running, ipyparallel's `*_sync` calls run in a helper thread), is Linux only, and reaches direct children
@@ -21,6 +22,7 @@ heartbeat stops (ipyparallel's own rule).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -63,14 +65,16 @@ def sweep(marker: str, deadline_s: float = 10.0) -> int:
 
 
 class Reaper:
-    """The kernel's side: ``environment`` goes to the launchers; ``stop()`` (or the kernel's death) ends them."""
+    """The kernel's side: ``environment`` goes to the launchers; ``stop()`` (or the kernel's death) ends them
+    and removes ``folder`` (the session's files), when given."""
 
-    def __init__(self):
+    def __init__(self, folder: str | None = None):
         self.marker = uuid.uuid4().hex
         self.environment = {MARKER: self.marker}
         env = {k: v for k, v in os.environ.items() if k != MARKER}
         # this file as a script, isolated (-I): psutil only, not labkit's package (torch, seconds and 200 MB)
-        self.process = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), self.marker],
+        self.process = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), self.marker,
+                                         *([folder] if folder else [])],
                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,
                                         start_new_session=True)  # the stop button's SIGINT is not for it
 
@@ -85,16 +89,18 @@ class Reaper:
             self.process.wait()
 
 
-def main(marker: str) -> None:
+def main(marker: str, folder: str | None = None) -> None:
     try:
         sys.stdin.buffer.read()  # until the kernel's end closes: stopped, exited or killed
     except BaseException:
         pass
     sweep(marker)
+    if folder:  # after the sweep: no engine writes a stack into it any more
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -74,9 +74,17 @@ class Session:
         return self.engines is not None
 
     def start(self) -> "Session":
-        self.engines = Engines(self.world_size, self.launcher, self.start_timeout, self.host_slots, self.address)
-        self.engines.start()
+        # the folder first: the session's reaper removes it, also when the kernel dies without `%ranks stop`
         self.folder = tempfile.mkdtemp(prefix="labkit-session-")
+        self.engines = Engines(self.world_size, self.launcher, self.start_timeout, self.host_slots, self.address,
+                               self.folder)
+        try:
+            self.engines.start()
+        except BaseException:
+            self.engines = None  # Engines.start stopped what it started (its reaper removed the folder)
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+            raise
         self.paths = {r: os.path.join(self.folder, f"rank{r}.stack") for r in range(self.world_size)}
         try:
             self._join()
