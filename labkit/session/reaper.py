@@ -16,8 +16,9 @@ running, ipyparallel's `*_sync` calls run in a helper thread), is Linux only, an
 only, not the engines under mpiexec nor its daemons on other hosts.
 Why not only the engines' own watch (`engine_side._watch_kernel`): the controller runs no code of ours,
 and an engine watches only once it has joined. The reaper finds processes by /proc (psutil), so it covers
-this machine, network namespaces included; engines on other machines exit when the controller's
-heartbeat stops (ipyparallel's own rule).
+this machine, network namespaces included, and only its own pid namespace: an engine on another machine
+(or, in the lab's two-host test, in another pid namespace) exits when its lifeline to the kernel ends
+(`labkit.session.lifeline`), which a dead kernel's does at once.
 """
 from __future__ import annotations
 
@@ -35,16 +36,26 @@ def marked(marker: str) -> list:
     """The processes of this machine whose environment has ``MARKER=marker`` (zombies excluded: already dead)."""
     import psutil
 
-    found = []
+    found, machine = [], _pid_namespace("self")
     for process in psutil.process_iter():
         if process.pid == os.getpid():
             continue
         try:
-            if process.environ().get(MARKER) == marker and process.status() != psutil.STATUS_ZOMBIE:
+            if process.environ().get(MARKER) == marker and process.status() != psutil.STATUS_ZOMBIE \
+                    and _pid_namespace(process.pid) == machine:
                 found.append(process)
         except psutil.Error:  # gone, or another user's
             continue
     return found
+
+
+def _pid_namespace(pid) -> int | None:
+    """The process's pid namespace: this machine's engines share the reaper's (`hosts.machine_id`); one in a child
+    namespace is another machine's (the two-host test's host B), whose engines end themselves (their lifeline)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 def sweep(marker: str, deadline_s: float = 10.0) -> int:
