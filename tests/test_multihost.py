@@ -229,8 +229,37 @@ run_on_session("", "import os\\nx = torch.tensor([2.0 ** rank], dtype=torch.floa
 print("HOSTS", json.dumps(sess.current.hosts))
 print("HERE", json.dumps(sorted(sess.current.here)))  # the ranks whose pids this kernel shares
 t1 = time.monotonic()
-# a hang across the hosts: each rank waits to receive from the other (rank 1's stack comes through its lifeline)
-print("HANG", json.dumps(reported("t = torch.zeros(1)\\ndist.recv(t, src=1 - rank)")))
+# a hang across the hosts: each rank waits to receive from the other (rank 1's stack comes through its lifeline).
+# Its report stops the session: the lifelines end first, and B's engine must end itself before Engines.stop
+# stops mpiexec (whose daemon on B would otherwise end it): watched here, on the way into Engines.stop
+from labkit.session.engines import Engines
+_stop = Engines.stop
+
+def engines_on_b():  # argv's last: host B's network namespace
+    found = []
+    for pid, cmd in left():
+        try:
+            if "ipyparallel" in cmd and os.stat(f"/proc/{pid}/ns/net").st_ino == int(sys.argv[-1]):
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+watched = []  # seconds spent watching B (not the session's: left out of the hang's seconds)
+
+def stop_after_watching_b(self, pids=()):
+    began = end = time.monotonic()
+    while engines_on_b() and end < began + 5:
+        time.sleep(0.1)
+        end = time.monotonic()
+    watched.append(end - began)
+    print("ENGINE_B_BEFORE_MPIEXEC_STOPPED", json.dumps(engines_on_b()))
+    _stop(self, pids)
+
+Engines.stop = stop_after_watching_b
+hang, seconds = reported("t = torch.zeros(1)\\ndist.recv(t, src=1 - rank)")
+Engines.stop = _stop
+print("HANG", json.dumps([hang, seconds - sum(watched)]))
 print("LEFT_AFTER_HANG", json.dumps(left_after()))  # the hang stopped the session (Session.stop: `%ranks stop`)
 t2 = time.monotonic()
 ranks_line("restart")
@@ -258,7 +287,8 @@ def test_a_session_spans_two_hosts_reduces_across_them_and_stops_everything(host
     the kernel can neither signal its engine nor read it by pid (`Session.here` holds rank 0 only), and the
     kernel's reaper leaves it alone. Through its lifeline (`labkit.session.lifeline`), still: a hang (each rank
     receiving from the other) is reported within 10 s with each rank's waiting line, rank 1's included; the
-    session's stop then leaves no process on either host; after `%ranks restart`, the engine on B killed by
+    session's stop ends B's engine through its lifeline (seen gone before mpiexec, whose daemon would end it
+    too, is stopped) and leaves no process on either host; after `%ranks restart`, the engine on B killed by
     SIGKILL is reported as dead, and nothing is left. Then bad input: the controller at an
     address of A that B has no route to (`--ip`) is named, with what to do, within the start timeout, and its
     engine on B, which never reached the kernel, gives up and leaves nothing (within 10 s).
@@ -291,6 +321,7 @@ def test_a_session_spans_two_hosts_reduces_across_them_and_stops_everything(host
     for rank in (0, 1):  # each rank's waiting line; rank 1's stack came from B through its lifeline
         assert f"rank {rank} waits at your cell, line 2: dist.recv(t, src=1 - rank)" in hang, hang
     assert seconds < 10, f"the hang was reported after {seconds:.1f} s"
+    assert json.loads(lines["ENGINE_B_BEFORE_MPIEXEC_STOPPED"]) == [], "B's engine did not end with its lifeline"
     assert json.loads(lines["LEFT_AFTER_HANG"]) == [], f"left on the hosts after the hang's stop: {lines['LEFT_AFTER_HANG']}"
     dead, seconds = json.loads(lines["DEAD"])
     assert re.match(r"the engine of rank\(s\) (0, )?1 of 2 died", dead), dead
