@@ -334,7 +334,8 @@ def test_a_session_spans_two_hosts_reduces_across_them_and_stops_everything(host
     assert (f"the controller and the session's store listen at {unreachable}" in text
             and f"check that every host reaches {unreachable}" in text and "--ip" in text), text
     assert seconds < 40 + 15, seconds  # within the start timeout (and the stop that follows it)
-    print("two-host session, seconds:", lines["SECONDS"])
+    print("two-host session, seconds:", lines["SECONDS"], "hang reported:", json.loads(lines["HANG"])[1],
+          "dead engine reported:", json.loads(lines["DEAD"])[1])
 
 
 def test_slurm_one_node_cluster_runs_the_sbatch_script(hosts, reference, tmp_path, nothing_left):

@@ -25,6 +25,7 @@ import select
 import socket
 import sys
 import threading
+import time
 
 ACCEPT_TIMEOUT = 60.0  # seconds the engines get to connect, as for joining the group
 ANSWER_TIMEOUT = 2.0  # seconds an engine gets to answer a request
@@ -39,6 +40,7 @@ class Lifelines:
         self.world_size = world_size
         self.lines: dict[int, socket.socket] = {}
         self.ended: set[int] = set()  # ranks whose connection reached end of file: the engine is gone
+        self.asked = 0
 
     def accept(self, timeout: float = ACCEPT_TIMEOUT) -> None:
         """Every rank's connection (each says its rank first)."""
@@ -69,18 +71,24 @@ class Lifelines:
         line = self.lines.get(rank)
         if line is None or rank in self.ended:
             return None
+        self.asked += 1  # numbered: an answer that came too late for an earlier request is skipped, not taken
+        deadline = time.monotonic() + ANSWER_TIMEOUT
         try:
             line.settimeout(ANSWER_TIMEOUT)
-            line.sendall(what.encode() + b"\n")
-            text = _read_line(line)
+            line.sendall(f"{what} {self.asked}\n".encode())
+            while True:
+                line.settimeout(max(0.01, deadline - time.monotonic()))
+                text = _read_line(line)
+                if not text:
+                    self.ended.add(rank)
+                    return None
+                said = json.loads(text)
+                if said.get("n") == self.asked:
+                    return said
         except OSError:  # socket.timeout included: busy in a long op holding the GIL
             return None
         finally:
             line.settimeout(None)
-        if not text:
-            self.ended.add(rank)
-            return None
-        return json.loads(text)
 
     def close(self) -> None:
         """End every connection: each engine exits when it reads the end. Idempotent."""
@@ -122,10 +130,14 @@ def hold(address: str, port: int, rank: int, cell_thread: int) -> None:
                 request = ""
             if not request:  # the kernel stopped the session, or is gone: so is this engine
                 os._exit(0)
-            said = {"sample": cpu_seconds(os.getpid())}
-            if request == "stack":
+            what, _, number = request.partition(" ")
+            said = {"n": int(number or 0), "sample": cpu_seconds(os.getpid())}
+            if what == "stack":
                 said["stack"] = stack_of(cell_thread)
-            connection.sendall(json.dumps(said).encode() + b"\n")
+            try:
+                connection.sendall(json.dumps(said).encode() + b"\n")
+            except OSError:  # the kernel's side is gone
+                os._exit(0)
 
     threading.Thread(target=answer, name="labkit-lifeline", daemon=True).start()
 

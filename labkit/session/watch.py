@@ -53,7 +53,7 @@ def stacks(pids: dict[int, int], paths: dict[int, str], ranks, lifelines=None) -
     found, offsets = {}, {}
     for rank in [r for r in ranks if r not in pids]:
         said = lifelines.ask(rank, "stack") if lifelines is not None else None
-        found[rank] = (_cell_part(said["stack"]) if said else "") or "(no stack: the engine did not answer)"
+        found[rank] = (_cell_part(said.get("stack", "")) if said else "") or "(no stack: the engine did not answer)"
     ranks = [r for r in ranks if r in pids]
     for rank in ranks:
         offsets[rank] = os.path.getsize(paths[rank]) if os.path.exists(paths[rank]) else 0
