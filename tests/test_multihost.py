@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -148,17 +149,20 @@ def test_torchrun_three_axes_across_two_hosts_equals_single_process(hosts, refer
     _check(_the_report(_run(jobs)), saved, reference, "composed", 8)
 
 
-def _open_mpi_rsh_agent(hosts, tmp_path):
+def _open_mpi_rsh_agent(hosts, tmp_path, own_pids=()):
     """Open MPI starts its daemon on a remote host with `<agent> <host> <command>`: ssh on a cluster, here
-    `ip netns exec` into that host's namespace (each call logged, to prove host B was used)."""
+    `ip netns exec` into that host's namespace (each call logged, to prove host B was used). A host in
+    ``own_pids`` also gets its own pid namespace and /proc (`unshare --pid --fork --mount-proc`): its
+    processes' pids are not the kernel's, as on a separate machine."""
     flavour = _sh("mpiexec", "--version", check=False).stdout
     if "Open MPI" not in flavour and "OpenRTE" not in flavour:
         pytest.skip("the rsh agent below is written for Open MPI's mpiexec (apt-get install -y openmpi-bin)")
     agent, calls = tmp_path / "netns-rsh", tmp_path / "agent-calls.txt"
-    cases = "\n".join(f"  {addr}) ns={ns} ;;" for addr, ns in zip(hosts.addrs, hosts.ns))
+    wrap = {addr: "unshare --pid --fork --mount-proc" if addr in own_pids else "" for addr in hosts.addrs}
+    cases = "\n".join(f'  {addr}) ns={ns}; wrap="{wrap[addr]}" ;;' for addr, ns in zip(hosts.addrs, hosts.ns))
     agent.write_text(f'#!/bin/sh\nhost=$1; shift\ncase "$host" in\n{cases}\n'
                      f'  *) echo "unknown host $host" >&2; exit 1 ;;\nesac\n'
-                     f'echo "$host $ns" >> {calls}\nexec ip netns exec "$ns" sh -c "$*"\n')
+                     f'echo "$host $ns" >> {calls}\nexec ip netns exec "$ns" $wrap sh -c "$*"\n')
     agent.chmod(0o755)
     return agent, calls
 
@@ -187,19 +191,12 @@ import json, os, sys, time
 import psutil
 from labkit.session.engines import EnginesDidNotStart
 from labkit.session.session import ranks_line, run_on_session
+from labkit.session.watch import SessionError
 import labkit.session.session as sess
 
 a, b, unreachable, namespaces = sys.argv[1], sys.argv[2], sys.argv[3], set(sys.argv[4:])
-t0 = time.monotonic()
-print("START", ranks_line(f"start 2 --launcher mpiexec --backend gloo --hosts {a},{b} --start-timeout 90"))
-run_on_session("", "import os\\nx = torch.tensor([2.0 ** rank], dtype=torch.float64)\\ndist.all_reduce(x)\\n"
-                   "print('SUM', int(x.item()), 'NETNS', os.stat('/proc/self/ns/net').st_ino, 'LOCAL', os.environ['LOCAL_RANK'])")
-print("HOSTS", json.dumps(sess.current.hosts))
-t1 = time.monotonic()
-ranks_line("stop")
-t2 = time.monotonic()
 
-def left():  # every process in the two namespaces but this one
+def left():  # every process in the two namespaces but this one (host B's own pid namespace included)
     found = []
     for p in psutil.process_iter():
         try:
@@ -209,14 +206,75 @@ def left():  # every process in the two namespaces but this one
         except (OSError, psutil.Error):
             pass
     return found
-print("LEFT", json.dumps(left()))
+
+def left_after(seconds=10.0):  # an engine on host B ends itself when its lifeline ends: give it the time
+    end = time.monotonic() + seconds
+    while left() and time.monotonic() < end:
+        time.sleep(0.2)
+    return left()
+
+def reported(cell):  # [the session's report, seconds until it came]
+    began = time.monotonic()
+    try:
+        run_on_session("", cell)
+    except SessionError as err:
+        return [str(err), time.monotonic() - began]
+    return ["not reported", time.monotonic() - began]
+
+t0 = time.monotonic()
+print("START", ranks_line(f"start 2 --launcher mpiexec --backend gloo --hosts {a},{b} --start-timeout 90"))
+run_on_session("", "import os\\nx = torch.tensor([2.0 ** rank], dtype=torch.float64)\\ndist.all_reduce(x)\\n"
+                   "print('SUM', int(x.item()), 'NETNS', os.stat('/proc/self/ns/net').st_ino, 'LOCAL', os.environ['LOCAL_RANK'],"
+                   " 'PIDNS', os.stat('/proc/self/ns/pid').st_ino)")
+print("HOSTS", json.dumps(sess.current.hosts))
+print("HERE", json.dumps(sorted(sess.current.here)))  # the ranks whose pids this kernel shares
+t1 = time.monotonic()
+# a hang across the hosts: each rank waits to receive from the other (rank 1's stack comes through its lifeline).
+# Its report stops the session: the lifelines end first, and B's engine must end itself before Engines.stop
+# stops mpiexec (whose daemon on B would otherwise end it): watched here, on the way into Engines.stop
+from labkit.session.engines import Engines
+_stop = Engines.stop
+
+def engines_on_b():  # argv's last: host B's network namespace
+    found = []
+    for pid, cmd in left():
+        try:
+            if "ipyparallel" in cmd and os.stat(f"/proc/{pid}/ns/net").st_ino == int(sys.argv[-1]):
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+watched = []  # seconds spent watching B (not the session's: left out of the hang's seconds)
+
+def stop_after_watching_b(self, pids=()):
+    began = end = time.monotonic()
+    while engines_on_b() and end < began + 5:
+        time.sleep(0.1)
+        end = time.monotonic()
+    watched.append(end - began)
+    print("ENGINE_B_BEFORE_MPIEXEC_STOPPED", json.dumps(engines_on_b()))
+    _stop(self, pids)
+
+Engines.stop = stop_after_watching_b
+hang, seconds = reported("t = torch.zeros(1)\\ndist.recv(t, src=1 - rank)")
+Engines.stop = _stop
+print("HANG", json.dumps([hang, seconds - sum(watched)]))
+print("LEFT_AFTER_HANG", json.dumps(left_after()))  # the hang stopped the session (Session.stop: `%ranks stop`)
+t2 = time.monotonic()
+ranks_line("restart")
+print("DEAD", json.dumps(reported("import os, signal\\nif rank == 1:\\n    os.kill(os.getpid(), signal.SIGKILL)")))
+print("LEFT", json.dumps(left_after()))
+t3 = time.monotonic()
 began = time.monotonic()
 try:
     ranks_line(f"start 2 --launcher mpiexec --backend gloo --hosts {a},{b} --ip {unreachable} --start-timeout 40")
     print("UNREACHABLE STARTED")
 except EnginesDidNotStart as err:
     print("REFUSED", json.dumps([str(err), time.monotonic() - began]))
-print("SECONDS", json.dumps({"start+cell": t1 - t0, "stop": t2 - t1, "unreachable": time.monotonic() - began}))
+print("LEFT_END", json.dumps(left_after()))
+print("SECONDS", json.dumps({"start+cell": t1 - t0, "hang+stop": t2 - t1, "restart+dead+stop": t3 - t2,
+                             "unreachable": time.monotonic() - began}))
 """
 
 
@@ -224,12 +282,20 @@ def test_a_session_spans_two_hosts_reduces_across_them_and_stops_everything(host
     """`%ranks start 2 --launcher mpiexec --hosts A,B` from host A: the engines join one group across the link
     (an all_reduce of 2**rank in float64 is 2**2 - 1 = 3 only if each rank took part once), rank 0 runs in host
     A's network namespace and rank 1 in B's (each rank reads its own namespace), each is local rank 0 on its
-    host (its GPU under nccl), the session names both hosts by their addresses, and `%ranks stop` leaves no process on either host. Then bad input: the controller at an
-    address of A that B has no route to (`--ip`) is named, with what to do, within the start timeout.
+    host (its GPU under nccl), the session names both hosts by their addresses.
+    Host B is a separate machine to the kernel: its own pid namespace and /proc (the rsh agent's `unshare`), so
+    the kernel can neither signal its engine nor read it by pid (`Session.here` holds rank 0 only), and the
+    kernel's reaper leaves it alone. Through its lifeline (`labkit.session.lifeline`), still: a hang (each rank
+    receiving from the other) is reported within 10 s with each rank's waiting line, rank 1's included; the
+    session's stop ends B's engine through its lifeline (seen gone before mpiexec, whose daemon would end it
+    too, is stopped) and leaves no process on either host; after `%ranks restart`, the engine on B killed by
+    SIGKILL is reported as dead, and nothing is left. Then bad input: the controller at an
+    address of A that B has no route to (`--ip`) is named, with what to do, within the start timeout, and its
+    engine on B, which never reached the kernel, gives up and leaves nothing (within 10 s).
     One engine per host: the hosts are what is tested, and each engine imports torch (seconds on 2 cores)."""
     if shutil.which("mpiexec") is None:
         pytest.skip(f"no mpiexec: install it with {INSTALL}")
-    agent, calls = _open_mpi_rsh_agent(hosts, tmp_path)
+    agent, calls = _open_mpi_rsh_agent(hosts, tmp_path, own_pids=[hosts.addrs[1]])
     unreachable = "10.232.0.1"  # on host A's loopback: a /32 route host B does not have
     _sh("ip", "-n", hosts.ns[0], "addr", "add", f"{unreachable}/32", "dev", "lo")
     inodes = {ns: os.stat(f"/var/run/netns/{ns}").st_ino for ns in hosts.ns}
@@ -246,15 +312,30 @@ def test_a_session_spans_two_hosts_reduces_across_them_and_stops_everything(host
     # LOCAL: the rank on its own host, the GPU it would take under nccl: 0 on each host, not the global rank
     assert f"[rank 0] SUM 3 NETNS {ino_a} LOCAL 0" in output and f"[rank 1] SUM 3 NETNS {ino_b} LOCAL 0" in output, \
         output[-3000:]
+    pid_ns = {int(m[0]): int(m[1]) for m in re.findall(r"\[rank (\d)\] SUM 3 .* PIDNS (\d+)", output)}
+    assert pid_ns[0] == os.stat("/proc/self/ns/pid").st_ino != pid_ns[1], pid_ns  # B: pids of its own
     assert json.loads(lines["HOSTS"]) == {"0": a, "1": b}
-    assert json.loads(lines["LEFT"]) == [], f"processes left on the hosts after %ranks stop: {lines['LEFT']}"
+    assert json.loads(lines["HERE"]) == [0], lines["HERE"]  # hosts.machine_id: B is another machine
+    hang, seconds = json.loads(lines["HANG"])
+    assert hang.startswith("hung: rank(s) 0, 1 of 2 all waited"), hang
+    for rank in (0, 1):  # each rank's waiting line; rank 1's stack came from B through its lifeline
+        assert f"rank {rank} waits at your cell, line 2: dist.recv(t, src=1 - rank)" in hang, hang
+    assert seconds < 10, f"the hang was reported after {seconds:.1f} s"
+    assert json.loads(lines["ENGINE_B_BEFORE_MPIEXEC_STOPPED"]) == [], "B's engine did not end with its lifeline"
+    assert json.loads(lines["LEFT_AFTER_HANG"]) == [], f"left on the hosts after the hang's stop: {lines['LEFT_AFTER_HANG']}"
+    dead, seconds = json.loads(lines["DEAD"])
+    assert re.match(r"the engine of rank\(s\) (0, )?1 of 2 died", dead), dead
+    assert seconds < 10, f"the dead engine was reported after {seconds:.1f} s"
+    assert json.loads(lines["LEFT"]) == [], f"processes left on the hosts after the session stopped: {lines['LEFT']}"
     assert "REFUSED" in lines, output[-3000:]
+    assert json.loads(lines["LEFT_END"]) == [], f"left on the hosts after the refused start: {lines['LEFT_END']}"
     text, seconds = json.loads(lines["REFUSED"])
     assert "the mpiexec launcher started" in text and "of 2 engine(s)" in text, text
     assert (f"the controller and the session's store listen at {unreachable}" in text
             and f"check that every host reaches {unreachable}" in text and "--ip" in text), text
     assert seconds < 40 + 15, seconds  # within the start timeout (and the stop that follows it)
-    print("two-host session, seconds:", lines["SECONDS"])
+    print("two-host session, seconds:", lines["SECONDS"], "hang reported:", json.loads(lines["HANG"])[1],
+          "dead engine reported:", json.loads(lines["DEAD"])[1])
 
 
 def test_slurm_one_node_cluster_runs_the_sbatch_script(hosts, reference, tmp_path, nothing_left):

@@ -53,7 +53,7 @@ CELLS = [
     "%%ranks\nt = torch.ones(1)\nif rank == 1:\n    raise KeyboardInterrupt('by the rank itself')\ndist.all_reduce(t)",
     "time.sleep(0.5)\nprint('LEFT', [p for p in before if psutil.pid_exists(p) and psutil.Process(p).status() != 'zombie'])",
     "%ranks restart",
-    "s = sess.current\nprint('PIDS', *s.pids.values(), s.engines.cluster.controller.pid)",
+    "s = sess.current\nprint('PIDS', *s.pids.values(), s.engines.cluster.controller.pid)\nprint('FOLDER', s.folder)",
     # 30-32: a timeline recorded on the session's ranks, gathered by the kernel and drawn by the launch's function
     "%%ranks\nfrom labkit.measure.timeline import Timeline\ntl = Timeline()\ntl.sync()\nfor i in range(rank + 2):\n"
     "    with tl.span('F', mb=i):\n        pass\nwith tl.span('allreduce'):\n    dist.all_reduce(torch.ones(1))",
@@ -196,12 +196,15 @@ def test_a_keyboard_interrupt_inside_a_rank_is_named_at_its_line_and_leaves_no_e
 
 def test_kernel_shutdown_leaves_no_engine_and_no_controller(story):
     _, texts, _ = story
-    pids = [int(p) for p in texts[29].split()[1:]]
-    assert len(pids) == 3
+    said = dict(line.split(" ", 1) for line in texts[29].splitlines())
+    pids, folder = [int(p) for p in said["PIDS"].split()], said["FOLDER"]
+    assert len(pids) == 3 and os.path.basename(folder).startswith("labkit-session-"), texts[29]
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
+    while time.monotonic() < deadline and (os.path.exists(folder) or any(
+            psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)):
         time.sleep(0.2)
     assert [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"] == []
+    assert not os.path.exists(folder), f"the session's folder {folder} outlived the kernel (no %ranks stop ran)"
 
 
 
@@ -280,11 +283,11 @@ def _marked(variable: str, value: str) -> list[int]:
 
 def test_a_kernel_killed_by_sigkill_leaves_no_controller_and_no_engine(tmp_path):
     """The kernel SIGKILLs itself (what the out-of-memory killer does): no exit handler runs, yet within seconds
-    no process it started is left: controller, engine, the session's reaper. The controller and the reaper are
-    found by a marker in their environment that this test sets in the kernel's (every child inherits it); the
-    session's own marker and reaper are what is under test, so the test does not use them. The engines, forked
-    by the zygote, carry the zygote's environment: found by the pid and start time the kernel saw. About 10 s
-    (one engine)."""
+    no process it started is left: controller, engine, the session's reaper; nor the session's folder in /tmp.
+    The controller and the reaper are found by a marker in their environment that this test sets in the
+    kernel's (every child inherits it); the session's own marker and reaper are what is under test, so the test
+    does not use them. The engines, forked by the zygote, carry the zygote's environment: found by the pid and
+    start time the kernel saw. About 10 s (one engine)."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
@@ -299,7 +302,7 @@ def test_a_kernel_killed_by_sigkill_leaves_no_controller_and_no_engine(tmp_path)
         f"marked = {{p.pid for p in psutil.process_iter() if env(p).get({variable!r}) == {marker!r}}}\n"
         "print('ENGINES', *[f'{p}:{psutil.Process(p).create_time()}' for p in s.pids.values()])\n"
         "print('BORN', *{(psutil.Process(p).name(), psutil.Process(p).ppid() == os.getpid()) for p in s.pids.values()})\n"
-        "print('PIDS', *pids, all(p in marked for p in pids))",
+        "print('PIDS', *pids, all(p in marked for p in pids))\nprint('FOLDER', s.folder)",
         "os.kill(os.getpid(), signal.SIGKILL)",
     )]
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", variable)}
@@ -314,13 +317,15 @@ def test_a_kernel_killed_by_sigkill_leaves_no_controller_and_no_engine(tmp_path)
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     killed = time.monotonic()
     lines = "".join(o.get("text", "") for o in nb.cells[2].outputs).splitlines()
-    assert len(lines) == 3 and lines[2].startswith("PIDS") and lines[2].split()[-1] == "True", \
+    said = dict(line.split(" ", 1) for line in lines)
+    assert said.get("PIDS", "").split()[-1:] == ["True"] and "FOLDER" in said and "ENGINES" in said, \
         [nb.cells[1].outputs, nb.cells[2].outputs]
+    folder = said["FOLDER"]
     # forked by the zygote (labkit.session.forked_engines), never by the kernel
-    assert lines[1] == f"BORN ('{ENGINE_NAME}', False)", lines[1]
-    # the engines are forked by the zygote (labkit.session.forked_engines): its environment, not the marker's;
-    # known by pid and start time (a reused pid is another process)
-    engines = [(int(pid), float(began)) for pid, began in (word.split(":") for word in lines[0].split()[1:])]
+    assert said["BORN"] == f"('{ENGINE_NAME}', False)", said["BORN"]
+    # the engines carry the zygote's environment, not the marker: known by pid and start time (a reused pid
+    # is another process)
+    engines = [(int(pid), float(began)) for pid, began in (word.split(":") for word in said["ENGINES"].split())]
     assert engines, lines
 
     def left_over():
@@ -335,8 +340,9 @@ def test_a_kernel_killed_by_sigkill_leaves_no_controller_and_no_engine(tmp_path)
         return _marked(variable, marker) + alive
 
     deadline = killed + 10
-    while left_over() and time.monotonic() < deadline:
+    while (left_over() or os.path.exists(folder)) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = left_over()
     assert left == [], f"left after the kernel was killed: {[(p, psutil.Process(p).cmdline()[:4]) for p in left]}"
+    assert not os.path.exists(folder), f"the session's folder {folder} outlived the killed kernel"
     print(f"nothing of the session left {time.monotonic() - killed:.1f} s after the kernel's SIGKILL")

@@ -62,8 +62,11 @@ def story(tmp_path_factory):
                                    capture_output=True, text=True, timeout=60)
             job = re.search(r"Granted job allocation (\d+)", alloc.stderr + alloc.stdout)
             assert job, f"salloc gave no allocation: {alloc.stderr}"
+            # SLURM_JOB_NODELIST as salloc's shell would set it: the session reads the allocation's nodes
+            # (scontrol show hostnames) and, all of them being this node, listens at loopback
             cells += [("slurm", "alloc", f"os.environ.update(SLURM_CONF={slurm_env['SLURM_CONF']!r}, "
-                                         f"SLURM_JOB_ID={job.group(1)!r})")]
+                                         f"SLURM_JOB_ID={job.group(1)!r}, SLURM_JOB_NODELIST='localhost')\n"
+                                         "print('NODES', *sess.where.allocation_hosts('slurm'))")]
             cells += _session_cells("slurm", f"%ranks start {N} --launcher slurm --backend gloo", "SLURM_PROCID")
         nb = nbformat.v4.new_notebook()
         nb.cells = [nbformat.v4.new_code_cell(source) for _, _, source in cells]
@@ -121,6 +124,7 @@ def test_a_session_under_mpich_mpiexec_keeps_variables_and_forms_one_group(story
 
 def test_a_session_under_srun_in_an_allocation_keeps_variables_and_forms_one_group(story):
     _check_session(story, "slurm", "slurm")
+    assert story["slurm", "alloc"][0] == "NODES localhost\n"  # the allocation's node list, read by the session
 
 
 # --------------------------------------------------------------------------- bad input, each a clear error

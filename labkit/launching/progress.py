@@ -39,14 +39,17 @@ class IdleWatch:
         self.window = window
         self.since: dict[int, tuple[float, float]] = {}  # pid -> (time asleep since, CPU seconds then)
 
-    def all_asleep(self, pids) -> bool:
-        """Sample now; True when each of ``pids`` has slept for the whole window (and there are some)."""
+    def all_asleep(self, pids, sample=cpu_seconds) -> bool:
+        """Sample now; True when each of ``pids`` has slept for the whole window (and there are some).
+
+        ``sample(key) -> (CPU seconds, state) | None``: read from /proc by pid unless given (a session asks an
+        engine on another machine for its own reading, keyed by rank: `labkit.session.lifeline`)."""
         now, asleep = time.monotonic(), bool(pids)
         for pid in pids:
-            sample = cpu_seconds(pid)
-            if sample is None:
-                return False  # no /proc: never claim a hang
-            cpu, state = sample
+            sample_now = sample(pid)
+            if sample_now is None:
+                return False  # no /proc, or no answer: never claim a hang
+            cpu, state = sample_now
             start = self.since.get(pid)
             working = state != "S" or start is None or cpu - start[1] > IDLE_CPU_FRACTION * max(now - start[0], 0.5)
             if working:

@@ -44,12 +44,14 @@ def backend_here(requested: str, ranks_on_node: int) -> str:
 
 
 def join(rank: int, world_size: int, local_rank: int, backend: str, address: str, port: int, timeout: float,
-         hooks: bytes, stack_path: str, kernel: tuple) -> int:
+         hooks: bytes, stack_path: str, kernel: tuple, lifeline_port: int | None = None) -> int:
     """Join the session's process group as ``rank`` (under nccl, on GPU ``local_rank``); return this engine's pid.
 
     ``hooks``: the kernel's BEFORE_CELL hooks, pickled by reference: unpickling them imports their
     module here (the grading switch), which is how the engine gets the same reload rule.
     ``kernel``: (machine, pid, start time) of the kernel that started the session.
+    ``lifeline_port``: the kernel's `labkit.session.lifeline` listens there, at ``address``: this engine connects,
+    answers through it, and exits when it ends.
     """
     import pickle
 
@@ -67,6 +69,10 @@ def join(rank: int, world_size: int, local_rank: int, backend: str, address: str
                       MASTER_ADDR=address, MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       TORCHELASTIC_USE_AGENT_STORE="True")  # the kernel serves the store (Session.start)
     _watch_kernel(*kernel)
+    if lifeline_port is not None:
+        from labkit.session.lifeline import hold
+
+        hold(address, lifeline_port, rank, threading.get_ident())  # this thread runs the cells too
     stack_file = open(stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     import torch

@@ -101,8 +101,9 @@ class Engines:
     """N engines and their controller; ``client`` talks to them."""
 
     def __init__(self, n: int, launcher: str = "local", start_timeout: float = 60.0,
-                 hosts: list[tuple[str, int]] | None = None, address: str = LOOPBACK):
+                 hosts: list[tuple[str, int]] | None = None, address: str = LOOPBACK, folder: str | None = None):
         check_launcher(launcher)
+        self.folder = folder  # the session's files: the reaper removes them with the processes
         self.n, self.launcher, self.start_timeout = n, launcher, start_timeout
         self.mpi_args = host_arguments(hosts) if hosts else []
         self.address = address  # where the controller listens (labkit.session.hosts.controller_address)
@@ -118,7 +119,7 @@ class Engines:
             engine_class = _engine_set_class(command)
         self.cluster = ipp.Cluster(n=self.n, engine_launcher_class=engine_class, log_level=40, shutdown_atexit=True,
                                    controller_ip=self.address, controller_args=HEARTBEAT)
-        self.reaper = Reaper()
+        self.reaper = Reaper(self.folder)
         began = time.monotonic()
         try:
             self.cluster.start_controller_sync(environment=dict(self.reaper.environment))

@@ -2,7 +2,8 @@
 
 The controller (ipyparallel) and the session's TCPStore listen in the kernel's process; the engines
 connect to them. When every engine runs on this node, that is the loopback address. When the launcher
-puts engines on other hosts (`--hosts a:2,b:2` with mpiexec, a PBS host file, a Slurm node list), it is
+puts engines on other hosts (`--hosts a:2,b:2` with mpiexec, a PBS host file, Slurm's node list
+`SLURM_JOB_NODELIST`, expanded by `scontrol show hostnames` or `expand_nodelist`), it is
 this node's address on the route to those hosts (`controller_address`): the one interface they share
 with it. Not the address the host name resolves to: on Debian that is a loopback entry (127.0.1.1),
 and a cluster node has several interfaces (management ethernet, InfiniBand), of which only some reach
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import subprocess
 
 import psutil
 
@@ -45,12 +47,71 @@ def parse_hosts(text: str, world_size: int) -> list[tuple[str, int]]:
 
 
 def allocation_hosts(launcher: str) -> list[str]:
-    """The hosts a scheduler's launcher will use: PBS's host file; [] where this node is all we know."""
+    """The hosts a scheduler's launcher will use: PBS's host file, Slurm's node list; [] where this node is all
+    we know (then the controller listens at loopback)."""
+    if launcher == "slurm":
+        nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+        return slurm_hostnames(nodes) if nodes else []
     path = os.environ.get("PBS_NODEFILE") if launcher == "pbs" else None
     if path and os.path.exists(path):
         with open(path) as f:
             return sorted({line.strip() for line in f if line.strip()})
     return []
+
+
+def slurm_hostnames(nodes: str) -> list[str]:
+    """Slurm's compressed node list as host names: `scontrol show hostnames` (Slurm's own reading) where it
+    runs, else `expand_nodelist` (a kernel outside the cluster's software: a container, a login node's venv)."""
+    try:
+        said = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, timeout=10)
+        if said.returncode == 0 and said.stdout.split():
+            return said.stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return expand_nodelist(nodes)
+
+
+def expand_nodelist(nodes: str) -> list[str]:
+    """'node[01-03,07],gpu5' -> node01 node02 node03 node07 gpu5, as `scontrol show hostnames` reads it.
+
+    Commas split hosts only outside brackets; a bracket holds numbers and ranges, a range keeps the width of
+    its first number (08-10: node08 node09 node10); several brackets in one name multiply
+    (r[1-2]n[1-2]: r1n1 r1n2 r2n1 r2n2); a name given twice is listed twice, as scontrol does.
+    """
+    names = [name for entry in _split_outside_brackets(nodes, nodes) for name in _expand_entry(entry, nodes)]
+    if not names:
+        raise ValueError(f"Slurm's node list {nodes!r} names no node: check SLURM_JOB_NODELIST")
+    return names
+
+
+def _split_outside_brackets(text: str, whole: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth not in (0, 1):
+            raise ValueError(f"Slurm's node list {whole!r} has unbalanced or nested brackets: check SLURM_JOB_NODELIST")
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"Slurm's node list {whole!r} has an unclosed '[': check SLURM_JOB_NODELIST")
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_entry(entry: str, whole: str) -> list[str]:
+    if "[" not in entry:
+        return [entry]
+    head, _, rest = entry.partition("[")
+    inside, _, tail = rest.partition("]")
+    numbers = []
+    for piece in inside.split(","):
+        low, dash, high = piece.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or (dash and int(high) < int(low)):
+            raise ValueError(f"Slurm's node list {whole!r}: [{inside}] holds {piece!r}, not a number or a range "
+                             "like 01-04: check SLURM_JOB_NODELIST")
+        numbers += [str(n).zfill(len(low)) for n in range(int(low), int(high or low) + 1)]
+    return [head + number + name for number in numbers for name in _expand_entry(tail, whole)]
 
 
 def resolve(host: str) -> str:

@@ -8,19 +8,22 @@ file, which comes when the kernel closes its end: at `%ranks stop`, or when the 
 any signal (the operating system closes a dead process's descriptors). Then it kills, with SIGKILL, every
 process whose environment carries this session's marker (`MARKER`: set by the launchers in the controller's
 and the engines' environment, inherited by everything they start, mpiexec's daemons included), until none
-is left, and exits.
+is left, removes the session's folder (the ranks' stack files, `Session.folder`: a kernel that dies or shuts
+down without `%ranks stop` leaves it otherwise), and exits.
 
 Why not PR_SET_PDEATHSIG: it fires when the parent *thread* ends (in a kernel, whose event loop is
 running, ipyparallel's `*_sync` calls run in a helper thread), is Linux only, and reaches direct children
 only, not the engines under mpiexec nor its daemons on other hosts.
 Why not only the engines' own watch (`engine_side._watch_kernel`): the controller runs no code of ours,
 and an engine watches only once it has joined. The reaper finds processes by /proc (psutil), so it covers
-this machine, network namespaces included; engines on other machines exit when the controller's
-heartbeat stops (ipyparallel's own rule).
+this machine, network namespaces included, and only its own pid namespace: an engine on another machine
+(or, in the lab's two-host test, in another pid namespace) exits when its lifeline to the kernel ends
+(`labkit.session.lifeline`), which a dead kernel's does at once.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -33,16 +36,26 @@ def marked(marker: str) -> list:
     """The processes of this machine whose environment has ``MARKER=marker`` (zombies excluded: already dead)."""
     import psutil
 
-    found = []
+    found, machine = [], _pid_namespace("self")
     for process in psutil.process_iter():
         if process.pid == os.getpid():
             continue
         try:
-            if process.environ().get(MARKER) == marker and process.status() != psutil.STATUS_ZOMBIE:
+            if process.environ().get(MARKER) == marker and process.status() != psutil.STATUS_ZOMBIE \
+                    and _pid_namespace(process.pid) == machine:
                 found.append(process)
         except psutil.Error:  # gone, or another user's
             continue
     return found
+
+
+def _pid_namespace(pid) -> int | None:
+    """The process's pid namespace: this machine's engines share the reaper's (`hosts.machine_id`); one in a child
+    namespace is another machine's (the two-host test's host B), whose engines end themselves (their lifeline)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 def sweep(marker: str, deadline_s: float = 10.0) -> int:
@@ -63,14 +76,16 @@ def sweep(marker: str, deadline_s: float = 10.0) -> int:
 
 
 class Reaper:
-    """The kernel's side: ``environment`` goes to the launchers; ``stop()`` (or the kernel's death) ends them."""
+    """The kernel's side: ``environment`` goes to the launchers; ``stop()`` (or the kernel's death) ends them
+    and removes ``folder`` (the session's files), when given."""
 
-    def __init__(self):
+    def __init__(self, folder: str | None = None):
         self.marker = uuid.uuid4().hex
         self.environment = {MARKER: self.marker}
         env = {k: v for k, v in os.environ.items() if k != MARKER}
         # this file as a script, isolated (-I): psutil only, not labkit's package (torch, seconds and 200 MB)
-        self.process = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), self.marker],
+        self.process = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), self.marker,
+                                         *([folder] if folder else [])],
                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,
                                         start_new_session=True)  # the stop button's SIGINT is not for it
 
@@ -85,16 +100,18 @@ class Reaper:
             self.process.wait()
 
 
-def main(marker: str) -> None:
+def main(marker: str, folder: str | None = None) -> None:
     try:
         sys.stdin.buffer.read()  # until the kernel's end closes: stopped, exited or killed
     except BaseException:
         pass
     sweep(marker)
+    if folder:  # after the sweep: no engine writes a stack into it any more
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

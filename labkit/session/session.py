@@ -30,6 +30,7 @@ from labkit.launching.launcher import BACKENDS, choose_backend
 from labkit.launching.notebook import BEFORE_CELL
 from labkit.session import engine_side, hosts as where, report, watch
 from labkit.session.engines import LAUNCHERS, Engines, check_launcher
+from labkit.session.lifeline import Lifelines
 from labkit.session.spans import session_timeline
 from labkit.session.watch import SessionBroken, SessionError
 
@@ -63,6 +64,7 @@ class Session:
         self.requested_backend = backend
         self.engines: Engines | None = None
         self.store = None  # the TCPStore this kernel serves to the engines while the session is up
+        self.lifelines = None  # each engine's connection to this kernel (labkit.session.lifeline)
         self.pids: dict[int, int] = {}  # rank -> engine pid (on its own machine: `here` says which this kernel sees)
         self.engine_of: dict[int, int] = {}  # rank -> ipyparallel engine id
         self.hosts: dict[int, str] = {}  # rank -> its engine's host (its address when the session spans hosts)
@@ -74,9 +76,17 @@ class Session:
         return self.engines is not None
 
     def start(self) -> "Session":
-        self.engines = Engines(self.world_size, self.launcher, self.start_timeout, self.host_slots, self.address)
-        self.engines.start()
+        # the folder first: the session's reaper removes it, also when the kernel dies without `%ranks stop`
         self.folder = tempfile.mkdtemp(prefix="labkit-session-")
+        self.engines = Engines(self.world_size, self.launcher, self.start_timeout, self.host_slots, self.address,
+                               self.folder)
+        try:
+            self.engines.start()
+        except BaseException:
+            self.engines = None  # Engines.start stopped what it started (its reaper removed the folder)
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+            raise
         self.paths = {r: os.path.join(self.folder, f"rank{r}.stack") for r in range(self.world_size)}
         try:
             self._join()
@@ -121,17 +131,22 @@ class Session:
             self.backend = backends[0]
         # the session's store, served from this kernel on a port the OS picks (no race with a launch beside it)
         self.store = rendezvous_store(self.world_size, JOIN_TIMEOUT)
+        self.lifelines = Lifelines(self.address, self.world_size)  # each engine's connection, on any machine
         port, hooks = self.store.port, pickle.dumps(list(BEFORE_CELL))
         kernel = (machine, os.getpid(), psutil.Process().create_time())
         pending = {r: client[self.engine_of[r]].apply_async(
                        engine_side.join, r, self.world_size, local[r], self.backend, self.address, port, JOIN_TIMEOUT,
-                       hooks, self.paths[r], kernel)
+                       hooks, self.paths[r], kernel, self.lifelines.port)
                    for r in range(self.world_size)}
         self.hosts = hosts
         for rank, ar in pending.items():
             self.pids[rank] = ar.get(timeout=JOIN_TIMEOUT + 10)
+        self.lifelines.accept(JOIN_TIMEOUT)
 
     def stop(self) -> None:
+        if self.lifelines is not None:  # first: an engine on another machine exits when its lifeline ends
+            self.lifelines.close()
+            self.lifelines = None
         if self.engines is not None:
             self.engines.stop([pid for r, pid in self.pids.items() if r in self.here])
         self.engines, self.pids, self.store, self.hosts, self.here = None, {}, None, {}, set()
@@ -147,6 +162,7 @@ class Session:
         if bad or not targets:
             raise ValueError(f"--targets {bad or targets}: this session has ranks 0..{self.world_size - 1}")
         gone = [r for r, pid in self.pids.items() if r in self.here and not watch.alive(pid)]
+        gone += [r for r in self.lifelines.gone(range(self.world_size)) if r not in gone]
         if gone:
             self.stop()
             raise SessionBroken(f"the engine of rank(s) {', '.join(map(str, gone))} is gone (killed?). The session "
@@ -160,7 +176,7 @@ class Session:
                    for r in targets}
         try:
             answers = watch.wait(pending, {r: p for r, p in self.pids.items() if r in self.here}, self.paths,
-                                 self.world_size)
+                                 self.world_size, self.lifelines)
         except BaseException as err:
             if isinstance(err, SessionBroken):
                 self.stop()

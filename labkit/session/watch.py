@@ -5,7 +5,9 @@ still running the cell has slept for `HANG_WINDOW` seconds (`labkit.launching.pr
 stacks are read (faulthandler, SIGUSR1); if one waits in torch.distributed, that is a hang, reported
 with each rank's waiting line (`labkit.launching.stacks`). A rank that sleeps on purpose
 (``time.sleep``) is left alone. When a rank has already failed, the window is shorter: its peers wait
-for news that will not come.
+for news that will not come. An engine on another machine is read the same way, through its lifeline
+(`labkit.session.lifeline`): its CPU time and stack as it reads them there, its death as the end of its
+connection.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import time
 import psutil
 
 from labkit.launching.failures import LaunchError, LaunchInterrupted
-from labkit.launching.progress import IdleWatch
+from labkit.launching.progress import IdleWatch, cpu_seconds
 from labkit.launching.stacks import _waiting_call, hint
 from labkit.session.report import where_raised
 from labkit.launching.forked import trim_stack
@@ -45,17 +47,22 @@ def alive(pid: int) -> bool:
         return False
 
 
-def stacks(pids: dict[int, int], paths: dict[int, str], ranks) -> dict[int, str]:
-    """{rank: its Python stack now}, read through faulthandler's SIGUSR1 file."""
-    offsets = {}
+def stacks(pids: dict[int, int], paths: dict[int, str], ranks, lifelines=None) -> dict[int, str]:
+    """{rank: its Python stack now}: faulthandler's SIGUSR1 file for an engine on this machine (by pid), the
+    engine's own answer through its lifeline for one on another machine."""
+    found, offsets = {}, {}
+    for rank in [r for r in ranks if r not in pids]:
+        said = lifelines.ask(rank, "stack") if lifelines is not None else None
+        found[rank] = (_cell_part(said.get("stack", "")) if said else "") or "(no stack: the engine did not answer)"
+    ranks = [r for r in ranks if r in pids]
     for rank in ranks:
         offsets[rank] = os.path.getsize(paths[rank]) if os.path.exists(paths[rank]) else 0
         try:
             os.kill(pids[rank], signal.SIGUSR1)
         except (ProcessLookupError, KeyError):  # KeyError: an engine on another machine
             pass
-    time.sleep(0.5)
-    found = {}
+    if ranks:
+        time.sleep(0.5)
     for rank in ranks:
         try:
             with open(paths[rank]) as f:
@@ -76,10 +83,19 @@ def _cell_part(stack: str) -> str:
     return "\n".join(kept)
 
 
-def wait(pending: dict, pids: dict[int, int], paths: dict[int, str], world_size: int) -> dict:
-    """Wait for {rank: AsyncResult}; return {rank: the engine's answer}. Raises SessionBroken / SessionInterrupted."""
+def wait(pending: dict, pids: dict[int, int], paths: dict[int, str], world_size: int, lifelines=None) -> dict:
+    """Wait for {rank: AsyncResult}; return {rank: the engine's answer}. Raises SessionBroken / SessionInterrupted.
+
+    ``pids``: the engines on this machine; the others are watched through ``lifelines``
+    (`labkit.session.lifeline`): their death, CPU time and stacks."""
     done: dict = {}
     idle = IdleWatch(HANG_WINDOW)
+
+    def sample(rank):  # (CPU seconds, state) of a rank's engine, read here by pid or there by the engine
+        if rank in pids:
+            return cpu_seconds(pids[rank])
+        said = lifelines.ask(rank, "sample") if lifelines is not None else None
+        return tuple(said["sample"]) if said and said["sample"] else None
     try:
         while len(done) < len(pending):
             dead = []
@@ -91,21 +107,24 @@ def wait(pending: dict, pids: dict[int, int], paths: dict[int, str], world_size:
                         dead.append(rank)
             running = [r for r in pending if r not in done]
             dead += [r for r in pids if r not in dead and not alive(pids[r])]
+            if lifelines is not None:
+                dead += [r for r in lifelines.gone(range(world_size)) if r not in dead]
             if dead:
                 raise SessionBroken(_dead_text(sorted(dead), [r for r in running if r not in dead], world_size))
             if not running:
                 break
             failed = [r for r, answer in done.items() if answer["error"]]
             idle.window = AFTER_FAILURE_WINDOW if failed else HANG_WINDOW
-            # a hang is judged by the ranks' CPU and stacks, read by pid: on this machine only (`Session.here`)
-            if all(r in pids for r in running) and idle.all_asleep([pids[r] for r in running]):
-                now = stacks(pids, paths, running)
+            # a hang is judged by the ranks' CPU and stacks: read by pid on this machine (`Session.here`), asked
+            # through the lifeline on another
+            if (lifelines is not None or all(r in pids for r in running)) and idle.all_asleep(running, sample):
+                now = stacks(pids, paths, running, lifelines)
                 if failed or any(_waiting_call(s) for s in now.values()):
                     raise SessionBroken(_hang_text(now, running, failed, done, world_size, idle.window))
                 idle.reset()  # asleep on purpose (time.sleep): not ours to judge
             pending[running[0]].wait(0.2)
     except KeyboardInterrupt:
-        _interrupt(pending, done, pids, paths, world_size)
+        _interrupt(pending, done, pids, paths, world_size, lifelines)
     return done
 
 
@@ -140,9 +159,9 @@ def _hang_text(now, running, failed, done, world_size, window) -> str:
     return "\n".join(parts)
 
 
-def _interrupt(pending, done, pids, paths, world_size):
+def _interrupt(pending, done, pids, paths, world_size, lifelines=None):
     running = [r for r in pending if r not in done]
-    before = stacks(pids, paths, running)
+    before = stacks(pids, paths, running, lifelines)
     for rank in running:
         try:
             os.kill(pids[rank], signal.SIGINT)

@@ -1,0 +1,69 @@
+"""`labkit.session.lifeline`, the kernel's only view of an engine on another machine, with two stand-in engines:
+fresh interpreters that hold a lifeline as an engine's `join` does and then sleep in a known function. Without
+pids (the kernel uses none of theirs here): the stack comes through the connection, a SIGKILLed engine is seen
+gone as its connection ends, and an engine whose kernel side closes exits by itself. About 1 s: the stand-ins
+load lifeline.py alone (no torch); what they sample for CPU is a stub (the CPU reading is IdleWatch's, tested
+with the launcher).
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from labkit.grading import REPO_ROOT
+from labkit.session.lifeline import Lifelines
+
+STAND_IN = """
+import importlib.util, sys, threading, time, types
+for name in ("labkit", "labkit.launching", "labkit.launching.progress"):  # lifeline.py alone, without torch
+    sys.modules[name] = types.ModuleType(name)
+sys.modules["labkit.launching.progress"].cpu_seconds = lambda pid: (0.0, "S")
+spec = importlib.util.spec_from_file_location("lifeline", sys.argv[1])
+lifeline = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lifeline)
+
+def wait_here():
+    time.sleep(60)  # the stand-in's waiting line
+
+lifeline.hold("127.0.0.1", int(sys.argv[2]), int(sys.argv[3]), threading.get_ident())
+wait_here()
+"""
+
+
+def _until(condition, seconds):
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_the_lifeline_carries_the_stack_sees_a_killed_engine_and_ends_the_engine_when_closed():
+    lines = Lifelines("127.0.0.1", 2)
+    path = str(REPO_ROOT / "labkit" / "session" / "lifeline.py")
+    engines = [subprocess.Popen([sys.executable, "-I", "-c", STAND_IN, path, str(lines.port), str(rank)])
+               for rank in (0, 1)]
+    try:
+        lines.accept(timeout=30)
+        said = {}
+
+        def waits_in_wait_here():  # asked until the stand-in is past `hold`, which answers once connected
+            said.update(lines.ask(0, "stack") or {})
+            return "in wait_here" in said.get("stack", "")
+
+        assert _until(waits_in_wait_here, 5.0), said
+        assert said["sample"] == [0.0, "S"], said
+        assert said["stack"].startswith("Stack (most recent call first):"), said["stack"]
+        assert 'line 11 in wait_here' in said["stack"], said["stack"]  # time.sleep(60) in the stand-in
+        assert lines.gone([0, 1]) == []
+        os.kill(engines[1].pid, signal.SIGKILL)  # its death ends its connection: seen without its pid
+        assert _until(lambda: lines.gone([0, 1]) == [1], 2.0), lines.gone([0, 1])
+        assert lines.ask(1, "stack") is None  # a gone engine does not answer
+        lines.close()  # %ranks stop, or the kernel's death: rank 0's engine ends itself
+        assert _until(lambda: engines[0].poll() is not None, 3.0), "the engine outlived its lifeline"
+        assert engines[0].returncode == 0
+    finally:
+        lines.close()
+        for engine in engines:
+            engine.kill()
+            engine.wait(timeout=10)
