@@ -1,6 +1,7 @@
 """`labkit.session.lifeline`, the kernel's only view of an engine on another machine, with two stand-in engines:
 fresh interpreters that hold a lifeline as an engine's `join` does and then sleep in a known function. Without
-pids (the kernel uses none of theirs here): the stack comes through the connection, a SIGKILLed engine is seen
+pids (the kernel uses none of theirs here): the stack comes through the connection, an interrupt reaches the
+cell (KeyboardInterrupt) and leaves the engine up, a SIGKILLed engine is seen
 gone as its connection ends, and an engine whose kernel side closes exits by itself. About 1 s: the stand-ins
 load lifeline.py alone (no torch); what they sample for CPU is a stub (the CPU reading is IdleWatch's, tested
 with the launcher).
@@ -27,7 +28,11 @@ def wait_here():
     time.sleep(60)  # the stand-in's waiting line
 
 lifeline.hold("127.0.0.1", int(sys.argv[2]), int(sys.argv[3]), threading.get_ident())
-wait_here()
+try:
+    wait_here()
+except KeyboardInterrupt:  # the stop button, through the lifeline: the cell stops, the engine stays
+    print("INTERRUPTED", flush=True)
+    time.sleep(60)
 """
 
 
@@ -41,8 +46,8 @@ def _until(condition, seconds):
 def test_the_lifeline_carries_the_stack_sees_a_killed_engine_and_ends_the_engine_when_closed():
     lines = Lifelines("127.0.0.1", 2)
     path = str(REPO_ROOT / "labkit" / "session" / "lifeline.py")
-    engines = [subprocess.Popen([sys.executable, "-I", "-c", STAND_IN, path, str(lines.port), str(rank)])
-               for rank in (0, 1)]
+    engines = [subprocess.Popen([sys.executable, "-I", "-c", STAND_IN, path, str(lines.port), str(rank)],
+                                stdout=subprocess.PIPE) for rank in (0, 1)]
     try:
         lines.accept(timeout=30)
         said = {}
@@ -56,6 +61,9 @@ def test_the_lifeline_carries_the_stack_sees_a_killed_engine_and_ends_the_engine
         assert said["stack"].startswith("Stack (most recent call first):"), said["stack"]
         assert 'line 11 in wait_here' in said["stack"], said["stack"]  # time.sleep(60) in the stand-in
         assert lines.gone([0, 1]) == []
+        assert lines.ask(1, "interrupt") is not None  # the stop button, without a pid
+        assert engines[1].stdout.readline().strip() == b"INTERRUPTED", "the interrupt did not reach the cell"
+        assert lines.gone([0, 1]) == []  # interrupted, not ended
         os.kill(engines[1].pid, signal.SIGKILL)  # its death ends its connection: seen without its pid
         assert _until(lambda: lines.gone([0, 1]) == [1], 2.0), lines.gone([0, 1])
         assert lines.ask(1, "stack") is None  # a gone engine does not answer

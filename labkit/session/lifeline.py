@@ -10,7 +10,9 @@ the one every host already reaches for the controller and the store):
   - its death: the operating system closes a dead process's connection, so the kernel reads end of
     file at once (no heartbeat to wait out, and no false alarm while a cell holds the GIL in a long op);
   - its end: when the kernel closes its side (`%ranks stop`) or dies, the engine's thread reads end of
-    file and exits the process: `%ranks stop` leaves nothing on a host the kernel's reaper cannot see.
+    file and exits the process: `%ranks stop` leaves nothing on a host the kernel's reaper cannot see;
+  - an interrupt ("interrupt": the notebook's stop button): the engine signals itself SIGINT, as the kernel
+    does by pid to the engines on its own machine.
 
 Why not the session's TCPStore, which every rank already reaches: a store has keys, not connections, so a
 dead engine would be seen only by a missed heartbeat, and an engine would learn of a dead kernel the same
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import socket
 import sys
 import threading
@@ -67,7 +70,8 @@ class Lifelines:
         return [r for r in ranks if r in self.ended]
 
     def ask(self, rank: int, what: str) -> dict | None:
-        """The engine's answer to ``what`` ("stack", "sample"), or None if it is gone or does not answer."""
+        """The engine's answer to ``what`` ("stack", "sample", "interrupt"), or None if it is gone or does not
+        answer."""
         line = self.lines.get(rank)
         if line is None or rank in self.ended:
             return None
@@ -134,6 +138,8 @@ def hold(address: str, port: int, rank: int, cell_thread: int) -> None:
             said = {"n": int(number or 0), "sample": cpu_seconds(os.getpid())}
             if what == "stack":
                 said["stack"] = stack_of(cell_thread)
+            elif what == "interrupt":  # as SIGINT by pid does on the kernel's machine: KeyboardInterrupt in the cell
+                os.kill(os.getpid(), signal.SIGINT)
             try:
                 connection.sendall(json.dumps(said).encode() + b"\n")
             except OSError:  # the kernel's side is gone

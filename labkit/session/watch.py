@@ -164,8 +164,11 @@ def _interrupt(pending, done, pids, paths, world_size, lifelines=None):
     before = stacks(pids, paths, running, lifelines)
     for rank in running:
         try:
-            os.kill(pids[rank], signal.SIGINT)
-        except (ProcessLookupError, KeyError):  # KeyError: an engine on another machine (not signalled yet)
+            if rank in pids:
+                os.kill(pids[rank], signal.SIGINT)
+            elif lifelines is not None:  # an engine on another machine: it signals itself
+                lifelines.ask(rank, "interrupt")
+        except ProcessLookupError:
             pass
     deadline = time.monotonic() + INTERRUPT_GRACE
     while time.monotonic() < deadline and not all(pending[r].ready() for r in running):
