@@ -36,8 +36,8 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@set -o pipefail; $(BIN)/python -m pip install -q --upgrade pip $(PIP_QUIET)
 	@# --no-compile, then compileall on every core: pip byte-compiles the ~12,000 files of the dependencies on
-	@# one core (about 55 s). They must be compiled here: where PYTHONDONTWRITEBYTECODE is set (as on this project.s
-	@# CI machine) Python never writes a .pyc, and every process would compile torch from source at import.
+	@# one core (about 55 s). They must be compiled here: where PYTHONDONTWRITEBYTECODE is set (as on this project's
+	@# machines) Python never writes a .pyc, and every process would compile torch from source at import.
 	@set -o pipefail; $(BIN)/python -m pip install -q --no-compile -e ".[test]" $(PIP_EXTRA) $(PIP_QUIET)
 	@$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true  # a few files of tests inside packages do not compile, as pip ignores
 	@$(BIN)/python -c "import torch, labkit; print('torch', torch.__version__, '- labkit ready')"
