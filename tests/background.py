@@ -84,6 +84,7 @@ class Background:
                 out, err = job.process.communicate()
                 code = None
             job.outcome = Done(code, out, err, time.monotonic() - began)
+            _log(job, began)
         except Exception as error:  # a job that cannot start is reported by the test that reads it
             job.outcome = Done(-1, "", f"could not run {job.argv}: {error!r}", time.monotonic() - began)
         finally:
@@ -126,6 +127,19 @@ class Background:
 
 
 _current: Background | None = None
+
+
+def _log(job: _Job, began: float):
+    """`LABKIT_BACKGROUND_LOG=file`: one JSON line per job (its key, start and end on the wall clock), to see
+    what the suite's time is spent on beside the tests (the suite's time is a budget: README)."""
+    path = os.environ.get("LABKIT_BACKGROUND_LOG")
+    if path:
+        import json
+
+        end = time.time()
+        with open(path, "a") as f:
+            f.write(json.dumps({"key": [str(part) for part in job.key] if isinstance(job.key, tuple) else str(job.key),
+                                "start": end - (time.monotonic() - began), "end": end}) + "\n")
 
 
 def current() -> Background:
