@@ -50,13 +50,16 @@ def test_the_lifeline_carries_the_stack_sees_a_killed_engine_and_ends_the_engine
                                 stdout=subprocess.PIPE) for rank in (0, 1)]
     try:
         lines.accept(timeout=30)
-        said = {}
+        said = {0: {}, 1: {}}
 
-        def waits_in_wait_here():  # asked until the stand-in is past `hold`, which answers once connected
-            said.update(lines.ask(0, "stack") or {})
-            return "in wait_here" in said.get("stack", "")
+        def waits_in_wait_here(rank):  # asked until the stand-in is past `hold`, which answers once connected
+            said[rank].update(lines.ask(rank, "stack") or {})
+            return "in wait_here" in said[rank].get("stack", "")
 
-        assert _until(waits_in_wait_here, 5.0), said
+        # both: an interrupt that came while rank 1 was still in `hold` would not reach wait_here
+        assert _until(lambda: waits_in_wait_here(1), 5.0), said
+        assert _until(lambda: waits_in_wait_here(0), 5.0), said
+        said = said[0]
         assert said["sample"] == [0.0, "S"], said
         assert said["stack"].startswith("Stack (most recent call first):"), said["stack"]
         assert 'line 11 in wait_here' in said["stack"], said["stack"]  # time.sleep(60) in the stand-in
