@@ -18,6 +18,10 @@ import time
 from dataclasses import dataclass, field
 
 BESIDE_TESTS, WHEN_WAITED_FOR = 1, 2  # jobs at once while other tests run / while a test waits
+# A job's torch computes on one thread: it shares the two cores with the tests (and another job), where a
+# second thread only waits at each op's end for a thread the scheduler put aside. Notebook 01 on the
+# solutions beside a busy core: 121 s with two threads, 102 s with one (2026-11-27).
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 @dataclass

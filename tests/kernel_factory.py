@@ -153,6 +153,10 @@ def _become_kernel(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # torch read it at import, in the factory
+            import torch
+
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         # ipykernel exits when the factory is gone (its parent poller); its default was read from
         # JPY_PARENT_PID when the factory imported it, so it is given on the command line
         os.environ["JPY_PARENT_PID"] = str(os.getppid())

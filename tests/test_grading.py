@@ -155,7 +155,7 @@ def background_jobs(items) -> list:
     argv = [sys.executable, "-m", "pytest", "tests/grading", "--impl=exercises", "--grade", "-q", "--tb=no",
             "-p", "no:cacheprovider", f"--grade-json={report}"]
     # weight: about 90 s of one core, as long as the longest notebook
-    return [(("stub run", report), argv, dict(os.environ, LABKIT_IMPL="exercises"), STUB_RUN_TIMEOUT, 10**9)]
+    return [(("stub run", report), argv, dict(os.environ, LABKIT_IMPL="exercises", **background.ONE_THREAD), STUB_RUN_TIMEOUT, 10**9)]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import time
 import psutil
 import pytest
 
+import background
 import kernel_factory
 
 
@@ -25,7 +26,7 @@ def factory():
 def _manager(factory, tmp_path, monkeypatch):
     from jupyter_client import KernelManager
 
-    for name, value in factory.environment({"LABKIT_PROBE": "from the runner"}).items():
+    for name, value in factory.environment({"LABKIT_PROBE": "from the runner", **background.ONE_THREAD}).items():
         monkeypatch.setenv(name, value)  # the kernel manager takes the kernelspec and env from here
     manager = KernelManager(kernel_name="python3")
     manager.start_kernel(cwd=str(tmp_path))
@@ -47,10 +48,12 @@ def test_a_forked_kernel_has_the_runners_environment_and_directory_is_interrupte
         factory, tmp_path, monkeypatch):
     manager, client = _manager(factory, tmp_path, monkeypatch)
     try:
-        text, error = _run(client, "import os, sys\nprint(os.environ['LABKIT_PROBE'], os.getcwd(), os.getppid(), "
-                                   "'torch' in sys.modules, os.getpid(), sep='|')")
+        text, error = _run(client, "import os, sys, torch\nprint(os.environ['LABKIT_PROBE'], os.getcwd(), os.getppid(), "
+                                   "'torch' in sys.modules, os.getpid(), torch.get_num_threads(), sep='|')")
         assert error is None, error
-        probe, cwd, parent, torch_loaded, pid = text.strip().split("|")
+        probe, cwd, parent, torch_loaded, pid, threads = text.strip().split("|")
+        # the runner's thread count, though torch read the factory's at import (on a 1-core machine: 1 anyway)
+        assert threads == background.ONE_THREAD["OMP_NUM_THREADS"], text
         # forked by the factory, torch already imported there: the point of it
         assert int(parent) == factory.process.pid and torch_loaded == "True", text
         assert probe == "from the runner" and os.path.samefile(cwd, tmp_path), text

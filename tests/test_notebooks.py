@@ -58,7 +58,7 @@ def background_jobs(items) -> list:
         impl = IMPLS.get(item.originalname)
         if impl:
             path = item.callspec.params["path"]
-            env = dict(os.environ, LABKIT_IMPL=impl, LABKIT_QUICK="1")  # the kernel inherits them
+            env = dict(os.environ, LABKIT_IMPL=impl, LABKIT_QUICK="1", **background.ONE_THREAD)  # the kernel inherits them
             env = factory.environment(env) if factory is not None else env
             jobs.append(((impl, path), [sys.executable, str(RUNNER), str(path)], env, TIMEOUT, path.stat().st_size))
     return jobs
