@@ -38,7 +38,8 @@ CALL_TIME_ENV = ("LABKIT_IMPL", "LABKIT_QUICK", "LABKIT_SHARED_ZYGOTE", "LABKIT_
                  "PYTEST_", "JPY_", "PYDEVD_", "MPLBACKEND", "CLICOLOR", "CLICOLOR_", "FORCE_COLOR", "PAGER",
                  "GIT_PAGER", "TERM", "COLUMNS", "LINES", "PWD", "OLDPWD", "SHLVL", "_", "PYTHONUNBUFFERED",
                  "JUPYTER_", "JUPYTERLAB_",  # where Jupyter keeps its settings (the browser test's own)
-                 "PYTORCH_NVML_BASED_CUDA_CHECK")  # set by the launcher itself; torch reads it per call
+                 "PYTORCH_NVML_BASED_CUDA_CHECK",  # set by the launcher itself; torch reads it per call
+                 "OMP_NUM_THREADS")  # torch reads it at import, but every rank and engine sets its own (one)
 
 
 def _call_time(key: str) -> bool:
