@@ -13,6 +13,8 @@ import textwrap
 import pytest
 import torch
 
+from checkout import labkit_path_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD_TORCH = os.path.join(REPO, "tests", "old_torch")
 
@@ -42,7 +44,7 @@ def data_parallel_grads(rank, world_size):
 
 
 def _python(code: str, env_extra: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, **labkit_path_env())  # unchanged where it can be: the suite's zygote is shared
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO)

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 import background
+from checkout import labkit_path_env
 
 from labkit.grading import REPO_ROOT
 from labkit.launching.zygote_process import NAME as ENGINE_NAME
@@ -77,7 +78,7 @@ def story(tmp_path_factory):
     nb.cells = [nbformat.v4.new_code_cell(c.replace("{probe}", probe).replace("{path!r}", repr(str(path))))
                 for c in CELLS]
     old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(REPO_ROOT)  # the kernel and its engines import this checkout's labkit
+    os.environ.update(labkit_path_env())  # the kernel and its engines import this checkout's labkit
     try:
         path.write_text("def value():\n    return 1\n")
         client = NotebookClient(nb, timeout=180, kernel_name="python3", allow_errors=True,
@@ -85,7 +86,7 @@ def story(tmp_path_factory):
         client.execute()  # shuts the kernel down at the end
     finally:
         path.unlink(missing_ok=True)
-        os.environ.pop("PYTHONPATH") if old is None else os.environ.__setitem__("PYTHONPATH", old)
+        os.environ.pop("PYTHONPATH", None) if old is None else os.environ.__setitem__("PYTHONPATH", old)
     texts = ["".join(o.get("text", "") for o in cell.outputs) for cell in nb.cells]
     errors = [next((o for o in cell.outputs if o.output_type == "error"), None) for cell in nb.cells]
     return nb, texts, errors

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 import slurm_cluster
+from checkout import labkit_path_env
 from labkit.grading import REPO_ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -71,13 +72,13 @@ def story(tmp_path_factory):
         nb = nbformat.v4.new_notebook()
         nb.cells = [nbformat.v4.new_code_cell(source) for _, _, source in cells]
         old = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = str(REPO_ROOT)  # the kernel and its engines import this checkout's labkit
+        os.environ.update(labkit_path_env())  # the kernel and its engines import this checkout's labkit
         try:
             client = NotebookClient(nb, timeout=180, kernel_name="python3", allow_errors=True,
                                     resources={"metadata": {"path": str(tmp)}})
             client.execute()  # shuts the kernel down at the end
         finally:
-            os.environ.pop("PYTHONPATH") if old is None else os.environ.__setitem__("PYTHONPATH", old)
+            os.environ.pop("PYTHONPATH", None) if old is None else os.environ.__setitem__("PYTHONPATH", old)
             if slurm_env is not None:
                 subprocess.run(["scancel", job.group(1)], env=slurm_env, capture_output=True, timeout=30)
     out = {}
