@@ -84,33 +84,53 @@ def small_end() -> list[dict]:
 
 
 def ranks(model: str) -> dict:
-    """Each published layout's rank in its own space under `model`: a table, the rows that miss the criterion
-    with the model's reasons, and {id: {rank, gap, meets, top}} for the JSON line."""
+    """Each published layout's rank in its own space under `model`, at two levels (labkit.scale.ranking): the exact
+    configuration, and the parallel layout (dp, pp, cp, tp, schedule kind; each at its best configuration): a
+    table, the rows that miss with the model's reasons and their class (labkit.scale.misses), and {id: {...}} for
+    the JSON line."""
     import time
 
-    from labkit.scale.ranking import CAP, explain, rank_published
+    from labkit.scale.misses import classify
+    from labkit.scale.ranking import CAP, rank_published
 
     print(f"\nwhere each published layout ranks in the search over its space, {model} model "
           f"(rank {CAP + 1} = beyond {CAP}; criterion: top 5 or within 5% of the top)")
-    print(f"  {'row':20s} {'rank':>5} {'gap':>7} meets {'s':>5}  {'the model':s}")
+    print("  config: the exact published configuration; layout: its dp, pp, cp, tp and schedule kind, each layout at\n"
+          "  its best micro-batch, ZeRO stage, recompute, dp_replicate and cp_method (a weaker claim than the first)")
+    print(f"  {'row':20s} {'config':>6} {'gap':>7} meets {'layout':>6} {'gap':>7} meets {'s':>5}  the top; the published "
+          "layout at its best")
     out, missed, start = {}, [], time.perf_counter()
     for info in load_sets().values():
         for row in info["rows"]:
             took = time.perf_counter()
             got = rank_published(row, info, model)
             took = time.perf_counter() - took
-            rank = "-" if got["rank"] is None else (f">{CAP}" if got["rank"] > CAP else str(got["rank"]))
-            gap = "-" if got["gap"] is None else f"{got['gap']:+.1%}"
-            print(f"  {row['id']:20s} {rank:>5} {gap:>7} {'yes' if got['meets'] else 'NO ':5s} {took:5.1f}  "
-                  f"top: {got['top'].layout.short() if got['top'] else '-'}")
+            lay = got["layout"]
+
+            def shown(rank, gap):
+                return ("-" if rank is None else (f">{CAP}" if rank > CAP else str(rank)),
+                        "-" if gap is None else f"{gap:+.1%}")
+            rank, gap = shown(got["rank"], got["gap"])
+            lrank, lgap = shown(lay["rank"], lay["gap"])
+            best = lay["best"].layout.short() if lay["best"] is not None else "-"
+            print(f"  {row['id']:20s} {rank:>6} {gap:>7} {'yes' if got['meets'] else 'NO ':5s} {lrank:>6} {lgap:>7} "
+                  f"{'yes' if lay['meets'] else 'NO ':5s} {took:5.1f}  {got['top'].layout.short() if got['top'] else '-'}; "
+                  f"{best}")
+            verdict = classify(got, row, info) if not got["meets"] else None
             out[row["id"]] = dict(rank=got["rank"], gap=None if got["gap"] is None else round(got["gap"], 4),
                                   meets=got["meets"], top=got["top"].layout.short() if got["top"] else None,
-                                  seconds=round(took, 2))
-            if not got["meets"]:
-                missed.append(f"  {row['id']}: {explain(got)}")
-    print(f"rows that miss the criterion ({len(missed)} of {len(out)}), and why in the model's numbers:")
+                                  layout=dict(rank=lay["rank"], gap=None if lay["gap"] is None else round(lay["gap"], 4),
+                                              meets=lay["meets"], best=best),
+                                  miss=None if verdict is None else verdict["class"], seconds=round(took, 2))
+            if verdict is not None:
+                missed.append(f"  {row['id']} [{verdict['class']}]: {verdict['line']}")
+    print(f"rows that miss the criterion at the configuration level ({len(missed)} of {len(out)}), their class "
+          "(labkit.scale.misses) and why, in the model's numbers:")
     print("\n".join(missed))
-    print(f"({time.perf_counter() - start:.0f} s; {sum(r['meets'] for r in out.values())} of {len(out)} meet the criterion)")
+    n_config = sum(r["meets"] for r in out.values())
+    n_layout = sum(r["layout"]["meets"] for r in out.values())
+    print(f"({time.perf_counter() - start:.0f} s; {n_config} of {len(out)} meet the criterion as configurations, "
+          f"{n_layout} of {len(out)} as parallel layouts)")
     return out
 
 
