@@ -34,6 +34,9 @@ def test_pruned_ranking_equals_every_layout(model, row):
     assert pruned["top"].layout == every["top"].layout
     assert pruned["rank"] == every["rank"]
     assert pruned["predicted"] <= every["predicted"]
+    # the layout level (ranking's docstring): the same rank and the same best configuration of the published layout
+    assert pruned["layout"]["rank"] == every["layout"]["rank"]
+    assert pruned["layout"]["best"].layout == every["layout"]["best"].layout
 
 
 @pytest.mark.parametrize("efficiency", (0.40, None))

@@ -9,15 +9,16 @@ labkit.scale.ranking ranks each published run at two levels: its exact configura
     its layout at its best  -> the search's top          the parallel layout itself
 
 and gets one class (`classify`):
-    "config"         the layout meets the criterion at its best: the miss is a published choice inside it that the
-                     model, by its own numbers, beats (most often recompute the model says is not needed). The line
+    "config"         the layout at its best is within 5% of the top (it would meet the criterion's gap): the miss is
+                     a published choice inside it that the model, by its own numbers, beats (most often recompute the model says is not needed). The line
                      gives both steps and the memory of the faster configuration: its peak plus the reserve
                      (labkit.scale.reserve) against the GPU's memory.
     "config-memory"  the same, but the faster configuration fits only by the model's memory, and not once that memory
                      is scaled by the model's own error on this row's published memory (torchtitan publishes its
                      peak reserved): where the model under-predicts the published run's memory by more than the
                      headroom, "fits" is the model's memory being too optimistic, not a choice the model beats.
-    "layout"         the published layout misses even at its best: the line gives the step terms (compute, bubble,
+    "layout"         the published layout at its best is more than 5% behind the top (even where it is among the top
+                     5 layouts, configurations of faster layouts fill the top 5): the line gives the step terms (compute, bubble,
                      exposed traffic per axis, optimizer) that separate it from the top. Whether such a term is a
                      mechanism the model gets wrong or a layout it rightly prefers is a judgement per mechanism,
                      made in notebook 15 with the numbers this line prints, not by a rule here.
@@ -26,6 +27,7 @@ Nothing here changes a rank; it reads the Predictions `rank_published` returns.
 from __future__ import annotations
 
 from labkit.scale.cluster import load_cluster
+from labkit.scale.ranking import WITHIN
 
 CHOICES = ("recompute", "micro_batch", "zero", "dp_replicate", "cp_method", "virtual_stages",
            "first_stage_embedding_only", "last_stage_loss_only")
@@ -66,7 +68,7 @@ def classify(result: dict, row: dict, set_info: dict) -> dict:
     line = (f"published {mine.layout.short()} -> its layout at its best, {own.layout.short()} ({changed(mine, own)}): "
             f"{inside:+.1%} (step {mine.step_s:.3f} -> {own.step_s:.3f} s: {terms(mine, own)}), {need:.1f} GiB with the "
             f"reserve of {gpu:.1f}")
-    if lay["meets"]:
+    if lay["gap"] >= -WITHIN:
         published = row["published"].get("memory_gib")
         kind = "config"
         if published is not None and own is not mine:

@@ -114,16 +114,19 @@ def _groups(model, cluster, batch: int, seq: int, n: int, ref: Layout, options: 
 
 
 def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: list, limit, visit, prune: bool) -> int:
-    """Predict every layout of `groups` that the bounds do not put above limit() (read afresh each time: it only
-    shrinks), and call visit(p) for each that fits within it; returns how many were predicted."""
+    """Predict every layout of `groups` that the bounds do not put above limit(base) (read afresh each time: it only
+    shrinks; limit(None) bounds every group's), and call visit(p) for each that fits within it; returns how many
+    were predicted."""
     predicted = 0
     for bound, _, base, bounds in groups:
-        if bound > limit():
+        if bound > limit(None):
             break
+        if bound > limit(base):
+            continue
         replicas = [r for r in divisors(base.dp) if r == 1 or (n // r) % cluster.gpus_per_node == 0]
         for (mb, rc), method in itertools.product(sorted(bounds, key=bounds.get),
                                                   CP_METHODS if base.cp > 1 else ("ring",)):
-            if prune and bounds[mb, rc] > limit():
+            if prune and bounds[mb, rc] > limit(base):
                 continue
             group = replace(base, micro_batch=mb, recompute=rc, cp_method=method)
             if prune:  # stage 0's activations alone, the same for every ZeRO stage and replica, must fit
@@ -148,9 +151,9 @@ def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: l
                 predicted += 1
                 if first and prune:  # the step less what ZeRO and dp_replicate change: a floor for the group
                     first = False
-                    if p.step_s - p.parts_s.get("exposed_dp", 0.0) - p.parts_s.get("optimizer", 0.0) > limit():
+                    if p.step_s - p.parts_s.get("exposed_dp", 0.0) - p.parts_s.get("optimizer", 0.0) > limit(base):
                         break
-                if p.fits and p.step_s <= limit():
+                if p.fits and p.step_s <= limit(base):
                     visit(p)
     return predicted
 
@@ -189,16 +192,25 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
     if fits:
         mine_groups = [g for g in groups if layout_key(g[2]) == own_key]
         predicted += _scan(model, cluster, batch, seq, n, options, mine_groups,
-                           lambda: own.step_s * (1 + 1e-9) if prune else float("inf"), better_own, prune)
+                           lambda base: own.step_s * (1 + 1e-9) if prune else float("inf"), better_own, prune)
     best = own.step_s if fits else None
     kept, sure, best_of, sure_keys = [], 0, {}, set()
 
-    def limit():
+    def limit(base):
+        """The step a layout of group `base` (None: of any group) must not exceed to matter: for the configuration
+        level and the top, the published and the best step found, widened by a tie; for the layout level, the
+        published layout's best, widened, but no more than its own layout's best found so far (only a layout's
+        fastest configuration ranks it)."""
         if not prune or best is None:  # nothing fits yet (the reference does not): no bound
             return float("inf")
         if not fits:  # the top alone (mine, if any, does not fit: it has no rank)
             return best * WIDEN
-        return max(best, mine.step_s if sure < cap else 0.0, own.step_s if len(sure_keys) < cap else 0.0) * WIDEN
+        layouts = own.step_s * WIDEN if len(sure_keys) < cap else 0.0
+        if base is not None and layout_key(base) == own_key:  # its best is known (phase one): configurations only
+            layouts = 0.0
+        elif base is not None and layout_key(base) in best_of:
+            layouts = min(layouts, best_of[layout_key(base)].step_s * (1 + 1e-9))
+        return max(best * WIDEN, mine.step_s * WIDEN if sure < cap else 0.0, layouts)
 
     def visit(p):
         nonlocal best, sure
