@@ -57,8 +57,8 @@ def every_layout_at_its_best():
 def test_layout_level_equals_every_layout_at_its_best():
     """Rank, best configuration and gap of the published layout (pruned) equal the enumeration above; and
     the two levels differ here (full recompute costs the configuration its place, not the layout). Planted when
-    written: the published configuration taken as its layout's best (no search over its own groups) gives
-    layout rank 21 instead of 7 and a gap of -25.3% instead of -14.6%."""
+    written: the published configuration taken as its layout's best (no search over its own groups) ranks dp2 cp2
+    11th instead of 2nd."""
     order = every_layout_at_its_best()
     for row in (ROW, PIPELINED):
         want = next(i for i, p in enumerate(order) if layout_key(p.layout) == layout_key(layout_of(row)))
