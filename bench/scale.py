@@ -91,10 +91,10 @@ def ranks(model: str) -> dict:
     import time
 
     from labkit.scale.misses import classify
-    from labkit.scale.ranking import CAP, rank_published
+    from labkit.scale.ranking import CAP, LAYOUT_CAP, rank_published
 
     print(f"\nwhere each published layout ranks in the search over its space, {model} model "
-          f"(rank {CAP + 1} = beyond {CAP}; criterion: top 5 or within 5% of the top)")
+          f"(rank {CAP + 1} = beyond {CAP}, {LAYOUT_CAP + 1} for layouts; criterion: top 5 or within 5% of the top)")
     print("  config: the exact published configuration; layout: its dp, pp, cp, tp and schedule kind, each layout at\n"
           "  its best micro-batch, ZeRO stage, recompute, dp_replicate and cp_method (a weaker claim than the first)")
     print(f"  {'row':20s} {'config':>6} {'gap':>7} meets {'layout':>6} {'gap':>7} meets {'s':>5}  the top; the published "
@@ -107,11 +107,11 @@ def ranks(model: str) -> dict:
             took = time.perf_counter() - took
             lay = got["layout"]
 
-            def shown(rank, gap):
-                return ("-" if rank is None else (f">{CAP}" if rank > CAP else str(rank)),
+            def shown(rank, gap, cap):
+                return ("-" if rank is None else (f">{cap}" if rank > cap else str(rank)),
                         "-" if gap is None else f"{gap:+.1%}")
-            rank, gap = shown(got["rank"], got["gap"])
-            lrank, lgap = shown(lay["rank"], lay["gap"])
+            rank, gap = shown(got["rank"], got["gap"], CAP)
+            lrank, lgap = shown(lay["rank"], lay["gap"], LAYOUT_CAP)
             best = lay["best"].layout.short() if lay["best"] is not None else "-"
             print(f"  {row['id']:20s} {rank:>6} {gap:>7} {'yes' if got['meets'] else 'NO ':5s} {lrank:>6} {lgap:>7} "
                   f"{'yes' if lay['meets'] else 'NO ':5s} {took:5.1f}  {got['top'].layout.short() if got['top'] else '-'}; "

@@ -17,11 +17,14 @@ and gets one class (`classify`):
                      is scaled by the model's own error on this row's published memory (torchtitan publishes its
                      peak reserved): where the model under-predicts the published run's memory by more than the
                      headroom, "fits" is the model's memory being too optimistic, not a choice the model beats.
-    "layout"         the published layout at its best is more than 5% behind the top (even where it is among the top
-                     5 layouts, configurations of faster layouts fill the top 5): the line gives the step terms (compute, bubble,
-                     exposed traffic per axis, optimizer) that separate it from the top. Whether such a term is a
+    "layout"         the published layout at its best is more than 5% behind the top (even where it is among the
+                     top 5 layouts, configurations of faster layouts fill the top 5): the line gives the step terms
+                     (compute, bubble, exposed traffic per axis, optimizer) that separate it from the top. Whether such a term is a
                      mechanism the model gets wrong or a layout it rightly prefers is a judgement per mechanism,
                      made in notebook 15 with the numbers this line prints, not by a rule here.
+    "...-memory"     where the row publishes its memory, the faster configuration of its layout, or the top, scaled
+                     by the model's own error on that memory, would not fit: "layout-memory" when the top would not,
+                     "config-memory" / "layout-memory" when the layout's best would not (its gain is then doubtful).
 Nothing here changes a rank; it reads the Predictions `rank_published` returns.
 """
 from __future__ import annotations
@@ -68,18 +71,22 @@ def classify(result: dict, row: dict, set_info: dict) -> dict:
     line = (f"published {mine.layout.short()} -> its layout at its best, {own.layout.short()} ({changed(mine, own)}): "
             f"{inside:+.1%} (step {mine.step_s:.3f} -> {own.step_s:.3f} s: {terms(mine, own)}), {need:.1f} GiB with the "
             f"reserve of {gpu:.1f}")
-    if lay["gap"] >= -WITHIN:
-        published = row["published"].get("memory_gib")
-        kind = "config"
-        if published is not None and own is not mine:
-            scale = published / mine.reserved_gib  # the model's own error on this row's published memory
-            scaled, fits = memory(own, gpu, scale)
-            line += (f"; the model's memory of the published run is {mine.reserved_gib / published - 1:+.0%} of its "
-                     f"published {published:.1f} GiB: scaled by that, {scaled:.1f} GiB, "
-                     + ("still fits" if fits else "does not fit: the model's memory may be too optimistic here"))
-            kind = "config" if fits else "config-memory"
+    published = row["published"].get("memory_gib")
+    scale = None if published is None else published / mine.reserved_gib  # the model's own error on this row's memory
+    kind = "config" if lay["gap"] >= -WITHIN else "layout"
+    if scale is not None and own is not mine:
+        scaled, fits = memory(own, gpu, scale)
+        line += (f"; the model's memory of the published run is {mine.reserved_gib / published - 1:+.0%} of its "
+                 f"published {published:.1f} GiB: scaled by that, {scaled:.1f} GiB, "
+                 + ("still fits" if fits else "does not fit: the model's memory may be too optimistic here"))
+        kind += "" if fits else "-memory"
+    if kind.startswith("config"):
         return {"class": kind, "line": line}
     line += (f"; that layout -> the top, {top.layout.short()}: {top.tokens_per_s_per_gpu / own.tokens_per_s_per_gpu - 1:+.1%} "
              f"(step {own.step_s:.3f} -> {top.step_s:.3f} s: {terms(own, top)}; memory {own.peak_gib:.1f} vs "
-             f"{top.peak_gib:.1f} GiB)")
-    return {"class": "layout", "line": line}
+             f"{top.peak_gib:.1f} GiB")
+    if scale is not None:
+        scaled, fits = memory(top, gpu, scale)
+        line += f"; the top scaled by the same error: {scaled:.1f} GiB, " + ("fits" if fits else "does not fit")
+        kind = kind if fits else "layout-memory"
+    return {"class": kind, "line": line + ")"}

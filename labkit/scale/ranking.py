@@ -66,6 +66,7 @@ from labkit.scale.specs import MODELS
 from labkit.scale.validation import layout_of, model_options
 
 TOP, WITHIN = 5, 0.05
+LAYOUT_CAP = 10  # the layout level's ranks, exactly up to here (its criterion needs the top 5; its gap is always exact)
 CAP = 25  # ranks are counted exactly up to here; beyond, "more than 25" (the criterion needs the top 5)  # issue 34: "in the search's top 5, or within 5% of the top prediction"
 _SEARCHED: dict = {}  # rank_published's searches, by everything they read
 TERMS = ("compute", "bubble", "exposed_tp", "exposed_cp", "exposed_ep", "exposed_pp", "exposed_dp", "optimizer")
@@ -162,13 +163,13 @@ WIDEN = (1 + 1e-9) / (1 - TIE)  # a tie group spans TIE of its fastest layout; 1
 
 
 def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: dict, *, cap: int = CAP,
-                  prune: bool = True) -> dict:
+                  prune: bool = True, layout_cap: int = LAYOUT_CAP) -> dict:
     """The top of the space around `mine` (the published layout's Prediction, any layout of the space, or None:
     the top does not depend on it) and how many fitting layouts `ranked` puts before it: {"top" (None if nothing
     fits), "better" (exact up to `cap`; `cap` means at least that many; `cap` when mine is None), "predicted",
     and, when mine fits, "layout": the same at the level of the parallel layout (`layout_key`): {"own" (mine's
     layout at its best configuration), "better" (layouts, each at its best, that `ranked` puts before it, exact
-    up to `cap`)}}.
+    up to `layout_cap`)}}.
     The space's schedules: `schedules_of` (1F1B, interleaved x2, ZB under the kernel model, and mine's);
     sequence parallelism as mine (on when mine is None).
     Ties (labkit.scale.cost.ranked, TIE): a layout's place depends on every layout within TIE of the fastest
@@ -205,7 +206,7 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
             return float("inf")
         if not fits:  # the top alone (mine, if any, does not fit: it has no rank)
             return best * WIDEN
-        layouts = own.step_s * WIDEN if len(sure_keys) < cap else 0.0
+        layouts = own.step_s * WIDEN if len(sure_keys) < layout_cap else 0.0
         if base is not None and layout_key(base) == own_key:  # its best is known (phase one): configurations only
             layouts = 0.0
         elif base is not None and layout_key(base) in best_of:
@@ -232,18 +233,19 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
     if fits:
         layouts = ranked([*best_of.values(), own])
         at = next(i for i, p in enumerate(layouts) if p is own)
-        out["layout"] = dict(own=own, better=cap if len(sure_keys) >= cap else min(at, cap))
+        out["layout"] = dict(own=own, better=layout_cap if len(sure_keys) >= layout_cap else min(at, layout_cap))
     return out
 
 
-def rank_published(row: dict, set_info: dict, model: str = "flat", *, prune: bool = True, cap: int = CAP) -> dict:
+def rank_published(row: dict, set_info: dict, model: str = "flat", *, prune: bool = True, cap: int = CAP,
+                   layout_cap: int = LAYOUT_CAP) -> dict:
     """Where the row's published layout ranks in its space under `model` ("flat" or "kernels"): {id, rank (None
     when the model says it does not fit; cap + 1 means beyond cap), top (the first Prediction), published (its
     Prediction), gap (published / top tokens/s/GPU - 1), meets (rank <= 5 or gap >= -5%), why ({term:
     (published s, top s)}, "memory_gib"), predicted (layouts predicted in full), layout: the criterion at the level
     of the parallel layout (`layout_key`: dp, pp, cp, tp, schedule kind), each layout at its best configuration:
-    {rank (among layouts), best (the published layout's best configuration, a Prediction), gap (its tokens/s / the
-    top's - 1), meets}}."""
+    {rank (among layouts; layout_cap + 1 means beyond layout_cap), best (the published layout's best configuration,
+    a Prediction), gap (its tokens/s / the top's - 1), meets}}."""
     cluster = load_cluster(set_info["cluster"])
     spec = MODELS[row["model"]]
     if row.get("fused_kernels"):
@@ -258,9 +260,10 @@ def rank_published(row: dict, set_info: dict, model: str = "flat", *, prune: boo
         return dict(id=row["id"], rank=None, top=None, published=mine, gap=None, meets=False, why={}, predicted=0,
                     layout=dict(rank=None, best=None, gap=None, meets=False))
     # rows that differ only in what the cost model does not read (the 70B async-TP file repeats its runs) share one search
-    memo = (set_info["cluster"], spec, batch, seq, layout, tuple(sorted(options.items())), cap, prune)
+    memo = (set_info["cluster"], spec, batch, seq, layout, tuple(sorted(options.items())), cap, prune, layout_cap)
     if memo not in _SEARCHED:
-        _SEARCHED[memo] = search_around(spec, cluster, batch, seq, n, mine, options, cap=cap, prune=prune)
+        _SEARCHED[memo] = search_around(spec, cluster, batch, seq, n, mine, options, cap=cap, prune=prune,
+                                        layout_cap=layout_cap)
     found = _SEARCHED[memo]
     top, rank = found["top"], 1 + min(found["better"], cap)
     gap = mine.tokens_per_s_per_gpu / top.tokens_per_s_per_gpu - 1
@@ -268,7 +271,7 @@ def rank_published(row: dict, set_info: dict, model: str = "flat", *, prune: boo
     why["memory_gib"] = (mine.peak_gib, top.peak_gib)
     own = found["layout"]["own"]
     layout_gap = own.tokens_per_s_per_gpu / top.tokens_per_s_per_gpu - 1
-    layout_rank = 1 + min(found["layout"]["better"], cap)
+    layout_rank = 1 + min(found["layout"]["better"], layout_cap)
     return dict(id=row["id"], rank=rank, top=top, published=mine, gap=gap, meets=rank <= TOP or gap >= -WITHIN,
                 why=why, predicted=found["predicted"],
                 layout=dict(rank=layout_rank, best=own, gap=layout_gap,
