@@ -35,11 +35,16 @@ were predicted; kernel model 32 -> 33 of 47 within 25%, worst 72% -> 66%). After
 25% with its note from the data file: what was checked, and why the miss stays.
 --ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
 same model, cluster, global batch, sequence length and GPU count; 1F1B, interleaved x2, ZB under the kernel
-model, and the row's own schedule; ties within 0.5% go to the least memory), its gap to the top prediction,
-whether it meets issue 34's criterion (top 5, or within 5%), the seconds each row took, and for each row that
-does not meet it, the terms that make the model's pick faster. Measured on 2 shared CPU cores (2026-11-26):
-89 s for the 47 rows under the flat model, 510 s under the kernel model (most rows under 10 s; Llama 3's
-8K- and 16K-GPU rows 115-176 s). 1 of 47 meets the criterion under either model.
+model, and the row's own schedule; ties within 0.5% go to the least memory), at two levels: the exact published
+configuration (issue 34's criterion as written: top 5, or within 5% of the top) and its parallel layout (dp, pp,
+cp, tp, schedule kind) at its best micro-batch, ZeRO stage, recompute, dp_replicate and cp_method (a weaker claim,
+printed beside the first, never instead of it); for each, the rank and the gap to the top; the seconds each row
+took; and for each row that misses as a configuration, its class (labkit.scale.misses: a choice inside its layout,
+"config", or the layout itself, "layout"; "-memory" where the row's published memory, against the model's own
+error on it, says the faster configuration would not fit) with the numbers of both steps. Measured alone on 2
+shared CPU cores (2026-11-27): 708 s for the 47 rows under the kernel model (Llama 3's 8K-GPU row 322 s, its
+16K-GPU row 108 s, Megatron's 145B-1T 26-60 s, the rest under 13 s), 101 s under the flat model. Kernel
+model: 1 of 47 meets the criterion as a configuration, 10 of 47 as a parallel layout; flat: 1 and 10.
 --memory: also a memory table per row: published memory (torchtitan's peak reserved GiB; "ran": every other row
 ran on its GPUs, so it must fit), the predicted reserved memory (footprint's tensors + the cuBLAS workspace's
 allocator segment, labkit.scale.reserve) and its error, the whole reserve (+ CUDA context, NCCL's buffers), the

@@ -45,12 +45,17 @@ published step drops out once CAP layouts are surely ahead of it, their steps be
     2. per (... , micro_batch, recompute, cp_method): one prediction gives the step less its exposed dp and
        optimizer terms, which are all that ZeRO stage and dp_replicate change (tests/test_scale_ranking.py
        checks it): above the limit, its ZeRO stages and replicas are skipped.
+The layout level (`layout_key`) first finds the published layout's best configuration over its own groups alone
+(bounded by the best found there), then shares the scan above: its limit is that best, widened by a tie, while
+fewer than LAYOUT_CAP layouts are surely ahead of it (their best below its x (1 - TIE)), and for a layout whose
+best is already found no more than that best (only a layout's fastest configuration ranks it).
 Every layout left is predicted. `rank_published(..., prune=False)` enumerates everything (the tests' brute force).
-Ranks are exact up to CAP (the criterion needs the top 5); past it the search only needs the top, which
-prunes harder. Cost (2 shared cores, 2026-11-26, `bench/scale.py --ranks`): the 47 rows in 89 s under the flat
-model, 510 s under the kernel model: most rows 0.1-10 s, Megatron's 145B-1T 22-37 s, Llama 3's 8K- and 16K-GPU
-rows 115-176 s (their simulated schedules are long). 405B on 512 GPUs (tt24-t5-13) under the kernel model: 98 s
-before this bound (1F1B only, the same machine and load), 9.5-11 s now with more schedules in the space.
+Ranks are exact up to CAP (the criterion needs the top 5), the layout level's up to LAYOUT_CAP; past them the
+search only needs the top, which prunes harder. Cost (2 shared cores, `bench/scale.py --ranks`): 2026-11-26, the
+configuration level alone, the 47 rows in 89 s under the flat model, 510 s under the kernel model; 2026-11-27 with
+the layout level too, measured alone: 101 s flat, 708 s kernels (most rows 0.1-13 s, Megatron's 145B-1T 26-60 s, Llama 3's 8K- and 16K-GPU
+rows 322 s and 108 s: their simulated schedules are long). 405B on 512 GPUs (tt24-t5-13) under the kernel model:
+98 s before the kernel bound (1F1B only), 9.5-11 s with it and more schedules in the space, 7.9 s with both levels.
 """
 from __future__ import annotations
 
