@@ -72,7 +72,7 @@ def test_layout_level_equals_every_layout_at_its_best():
 
 def test_memory_scales_the_tensors_not_the_reserve():
     """misses.memory: (peak x scale + reserve) / 2^30 against the GPU, the reserve (context, NCCL, workspace) not
-    scaled by the model's error on tensors. Planted when written: (peak + reserve) x scale gives 86.0, not 85.5."""
+    scaled by the model's error on tensors. Planted when written: (peak + reserve) x scale gives 86.25, not 85.5."""
     p = SimpleNamespace(peak_bytes=70 * 2**30, reserve={"total": 5 * 2**30})
     assert memory(p, 89.4) == (75.0, True)
     assert memory(p, 89.4, 1.15) == (pytest.approx(85.5), True)
