@@ -29,11 +29,14 @@ def test_pruned_ranking_equals_every_layout(model, row):
     written: a bound from full recompute instead of none (1.33x the compute) skips layouts that beat the
     published one, and the ranks differ."""
     r, info = ROWS[row]
-    pruned = rank_published(r, info, model, cap=10**9)
-    every = rank_published(r, info, model, prune=False, cap=10**9)
+    pruned = rank_published(r, info, model, cap=10**9, layout_cap=10**9)
+    every = rank_published(r, info, model, prune=False, cap=10**9, layout_cap=10**9)
     assert pruned["top"].layout == every["top"].layout
     assert pruned["rank"] == every["rank"]
     assert pruned["predicted"] <= every["predicted"]
+    # the layout level (ranking's docstring): the same rank and the same best configuration of the published layout
+    assert pruned["layout"]["rank"] == every["layout"]["rank"]
+    assert pruned["layout"]["best"].layout == every["layout"]["best"].layout
 
 
 @pytest.mark.parametrize("efficiency", (0.40, None))

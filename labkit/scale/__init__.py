@@ -25,7 +25,9 @@ Modules, one job each:
     figures    notebook 15's figures, each from the model's own numbers (validation, a step by part, the search's landscape)
     validation the validation set (published_runs.json: torchtitan, Megatron-LM, Llama 3) and its errors
     ranking    where each published layout ranks in the search over its own space, and why (pruned by
-               bounds: lower bounds on a group of layouts' step); cost.ranked: the search's order, ties by memory
+               bounds: lower bounds on a group of layouts' step), as a configuration and as a parallel layout at
+               its best; cost.ranked: the search's order, ties by memory
+    misses     why a published layout misses the criterion: a choice inside its layout, or the layout itself
     simulate   one rank of a large world on fake tensors and the fake process group: the
                place where a composed parallel step plugs in (`measure_step`)
 """
