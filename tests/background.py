@@ -3,8 +3,7 @@ grading suite on the untouched stubs).
 
 Each is a process of its own that keeps about one core busy, and most of the suite leaves one of the
 two cores idle (a test waits on ranks, a timeout, a browser). So the jobs start as soon as collection
-ends, one at a time while other tests run, a second one while the machine is mostly idle (`IdleCores`:
-the tests wait for something), and two at a time once a test waits for a result: the
+ends, one at a time while other tests run, and two at a time once a test waits for a result: the
 tests that read results run last (tests/conftest.py orders them). The suite's verdicts must not
 depend on the load, as `make test-stress` checks with both cores taken.
 
@@ -23,36 +22,6 @@ BESIDE_TESTS, WHEN_WAITED_FOR = 1, 2  # jobs at once while other tests run / whi
 # second thread only waits at each op's end for a thread the scheduler put aside. Notebook 01 on the
 # solutions beside a busy core: 121 s with two threads, 102 s with one (2026-11-27).
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-
-
-class IdleCores:
-    """Whether the machine was mostly idle over the last PERIOD seconds (Linux's /proc/stat; elsewhere never):
-    less than half its cores busy. Then a second job starts beside the tests: with one job running, that
-    means the tests themselves are waiting (for a timeout, a host, a browser), and the core they leave would
-    go unused. Measured 2026-11-27: the tests alone left about 240 core-seconds idle."""
-    PERIOD = 1.0
-    BUSY_BELOW = 0.5
-
-    def __init__(self):
-        self.last, self.verdict = self._sample(), False
-
-    @staticmethod
-    def _sample():
-        try:
-            with open("/proc/stat") as f:
-                values = [int(v) for v in f.readline().split()[1:8]]
-        except (OSError, ValueError):
-            return None
-        return time.monotonic(), sum(values) - values[3] - values[4], sum(values)  # (when, busy, all) in ticks
-
-    def now(self) -> bool:
-        sample = self._sample()
-        if sample is None or self.last is None:
-            return False
-        if sample[0] - self.last[0] >= self.PERIOD:
-            busy, total = sample[1] - self.last[1], sample[2] - self.last[2]
-            self.verdict, self.last = total > 0 and busy / total < self.BUSY_BELOW, sample
-        return self.verdict
 
 
 @dataclass
@@ -85,7 +54,6 @@ class Background:
         self.lock = threading.Condition()
         self.thread = None
         self.helpers = []  # processes the jobs share (tests/kernel_factory.py): .pids(), .close()
-        self.idle = IdleCores()
 
     def start(self, specs):
         for key, argv, env, timeout, weight in specs:
@@ -95,14 +63,13 @@ class Background:
             self.thread.start()
 
     def _limit(self) -> int:
-        return WHEN_WAITED_FOR if self.waiting or self.idle.now() else BESIDE_TESTS
+        return WHEN_WAITED_FOR if self.waiting else BESIDE_TESTS
 
     def _schedule(self):
         queue = sorted(self.jobs.values(), key=lambda job: -job.weight)
         for job in queue:
             with self.lock:
-                while not self.lock.wait_for(lambda: self.closed or self.running < self._limit(), IdleCores.PERIOD):
-                    pass  # asked again each period: the machine may have gone idle meanwhile
+                self.lock.wait_for(lambda: self.closed or self.running < self._limit())
                 if self.closed:
                     return
                 self.running += 1
