@@ -347,3 +347,19 @@ def test_a_kernel_killed_by_sigkill_leaves_no_controller_and_no_engine(tmp_path)
     assert left == [], f"left after the kernel was killed: {[(p, psutil.Process(p).cmdline()[:4]) for p in left]}"
     assert not os.path.exists(folder), f"the session's folder {folder} outlived the killed kernel"
     print(f"nothing of the session left {time.monotonic() - killed:.1f} s after the kernel's SIGKILL")
+
+
+def test_a_launcher_log_already_removed_is_not_an_error_in_the_cell():
+    """ipyparallel checks that a launcher's log exists, then removes it; two of its callbacks racing leave the second
+    a FileNotFoundError, which it logs as an error into the cell. labkit's filter drops that one message, no other."""
+    import logging
+
+    from labkit.session.engines import _already_removed
+
+    def kept(message):
+        return _already_removed(logging.LogRecord("ipyparallel", logging.ERROR, __file__, 1, message, None, None))
+
+    assert not kept("Failed to remove /root/.ipython/profile_default/log/ipcontroller-1-a-2.log: [Errno 2] No such "
+                    "file or directory: '/root/.ipython/profile_default/log/ipcontroller-1-a-2.log'")
+    assert kept("Failed to remove /root/.ipython/x.log: [Errno 13] Permission denied: '/root/.ipython/x.log'")
+    assert kept("Controller stopped: {'exit_code': 1}")
