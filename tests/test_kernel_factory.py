@@ -3,6 +3,7 @@
 The notebook tests trust that a forked kernel is what jupyter_client would have started: the runner's
 environment and working directory, Interrupt, and nothing left once the kernel manager kills it.
 """
+import ast
 import os
 import time
 
@@ -36,36 +37,42 @@ def _manager(factory, tmp_path, monkeypatch):
     return manager, client
 
 
-def _run(client, code, timeout=60):
-    """(stdout text, error name or None) of one cell."""
-    said = []
-    reply = client.execute_interactive(code, timeout=timeout, output_hook=said.append)
-    text = "".join(m["content"].get("text", "") for m in said if m["msg_type"] == "stream")
-    return text, reply["content"].get("ename")
+def _value(client, code, expression, timeout=60):
+    """The value of `expression` after running `code`, as the kernel's execute reply carries it.
+
+    Read from the reply on the shell channel, not from printed output: ipykernel sends a cell's
+    stream output on iopub from its own thread, and under load that can come after the cell's
+    'idle' (CI saw a print's output missing once), which says nothing about the kernel.
+    """
+    reply = client.execute_interactive(code, timeout=timeout, user_expressions={"value": expression})
+    content = reply["content"]
+    assert content["status"] == "ok", (content.get("ename"), content.get("evalue"))
+    value = content["user_expressions"]["value"]
+    assert value["status"] == "ok", (value.get("ename"), value.get("evalue"))
+    return ast.literal_eval(value["data"]["text/plain"])
 
 
 def test_a_forked_kernel_has_the_runners_environment_and_directory_is_interrupted_and_leaves_nothing(
         factory, tmp_path, monkeypatch):
     manager, client = _manager(factory, tmp_path, monkeypatch)
     try:
-        text, error = _run(client, "import os, sys, torch\nprint(os.environ['LABKIT_PROBE'], os.getcwd(), os.getppid(), "
-                                   "'torch' in sys.modules, os.getpid(), torch.get_num_threads(), sep='|')")
-        assert error is None, error
-        probe, cwd, parent, torch_loaded, pid, threads = text.strip().split("|")
+        seen = _value(client, "import os, sys, torch", "(os.environ['LABKIT_PROBE'], os.getcwd(), os.getppid(), "
+                      "'torch' in sys.modules, os.getpid(), str(torch.get_num_threads()))")
+        probe, cwd, parent, torch_loaded, pid, threads = seen
+        text = repr(seen)
         # the runner's thread count, though torch read the factory's at import (on a 1-core machine: 1 anyway)
         assert threads == background.ONE_THREAD["OMP_NUM_THREADS"], text
         # forked by the factory, torch already imported there: the point of it
-        assert int(parent) == factory.process.pid and torch_loaded == "True", text
+        assert parent == factory.process.pid and torch_loaded, text
         assert probe == "from the runner" and os.path.samefile(cwd, tmp_path), text
-        kernel = psutil.Process(int(pid))
+        kernel = psutil.Process(pid)
 
         client.execute("import time\nfor _ in range(600): time.sleep(0.1)")
         time.sleep(1.0)
         manager.interrupt_kernel()  # SIGINT to the shim, which forwards it
         reply = client.get_shell_msg(timeout=30)
         assert reply["content"].get("ename") == "KeyboardInterrupt", reply["content"]
-        text, error = _run(client, "print(6 * 7)")
-        assert (text.strip(), error) == ("42", None), "the kernel should go on after an Interrupt"
+        assert _value(client, "answer = 6 * 7", "answer") == 42, "the kernel should go on after an Interrupt"
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)  # SIGKILL to the shim's process group: the factory ends the kernel
