@@ -15,6 +15,10 @@ import subprocess
 import time
 from pathlib import Path
 
+# MinJobAge=4: `sbatch --wait` polls the job after 2, 8 and 32 s (each wait 4x the last while it is under
+# MinJobAge/2, so that a finished job is never purged unseen); the default (300 s) let a 12 s job return
+# after 42 s. With 4 it polls every 2 s. sched_min_interval=0: a job is placed as soon as it is submitted
+# (the default waits up to 2 s between scheduling passes).
 SLURM_CONF = """\
 ClusterName=labkit
 SlurmctldHost=localhost(127.0.0.1)
@@ -39,6 +43,8 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
+MinJobAge=4
+SchedulerParameters=sched_min_interval=0
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
