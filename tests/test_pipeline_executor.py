@@ -121,7 +121,7 @@ def test_blocking_send_one_f_one_b_really_deadlocks():
     with pytest.raises(DeadlockError):
         simulate(pl.one_f_one_b_schedule(2, 4), blocking_send=True)
     with pytest.raises(LaunchError, match="send") as err:
-        launch(_blocking_rank, 2, timeout=8)
+        launch(_blocking_rank, 2, timeout=60, idle_timeout=2.0)  # both ranks wait, idle, in send
     # the stuck ranks' stacks point into communicate, the learner's exercise, at its blocking send
     assert str(err.value).count("in communicate: dist.send(") == 2, str(err.value)
 
