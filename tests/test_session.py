@@ -7,6 +7,7 @@ output as a tab per rank (`%%ranks --tabs`, text without ipywidgets), a Keyboard
 rank, a timeline recorded on the ranks and drawn in the kernel (`%ranks timeline`); then the kernel shuts
 down and no engine or controller is left. About a minute on 2 busy cores. Apart: a kernel killed by SIGKILL.
 """
+import glob
 import os
 import time
 
@@ -303,7 +304,8 @@ def test_a_kernel_killed_by_sigkill_leaves_no_controller_and_no_engine(tmp_path)
         f"marked = {{p.pid for p in psutil.process_iter() if env(p).get({variable!r}) == {marker!r}}}\n"
         "print('ENGINES', *[f'{p}:{psutil.Process(p).create_time()}' for p in s.pids.values()])\n"
         "print('BORN', *{(psutil.Process(p).name(), psutil.Process(p).ppid() == os.getpid()) for p in s.pids.values()})\n"
-        "print('PIDS', *pids, all(p in marked for p in pids))\nprint('FOLDER', s.folder)",
+        "print('PIDS', *pids, all(p in marked for p in pids))\nprint('FOLDER', s.folder)\n"
+        "c = s.engines.cluster\nprint('CLUSTER', c.profile_dir, c.cluster_id, os.path.exists(c.cluster_file))",
         "os.kill(os.getpid(), signal.SIGKILL)",
     )]
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", variable)}
@@ -322,6 +324,8 @@ def test_a_kernel_killed_by_sigkill_leaves_no_controller_and_no_engine(tmp_path)
     assert said.get("PIDS", "").split()[-1:] == ["True"] and "FOLDER" in said and "ENGINES" in said, \
         [nb.cells[1].outputs, nb.cells[2].outputs]
     folder = said["FOLDER"]
+    profile, cluster_id, written = said["CLUSTER"].split()
+    assert written == "True", said["CLUSTER"]  # ipyparallel wrote its cluster file where the check below looks
     # forked by the zygote (labkit.session.forked_engines), never by the kernel
     assert said["BORN"] == f"('{ENGINE_NAME}', False)", said["BORN"]
     # the engines carry the zygote's environment, not the marker: known by pid and start time (a reused pid
@@ -340,12 +344,16 @@ def test_a_kernel_killed_by_sigkill_leaves_no_controller_and_no_engine(tmp_path)
                 pass
         return _marked(variable, marker) + alive
 
+    def files_left():  # ipyparallel's files of this cluster in the IPython profile (~/.ipython/profile_default)
+        return sorted(glob.glob(os.path.join(profile, "*", f"*{cluster_id}*")))
+
     deadline = killed + 10
-    while (left_over() or os.path.exists(folder)) and time.monotonic() < deadline:
+    while (left_over() or os.path.exists(folder) or files_left()) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = left_over()
     assert left == [], f"left after the kernel was killed: {[(p, psutil.Process(p).cmdline()[:4]) for p in left]}"
     assert not os.path.exists(folder), f"the session's folder {folder} outlived the killed kernel"
+    assert files_left() == [], f"ipyparallel's files outlived the killed kernel: {files_left()}"
     print(f"nothing of the session left {time.monotonic() - killed:.1f} s after the kernel's SIGKILL")
 
 

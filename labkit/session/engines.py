@@ -105,6 +105,15 @@ def host_arguments(hosts: list[tuple[str, int]]) -> list[str]:
                      "another way (its host file variable), without --hosts")
 
 
+def ipyparallel_files(profile_dir: str, cluster_id: str) -> tuple[str, ...]:
+    """Glob patterns of what ipyparallel writes for one cluster into the IPython profile: the cluster file and the
+    controller's connection files (security/), the controller's and engines' logs and the controller's engine
+    state file (log/). The reaper removes them (labkit.session.reaper)."""
+    security, log = os.path.join(profile_dir, "security"), os.path.join(profile_dir, "log")
+    return (os.path.join(security, f"cluster-{cluster_id}.json"),
+            os.path.join(security, f"ipcontroller-{cluster_id}-*.json"), os.path.join(log, f"*{cluster_id}*"))
+
+
 class Engines:
     """N engines and their controller; ``client`` talks to them."""
 
@@ -128,7 +137,7 @@ class Engines:
         self.cluster = ipp.Cluster(n=self.n, engine_launcher_class=engine_class, log_level=40, shutdown_atexit=True,
                                    controller_ip=self.address, controller_args=HEARTBEAT)
         self.cluster.log.addFilter(_already_removed)
-        self.reaper = Reaper(self.folder)
+        self.reaper = Reaper(self.folder, leftovers=ipyparallel_files(self.cluster.profile_dir, self.cluster.cluster_id))
         began = time.monotonic()
         try:
             self.cluster.start_controller_sync(environment=dict(self.reaper.environment))

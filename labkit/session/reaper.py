@@ -9,7 +9,10 @@ any signal (the operating system closes a dead process's descriptors). Then it k
 process whose environment carries this session's marker (`MARKER`: set by the launchers in the controller's
 and the engines' environment, inherited by everything they start, mpiexec's daemons included), until none
 is left, removes the session's folder (the ranks' stack files, `Session.folder`: a kernel that dies or shuts
-down without `%ranks stop` leaves it otherwise), and exits.
+down without `%ranks stop` leaves it otherwise) and ipyparallel's files of the session in the IPython profile
+(`leftovers`: the cluster file, the controller's connection files and the logs, which a killed controller never
+removes: one file per session in the learner's ~/.ipython, and every cluster file there slows JupyterLab, whose
+IPython Parallel panel loads each on every refresh), and exits.
 
 Why not PR_SET_PDEATHSIG: it fires when the parent *thread* ends (in a kernel, whose event loop is
 running, ipyparallel's `*_sync` calls run in a helper thread), is Linux only, and reaches direct children
@@ -22,6 +25,7 @@ this machine, network namespaces included, and only its own pid namespace: an en
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -77,15 +81,15 @@ def sweep(marker: str, deadline_s: float = 10.0) -> int:
 
 class Reaper:
     """The kernel's side: ``environment`` goes to the launchers; ``stop()`` (or the kernel's death) ends them
-    and removes ``folder`` (the session's files), when given."""
+    and removes ``folder`` (the session's files), when given, and every file matching a ``leftovers`` pattern."""
 
-    def __init__(self, folder: str | None = None):
+    def __init__(self, folder: str | None = None, leftovers: tuple[str, ...] = ()):
         self.marker = uuid.uuid4().hex
         self.environment = {MARKER: self.marker}
         env = {k: v for k, v in os.environ.items() if k != MARKER}
         # this file as a script, isolated (-I): psutil only, not labkit's package (torch, seconds and 200 MB)
         self.process = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), self.marker,
-                                         *([folder] if folder else [])],
+                                         folder or "", *leftovers],
                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,
                                         start_new_session=True)  # the stop button's SIGINT is not for it
 
@@ -100,7 +104,7 @@ class Reaper:
             self.process.wait()
 
 
-def main(marker: str, folder: str | None = None) -> None:
+def main(marker: str, folder: str = "", *leftovers: str) -> None:
     try:
         sys.stdin.buffer.read()  # until the kernel's end closes: stopped, exited or killed
     except BaseException:
@@ -108,10 +112,16 @@ def main(marker: str, folder: str | None = None) -> None:
     sweep(marker)
     if folder:  # after the sweep: no engine writes a stack into it any more
         shutil.rmtree(folder, ignore_errors=True)
+    for pattern in leftovers:
+        for path in glob.glob(pattern):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
 
 
 if __name__ == "__main__":
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:])
