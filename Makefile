@@ -35,18 +35,21 @@ help:
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "Python 3.10+ is needed (python3.11 recommended)"; exit 1; }
 	@echo "Setting up $(VENV) with $(PYTHON) (first time: a few minutes)..."
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# --without-pip: ensurepip alone takes 5 s; pip comes with the packages (uv) or from ensurepip (below)
+	@test -x $(BIN)/python || $(PYTHON) -m venv --without-pip $(VENV)
 	@# uv installs the same pins in about 10 s where pip takes about 50 (it downloads and unpacks in parallel).
 	@# pip stays where uv cannot stand in for it: PIP_EXTRA given (uv orders extra indexes before the main one,
 	@# so the README's CPU-index recipe would take PyPI's CUDA torch), uv not installable, or a uv plan with
 	@# CUDA libraries (nvidia-*) where pip takes a CPU torch from its find-links (as on this project's machines).
-	@links=$$(for l in $$PIP_FIND_LINKS; do printf -- '--find-links %s ' "$$l"; done); \
-	if [ -z "$(PIP_EXTRA)" ] && { $(BIN)/python -m pip install -q "uv==$(UV_VERSION)" $(PIP_QUIET); } && [ -x $(BIN)/uv ] \
-	   && plan=$$($(BIN)/uv pip install --dry-run --python $(BIN)/python $$links -e ".[test]" 2>&1) \
+	@links=$$(for l in $$PIP_FIND_LINKS; do printf -- '--find-links %s ' "$$l"; done); uv=$(VENV)/uv/bin/uv; \
+	if [ -z "$(PIP_EXTRA)" ] && { [ -x $$uv ] || PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install -q \
+	        --target $(VENV)/uv "uv==$(UV_VERSION)" $(PIP_QUIET); } && [ -x $$uv ] \
+	   && plan=$$($$uv pip install --dry-run --python $(BIN)/python $$links -e ".[test]" pip 2>&1) \
 	   && ! grep -q " + nvidia-" <<< "$$plan"; then \
-		$(BIN)/uv pip install -q --python $(BIN)/python $$links -e ".[test]"; \
+		$$uv pip install -q --python $(BIN)/python $$links -e ".[test]" pip; \
 	else \
 		echo "installing with pip"; \
+		$(BIN)/python -m pip --version > /dev/null 2>&1 || $(BIN)/python -m ensurepip > /dev/null; \
 		set -o pipefail; $(BIN)/python -m pip install -q --upgrade pip $(PIP_QUIET); \
 		$(BIN)/python -m pip install -q --no-compile -e ".[test]" $(PIP_EXTRA) $(PIP_QUIET); \
 	fi
