@@ -134,8 +134,9 @@ _current: Background | None = None
 
 
 def _log(job: _Job, began: float):
-    """`LABKIT_BACKGROUND_LOG=file`: one JSON line per job (its key, start and end on the wall clock), to see
-    what the suite's time is spent on beside the tests (the suite's time is a budget: README)."""
+    """`LABKIT_BACKGROUND_LOG=file`: one JSON line per job (its key, start and end on the wall clock, the end of
+    what it wrote on stderr), to see what the suite's time is spent on beside the tests (the suite's time is a
+    budget: README), and where a job that passed spent minutes (tests/run_notebook.py names its slow cells)."""
     path = os.environ.get("LABKIT_BACKGROUND_LOG")
     if path:
         import json
@@ -143,7 +144,8 @@ def _log(job: _Job, began: float):
         end = time.time()
         with open(path, "a") as f:
             f.write(json.dumps({"key": [str(part) for part in job.key] if isinstance(job.key, tuple) else str(job.key),
-                                "start": end - (time.monotonic() - began), "end": end}) + "\n")
+                                "start": end - (time.monotonic() - began), "end": end,
+                                "stderr": job.outcome.stderr[-2000:] if job.outcome else ""}) + "\n")
 
 
 def current() -> Background:

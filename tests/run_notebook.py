@@ -9,7 +9,25 @@ file: its own process, so that two notebooks can run at once.
 """
 import json
 import sys
+import time
 from pathlib import Path
+
+SLOW_CELL_S = 120  # a cell slower than this is named on stderr (the quick setting's cells take seconds)
+
+
+_began = {}
+
+
+def _started(cell, cell_index, **_):
+    _began[cell_index] = time.monotonic()
+
+
+def _ended(cell, cell_index, **_):
+    seconds = time.monotonic() - _began.pop(cell_index, time.monotonic())
+    if seconds > SLOW_CELL_S:
+        first = "".join(cell.source).strip().splitlines()[:1]
+        print(f"run_notebook: cell {cell_index} took {seconds:.0f} s: {first[0][:80] if first else ''}",
+              file=sys.stderr, flush=True)
 
 
 def main(path: Path) -> dict:
@@ -24,7 +42,8 @@ def main(path: Path) -> dict:
     error = None
     for attempt in (1, 2):
         nb = nbformat.read(path, as_version=4)
-        client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+        client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
+                                on_cell_execute=_started, on_cell_executed=_ended)
         try:
             client.execute()
         except CellExecutionError as err:
@@ -44,4 +63,7 @@ def main(path: Path) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]))))
+    began = time.monotonic()
+    result = main(Path(sys.argv[1]))
+    print(f"run_notebook: {sys.argv[1]} ran in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
+    print(json.dumps(result), flush=True)
