@@ -49,9 +49,10 @@ def main(path: Path) -> dict:
         except CellExecutionError as err:
             error = str(err)[-3000:]
         except RuntimeError as err:
-            # a kernel that never answered (seen once in 32 runs on a loaded machine) ran none of the cells:
-            # start another, once, and say so; the verdict is about the notebook's cells
-            if "didn't respond" not in str(err) or attempt == 2 or any(c.get("outputs") for c in nb.cells if c.cell_type == "code"):
+            # a kernel that never answered, or died before its first answer (each seen once in 32 runs on a loaded
+            # machine), ran none of the cells: start another, once, and say so; the verdict is about the cells
+            lost = "didn't respond" in str(err) or "died before replying" in str(err)
+            if not lost or attempt == 2 or any(c.get("outputs") for c in nb.cells if c.cell_type == "code"):
                 raise
             print(f"run_notebook: {err}; starting another kernel", file=sys.stderr, flush=True)
             continue

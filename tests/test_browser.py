@@ -99,30 +99,36 @@ def _wait_for(condition, timeout, what, interval=0.25):
         time.sleep(interval)
 
 
-def _stop(proc: subprocess.Popen, extra_pids=()):
-    """SIGTERM the process's group, then SIGKILL whatever is left (its group and extra_pids)."""
+def _stop(proc: subprocess.Popen, extra=()):
+    """SIGTERM the process's group, then SIGKILL whatever is left (its group and ``extra``: psutil.Process
+    objects, which signal only the process they were made for, never a later one that reused its pid)."""
+    import psutil
+
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in (proc.pid, *extra_pids):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for process in extra:
             try:
-                os.killpg(pid, sig) if pid == proc.pid else os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
+                process.send_signal(sig)
+            except psutil.Error:
                 pass
         try:
             proc.wait(timeout=10)
-            if sig == signal.SIGTERM and not any(_alive(p) for p in extra_pids):
+            if sig == signal.SIGTERM and not any(_alive(p) for p in extra):
                 return
         except subprocess.TimeoutExpired:
             pass
 
 
-def _alive(pid: int) -> bool:
+def _alive(process) -> bool:
+    """Still running (a zombie is not), and the same process: a pid reused since is another one."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is not running
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
 
 
@@ -141,11 +147,13 @@ def _shot(page, path: Path):
         warnings.warn(f"no screenshot {path.name}: {str(err).splitlines()[0]}")
 
 
-def _descendants(pid: int) -> list[int]:
+def _descendants(pid: int) -> list:
+    """The process's descendants now, as psutil.Process objects: stopped later by identity, not by pid (a rank
+    that ended minutes ago may have left its pid to a process of another test)."""
     import psutil
 
     try:
-        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+        return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
 
@@ -202,7 +210,7 @@ def lab(artefacts):
          "--allow-root"],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    kernels: set[int] = set()
+    kernels: set = set()  # psutil.Process objects
     try:
         def up():
             if server.poll() is not None:
@@ -216,9 +224,9 @@ def lab(artefacts):
         yield dict(base=base, token=token, root=root, stop_file=stop_file, pid=server.pid, kernels=kernels)
     finally:
         kernels.update(_descendants(server.pid))  # kernels and their ranks: own sessions, stop them by PID
-        _stop(server, sorted(kernels))
+        _stop(server, kernels)
         log.close()
-        assert not any(_alive(pid) for pid in kernels), "a kernel or rank outlived the server"
+        assert not any(_alive(p) for p in kernels), "a kernel or rank outlived the server"
 
 
 def _append_scratch_cell(path: Path, stop_file: Path):
