@@ -16,6 +16,46 @@ SLOW_CELL_S = 120  # a cell slower than this is named on stderr (the quick setti
 
 
 _began = {}
+POLL_S = 1.0  # the longest wait for a kernel message between two looks at the socket itself
+
+
+def _short_polls(channel) -> None:
+    """Make ``channel.get_msg(timeout)`` look at its socket at least every POLL_S seconds.
+
+    pyzmq's asyncio poll wakes on the socket's file descriptor, which signals an edge; a send on the same
+    socket (nbclient sends widget updates on the shell channel while it waits there for a cell's reply) can
+    take that edge, and the waiting poll then sleeps until its timeout, where it polls the socket itself and
+    finds the reply. Seen twice in one session: notebook 06's and 09's widget cells each answered after
+    exactly 600 s (nbclient's timeout) and passed. Short polls bound such a wait to POLL_S.
+    """
+    import queue
+
+    get = channel.get_msg
+
+    async def get_msg(timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic()))
+            try:
+                return await get(timeout=step)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    channel.get_msg = get_msg
+
+
+def _client_class():
+    from nbclient import NotebookClient
+
+    class Client(NotebookClient):
+        async def async_start_new_kernel_client(self):
+            kc = await super().async_start_new_kernel_client()
+            _short_polls(kc.shell_channel)
+            _short_polls(kc.iopub_channel)
+            return kc
+
+    return Client
 
 
 def _started(cell, cell_index, **_):
@@ -36,8 +76,9 @@ def main(path: Path) -> dict:
     # Without it, jsonschema leaves IRI formats unchecked, and a notebook holds none.
     sys.modules.setdefault("rfc3987_syntax", None)
     import nbformat
-    from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
+
+    NotebookClient = _client_class()
 
     error = None
     for attempt in (1, 2):
