@@ -13,9 +13,6 @@ import time
 from pathlib import Path
 
 SLOW_CELL_S = 120  # a cell slower than this is named on stderr (the quick setting's cells take seconds)
-
-
-_began = {}
 POLL_S = 1.0  # the longest wait for a kernel message between two looks at the socket itself
 
 
@@ -45,17 +42,30 @@ def _short_polls(channel) -> None:
     channel.get_msg = get_msg
 
 
-def _client_class():
-    from nbclient import NotebookClient
+_client = None
 
-    class Client(NotebookClient):
-        async def async_start_new_kernel_client(self):
-            kc = await super().async_start_new_kernel_client()
-            _short_polls(kc.shell_channel)
-            _short_polls(kc.iopub_channel)
-            return kc
 
-    return Client
+def __getattr__(name):
+    """`from run_notebook import NotebookClient`: nbclient's client whose channels poll short (`_short_polls`),
+    for every test that drives a kernel; nbclient is imported on first use."""
+    global _client
+    if name != "NotebookClient":
+        raise AttributeError(name)
+    if _client is None:
+        from nbclient import NotebookClient
+
+        class PollingClient(NotebookClient):
+            async def async_start_new_kernel_client(self):
+                kc = await super().async_start_new_kernel_client()
+                _short_polls(kc.shell_channel)
+                _short_polls(kc.iopub_channel)
+                return kc
+
+        _client = PollingClient
+    return _client
+
+
+_began = {}  # cell index -> when it was sent
 
 
 def _started(cell, cell_index, **_):
@@ -78,7 +88,7 @@ def main(path: Path) -> dict:
     import nbformat
     from nbclient.exceptions import CellExecutionError
 
-    NotebookClient = _client_class()
+    NotebookClient = __getattr__("NotebookClient")
 
     error = None
     for attempt in (1, 2):

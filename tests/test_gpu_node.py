@@ -82,7 +82,7 @@ print("RANKS EQUAL THE FULL BATCH")
 def test_in_a_real_kernel_a_cell_that_trained_is_followed_by_ranks_that_train(tmp_path):
     """A real kernel: backward in a cell, then %%ranks 2 and labkit.launch both train, equal to one process."""
     import nbformat
-    from nbclient import NotebookClient
+    from run_notebook import NotebookClient  # nbclient's, polling its sockets every second
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in (

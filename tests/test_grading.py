@@ -321,7 +321,7 @@ def test_every_notebook_cell_runs_the_exercise_files_as_they_are_on_disk(tmp_pat
     in an earlier cell (impl() or a plain import), a function imported by name, a lab module that
     imported a name from the edited one, and inside needs_exercise(), without impl() or launch."""
     import nbformat
-    from nbclient import NotebookClient
+    from run_notebook import NotebookClient  # nbclient's, polling its sockets every second
 
     tag = f"_cell_probe_{os.getpid()}"
     base, dep = REPO_ROOT / "exercises" / f"{tag}.py", REPO_ROOT / "exercises" / f"{tag}_dep.py"

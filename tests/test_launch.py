@@ -392,7 +392,7 @@ def test_function_defined_in_a_notebook_cell_and_the_ranks_magic(tmp_path):
     """A real kernel: a cell-defined function runs on the ranks (no pickling), %%ranks works,
     rank output lands in the cell's output, and no process outlives the kernel."""
     import nbformat
-    from nbclient import NotebookClient
+    from run_notebook import NotebookClient  # nbclient's, polling its sockets every second
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in (

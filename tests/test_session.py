@@ -71,7 +71,7 @@ CELLS = [
 @pytest.fixture(scope="module")
 def story(tmp_path_factory):
     import nbformat
-    from nbclient import NotebookClient
+    from run_notebook import NotebookClient  # nbclient's, polling its sockets every second
 
     probe = f"_session_probe_{os.getpid()}"
     path = REPO_ROOT / "exercises" / f"{probe}.py"
@@ -291,7 +291,7 @@ def test_a_kernel_killed_by_sigkill_leaves_no_controller_and_no_engine(tmp_path)
     does not use them. The engines, forked by the zygote, carry the zygote's environment: found by the pid and
     start time the kernel saw. About 10 s (one engine)."""
     import nbformat
-    from nbclient import NotebookClient
+    from run_notebook import NotebookClient  # nbclient's, polling its sockets every second
     from nbclient.exceptions import DeadKernelError
 
     variable, marker = "LABKIT_TEST_SIGKILL_MARKER", f"{os.getpid()}-{time.time_ns()}"

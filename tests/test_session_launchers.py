@@ -41,7 +41,7 @@ def _session_cells(name, start, rank_variable):
 @pytest.fixture(scope="module")
 def story(tmp_path_factory):
     import nbformat
-    from nbclient import NotebookClient
+    from run_notebook import NotebookClient  # nbclient's, polling its sockets every second
 
     if shutil.which("mpiexec") is None:
         pytest.skip(f"no mpiexec: install it with {slurm_cluster.INSTALL}")
