@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -48,7 +49,7 @@ def no_process_left_behind():
 def _env_and_sum(rank, world_size):
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     return {k: os.environ[k] for k in keys} | {"sum": t.item(), "backend": dist.get_backend()}
 
 
@@ -59,7 +60,7 @@ def test_results_come_back_in_rank_order_with_env_set():
     assert [r["LOCAL_RANK"] for r in results] == ["0", "1", "2"]
     assert {r["sum"] for r in results} == {6.0}  # 1 + 2 + 3, through the real process group
     assert {r["backend"] for r in results} == {"gloo"}  # no GPU here: auto picks gloo
-    assert len({r["MASTER_PORT"] for r in results}) == 1
+    assert {r["LOCAL_WORLD_SIZE"] for r in results} == {"3"}
 
 
 def _with_args(rank, world_size, a, b=0):
@@ -74,13 +75,25 @@ def test_world_size_one_works():
     assert labkit.launch(_with_args, 1, 7, timeout=30) == [(0, 1, 7, 0)]
 
 
-def _port(rank, world_size):
-    return int(os.environ["MASTER_PORT"])
+def _rank(rank, world_size):
+    return rank
 
 
-def test_one_hundred_launches_in_a_row_never_collide_on_a_port():
-    ports = [labkit.launch(_port, 2, timeout=30)[0] for _ in range(100)]
-    assert len(ports) == 100
+def _sum(rank, world_size):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_launches_in_a_row_each_meet_in_a_store_of_their_own_and_leave_no_file(tmp_path, monkeypatch):
+    """The ranks meet in a FileStore in the launch's own folder (labkit.launching.forked.store_path):
+    no port to collide on, no DNS lookup (a TCPStore's cost 5 s on 4 of 100 connections in this project's sandbox),
+    and the folder goes with the launch. A store shared between launches would hand a later launch
+    the earlier one's keys: its ranks would start their all-reduce with peers that are gone."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # only this test's launches make folders here
+    for world_size in (2, 3, 2, 4, 2, 3, 2, 2, 3, 2):
+        assert labkit.launch(_sum, world_size, timeout=30) == [world_size * (world_size + 1) / 2] * world_size
+    assert not list(tmp_path.iterdir()), f"launch folders left behind: {sorted(p.name for p in tmp_path.iterdir())}"
 
 
 def _hello(rank, world_size):
@@ -96,7 +109,7 @@ def test_rank_output_is_prefixed(capsys):
 
 
 def test_group_is_destroyed_and_parent_untouched():
-    labkit.launch(_port, 2, timeout=30)
+    labkit.launch(_rank, 2, timeout=30)
     assert not dist.is_initialized()  # the parent never joins the group
 
 
@@ -105,7 +118,7 @@ def test_group_is_destroyed_and_parent_untouched():
 @pytest.mark.parametrize("world_size", [0, -1, 2.0, "2", True])
 def test_bad_world_size_is_a_value_error(world_size):
     with pytest.raises(ValueError, match="world_size"):
-        labkit.launch(_port, world_size)
+        labkit.launch(_rank, world_size)
 
 
 def test_fn_not_callable_is_a_value_error():
@@ -116,19 +129,19 @@ def test_fn_not_callable_is_a_value_error():
 @pytest.mark.parametrize("timeout", [0, -3, "10"])
 def test_bad_timeout_is_a_value_error(timeout):
     with pytest.raises(ValueError, match="timeout"):
-        labkit.launch(_port, 2, timeout=timeout)
+        labkit.launch(_rank, 2, timeout=timeout)
 
 
 def test_unknown_backend_is_a_value_error():
     with pytest.raises(ValueError, match="unknown backend 'mpi'"):
-        labkit.launch(_port, 2, backend="mpi")
+        labkit.launch(_rank, 2, backend="mpi")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without GPUs")
 def test_nccl_without_gpus_fails_before_spawning():
     before = time.monotonic()
     with pytest.raises(LaunchError, match="nccl.*one GPU per rank"):
-        labkit.launch(_port, 2, backend="nccl")
+        labkit.launch(_rank, 2, backend="nccl")
     assert time.monotonic() - before < 10  # refused at once: no rank was started, nothing waited
 
 
@@ -140,10 +153,10 @@ def test_more_ranks_than_cores_warns_once_per_process_but_runs():
     n = (os.cpu_count() or 1) + 1
     launch_module._warned = False  # the note comes once per process (kernel)
     with pytest.warns(OversubscriptionWarning, match="oversubscription"):
-        assert len(labkit.launch(_port, n, timeout=60)) == n
+        assert len(labkit.launch(_rank, n, timeout=60)) == n
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second launch says nothing more
-        assert len(labkit.launch(_port, n, timeout=60)) == n
+        assert len(labkit.launch(_rank, n, timeout=60)) == n
 
 
 # --------------------------------------------------------------------------- a rank fails

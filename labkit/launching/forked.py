@@ -4,7 +4,7 @@ In the order things happen (`labkit.launch` has checked the arguments and chosen
 
 1. The function, its arguments and the notebook objects they use are packed
    (`labkit.launching.shipping`); what cannot travel is named before any process starts.
-2. This process picks a free TCP port for rank 0's rendezvous store, makes each rank's result,
+2. This process names the ranks' rendezvous store (a file: `store_path`), makes each rank's result,
    stdout and stderr pipes, and asks the zygote (`labkit.launching.zygote`: a clean process that
    never ran autograd or touched CUDA) to fork one child per rank with those pipes. What each rank
    then does is `labkit.launching.rank_main`.
@@ -22,7 +22,6 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -40,25 +39,16 @@ STARTUP_GRACE = 60.0  # extra seconds start-up (fork + rendezvous) may take on a
 _launch_ids = itertools.count()
 
 
-def free_port() -> int:
-    """A port no socket is bound to right now (another process may take it before we bind it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def store_path(folder: str) -> str:
+    """Where the launch's ranks meet: a torch FileStore in the launch's own folder, not a TCPStore.
 
-
-def rendezvous_store(world_size: int, timeout: float):
-    """The launch's TCPStore, served from this process on a port the OS picks, bound before any rank
-    starts: every rank joins it as a client (TORCHELASTIC_USE_AGENT_STORE, as torchrun's agent serves
-    its ranks). A port picked free and bound later by rank 0 could be taken in between by another
-    process (two notebooks launching at once: EADDRINUSE, seen). Safe here since the ranks are forked
-    by the zygote: this process never forks with the store's thread running."""
-    import datetime
-
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout))
+    All ranks of a forked launch share this host, so a file does what a TCP store would, without
+    a port (nothing to collide with another launch) and without a name lookup. torch's TCPStore
+    formats each connection's address with getnameinfo, which asks DNS for the name of
+    ::ffff:127.0.0.1 (/etc/hosts lists 127.0.0.1 only); where the resolver drops the query, that
+    connection waits the resolver's 5 s: 4 of 100 connections in this project's sandbox (2026-11-27).
+    The folder is removed when the launch ends, whatever its ranks did."""
+    return os.path.join(folder, "store")
 
 
 # --------------------------------------------------------------------------- the parent
@@ -84,12 +74,11 @@ class ForkLauncher:
         self.launch_id = next(_launch_ids)
         # gloo's own timeout comes well after the launcher's deadline (start-up included).
         pg_timeout = 2 * self.timeout + STARTUP_GRACE + 60
-        store = rendezvous_store(self.world_size, pg_timeout)
         with tempfile.TemporaryDirectory(prefix="labkit-launch-") as tmp:
             stack_paths = [os.path.join(tmp, f"stack-{r}.txt") for r in range(self.world_size)]
             self.stack_paths = stack_paths
             request = dict(launch_id=self.launch_id, world_size=self.world_size, backend=self.backend,
-                           port=store.port, pg_timeout=pg_timeout, stack_paths=stack_paths,
+                           store_path=store_path(tmp), pg_timeout=pg_timeout, stack_paths=stack_paths,
                            env=dict(os.environ), path=list(sys.path), cwd=os.getcwd(), payload=payload,
                            sources=shipping.cell_sources())
             result_readers, theirs = [], []

@@ -57,18 +57,22 @@ def flush_std_streams() -> None:
             pass
 
 
-def init_process_group(backend: str, rank: int, world_size: int, local_rank: int, timeout: float) -> None:
-    """The one way a rank joins: gloo, or under nccl gloo for CPU tensors and nccl on its own GPU."""
+def init_process_group(backend: str, rank: int, world_size: int, local_rank: int, timeout: float,
+                       store=None) -> None:
+    """The one way a rank joins: gloo, or under nccl gloo for CPU tensors and nccl on its own GPU.
+    Without ``store``, the rendezvous is env:// (MASTER_ADDR, MASTER_PORT: a cluster launcher's)."""
     import torch
     import torch.distributed as dist
 
+    if store is not None:
+        store.set_timeout(timedelta(seconds=timeout))
+    kwargs = dict(rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout), store=store)
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group(NCCL_WITH_CPU, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout), device_id=device)
+        dist.init_process_group(NCCL_WITH_CPU, device_id=device, **kwargs)
     else:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, **kwargs)
 
 
 def rank_main(rank: int, request: dict, result_fd: int, out_fd: int, err_fd: int) -> None:
@@ -89,9 +93,7 @@ def rank_main(rank: int, request: dict, result_fd: int, out_fd: int, err_fd: int
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(request["port"]), OMP_NUM_THREADS="1",
-                      TORCHELASTIC_USE_AGENT_STORE="True")  # the launcher serves the store (forked.rendezvous_store)
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     sys.path[:] = request["path"]
     try:
         os.chdir(request["cwd"])
@@ -104,7 +106,8 @@ def rank_main(rank: int, request: dict, result_fd: int, out_fd: int, err_fd: int
 
         torch.set_num_threads(1)
         fn, args, kwargs = shipping.unpack(request["payload"], request["sources"])
-        init_process_group(request["backend"], rank, world_size, rank, request["pg_timeout"])
+        store = dist.FileStore(request["store_path"], world_size)  # forked.py: why a file, not TCP
+        init_process_group(request["backend"], rank, world_size, rank, request["pg_timeout"], store)
         result.send_bytes(pickle.dumps(("started", None)))
         value = fn(rank, world_size, *args, **kwargs)
         try:

@@ -43,12 +43,14 @@ def backend_here(requested: str, ranks_on_node: int) -> str:
     return choose_backend(requested, ranks_on_node)
 
 
-def join(rank: int, world_size: int, local_rank: int, backend: str, address: str, port: int, timeout: float,
+def join(rank: int, world_size: int, local_rank: int, backend: str, address: str, store: tuple, timeout: float,
          hooks: bytes, stack_path: str, kernel: tuple, lifeline_port: int | None = None) -> int:
     """Join the session's process group as ``rank`` (under nccl, on GPU ``local_rank``); return this engine's pid.
 
     ``hooks``: the kernel's BEFORE_CELL hooks, pickled by reference: unpickling them imports their
     module here (the grading switch), which is how the engine gets the same reload rule.
+    ``store``: where the ranks meet: ("file", path) when they all run on the kernel's machine, else ("tcp", port),
+    the TCPStore the kernel serves at ``address``.
     ``kernel``: (machine, pid, start time) of the kernel that started the session.
     ``lifeline_port``: the kernel's `labkit.session.lifeline` listens there, at ``address``: this engine connects,
     answers through it, and exits when it ends.
@@ -65,9 +67,10 @@ def join(rank: int, world_size: int, local_rank: int, backend: str, address: str
         ifname = interface_of(route_source(address))
         if ifname:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR=address, MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      TORCHELASTIC_USE_AGENT_STORE="True")  # the kernel serves the store (Session.start)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    if store[0] == "tcp":
+        os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(store[1]),
+                          TORCHELASTIC_USE_AGENT_STORE="True")  # the kernel serves the store (Session.start)
     _watch_kernel(*kernel)
     if lifeline_port is not None:
         from labkit.session.lifeline import hold
@@ -80,7 +83,10 @@ def join(rank: int, world_size: int, local_rank: int, backend: str, address: str
     torch.set_num_threads(1)
     from labkit.launching.rank_main import init_process_group
 
-    init_process_group(backend, rank, world_size, local_rank, timeout)
+    import torch.distributed as dist
+
+    init_process_group(backend, rank, world_size, local_rank, timeout,
+                       dist.FileStore(store[1], world_size) if store[0] == "file" else None)
     pickle.loads(hooks)  # imports the hooks' module, which registers them in labkit.launching.notebook
     _state.update(rank=rank, world_size=world_size, stack_file=stack_file)
     return os.getpid()

@@ -25,7 +25,6 @@ import tempfile
 import psutil
 
 from labkit.launching.failures import LaunchError
-from labkit.launching.forked import rendezvous_store
 from labkit.launching.launcher import BACKENDS, choose_backend
 from labkit.launching.notebook import BEFORE_CELL
 from labkit.session import engine_side, hosts as where, report, watch
@@ -38,6 +37,20 @@ JOIN_TIMEOUT = 60.0  # seconds the engines get to form the process group
 USAGE = ("usage: %ranks start N [--backend auto|gloo|nccl] [--launcher local|mpiexec|slurm|pbs] "
          "[--start-timeout S] [--hosts a:2,b:2] [--ip ADDRESS]; %ranks stop; %ranks restart; "
          "spans = %ranks timeline [NAME]; %ranks (status)")
+
+
+def rendezvous_store(world_size: int, timeout: float):
+    """The session's TCPStore, served from this kernel on a port the OS picks, bound before any engine
+    joins: every rank joins it as a client (TORCHELASTIC_USE_AGENT_STORE, as torchrun's agent serves
+    its ranks). A port picked free and bound later by rank 0 could be taken in between by another
+    process (two notebooks at once: EADDRINUSE, seen). TCP, not the forked launches' file
+    (labkit.launching.forked.store_path): a session's engines may run on other hosts."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
 
 
 class Session:
@@ -63,7 +76,7 @@ class Session:
         self.backend = choose_backend(backend, world_size) if launcher == "local" else backend
         self.requested_backend = backend
         self.engines: Engines | None = None
-        self.store = None  # the TCPStore this kernel serves to the engines while the session is up
+        self.store = None  # the TCPStore this kernel serves to engines on other hosts while the session is up
         self.lifelines = None  # each engine's connection to this kernel (labkit.session.lifeline)
         self.pids: dict[int, int] = {}  # rank -> engine pid (on its own machine: `here` says which this kernel sees)
         self.engine_of: dict[int, int] = {}  # rank -> ipyparallel engine id
@@ -129,13 +142,16 @@ class Session:
             if len(set(backends.values())) > 1:
                 raise SessionError(f"the nodes chose different backends ({backends}): give --backend gloo or nccl")
             self.backend = backends[0]
-        # the session's store, served from this kernel on a port the OS picks (no race with a launch beside it)
-        self.store = rendezvous_store(self.world_size, JOIN_TIMEOUT)
+        if not spans and len(self.here) == self.world_size:  # one machine: a file, as a launch's ranks meet
+            store = ("file", os.path.join(self.folder, "store"))  # (labkit.launching.forked.store_path: why)
+        else:  # served from this kernel on a port the OS picks (no race with a launch beside it)
+            self.store = rendezvous_store(self.world_size, JOIN_TIMEOUT)
+            store = ("tcp", self.store.port)
         self.lifelines = Lifelines(self.address, self.world_size)  # each engine's connection, on any machine
-        port, hooks = self.store.port, pickle.dumps(list(BEFORE_CELL))
+        hooks = pickle.dumps(list(BEFORE_CELL))
         kernel = (machine, os.getpid(), psutil.Process().create_time())
         pending = {r: client[self.engine_of[r]].apply_async(
-                       engine_side.join, r, self.world_size, local[r], self.backend, self.address, port, JOIN_TIMEOUT,
+                       engine_side.join, r, self.world_size, local[r], self.backend, self.address, store, JOIN_TIMEOUT,
                        hooks, self.paths[r], kernel, self.lifelines.port)
                    for r in range(self.world_size)}
         self.hosts = hosts
