@@ -113,6 +113,33 @@ def test_group_is_destroyed_and_parent_untouched():
     assert not dist.is_initialized()  # the parent never joins the group
 
 
+def _recv_then_note_the_error(rank, world_size, folder):
+    try:
+        dist.recv(torch.zeros(1), src=1 - rank)  # both receive first: a hang
+    except Exception as error:
+        with open(os.path.join(folder, f"rank{rank}"), "w") as f:
+            f.write(f"saw its peer go: {error}")
+        raise
+
+
+def test_a_hung_launch_stops_every_rank_before_it_kills_any(tmp_path, monkeypatch):
+    """A rank killed first closes its connections; a peer still running would see a failed recv and
+    report that as its own failure (a grading case then reads "remote worker crashing" where it hung).
+    Here the launcher is slowed between two signals, as a loaded machine may preempt it: no rank may
+    live to see a peer's end."""
+    real_killpg = os.killpg
+
+    def preempted_killpg(pid, sig):
+        real_killpg(pid, sig)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(os, "killpg", preempted_killpg)
+    with pytest.raises(LaunchError, match="hung"):
+        labkit.launch(_recv_then_note_the_error, 2, str(tmp_path), timeout=30, idle_timeout=1.0)
+    noted = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert not noted, f"ranks that ran on after a peer was killed: {noted}"
+
+
 # --------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("world_size", [0, -1, 2.0, "2", True])

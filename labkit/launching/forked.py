@@ -300,15 +300,19 @@ class ForkLauncher:
             pass
 
     def _kill_all(self):
-        """Kill every rank of this launch (and what it started), then hear each one's exit: none is left."""
-        for rank, pid in enumerate(self.pids):
-            if rank in self.exit_codes:
-                continue
-            for kill in (os.killpg, os.kill):
-                try:
-                    kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        """Kill every rank of this launch (and what it started), then hear each one's exit: none is left.
+
+        All are stopped (SIGSTOP) before any is killed: a rank killed first closes its connections, and a
+        peer still running would see that as a failed recv and report it as its own failure (seen once in
+        `make test-stress`: a hung case recorded as rank 1's "remote worker crashing")."""
+        alive = [pid for rank, pid in enumerate(self.pids) if rank not in self.exit_codes]
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in alive:
+                for kill in (os.killpg, os.kill):
+                    try:
+                        kill(pid, sig)
+                    except (ProcessLookupError, PermissionError):
+                        pass
         give_up = time.monotonic() + 10
         while len(self.exit_codes) < len(self.pids) and time.monotonic() < give_up:
             try:
