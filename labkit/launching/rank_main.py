@@ -58,13 +58,16 @@ def flush_std_streams() -> None:
 
 
 def init_process_group(backend: str, rank: int, world_size: int, local_rank: int, timeout: float,
-                       store=None) -> None:
+                       store_path: str | None = None) -> None:
     """The one way a rank joins: gloo, or under nccl gloo for CPU tensors and nccl on its own GPU.
-    Without ``store``, the rendezvous is env:// (MASTER_ADDR, MASTER_PORT: a cluster launcher's)."""
+    The ranks meet in a FileStore at ``store_path`` (all on one machine: `labkit.launching.forked.store_path`
+    says why), else by env:// (MASTER_ADDR, MASTER_PORT: a cluster launcher's, a session's TCPStore)."""
     import torch
     import torch.distributed as dist
 
-    if store is not None:
+    store = None
+    if store_path is not None:
+        store = dist.FileStore(store_path, world_size)
         store.set_timeout(timedelta(seconds=timeout))
     kwargs = dict(rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout), store=store)
     if backend == "nccl":
@@ -106,8 +109,7 @@ def rank_main(rank: int, request: dict, result_fd: int, out_fd: int, err_fd: int
 
         torch.set_num_threads(1)
         fn, args, kwargs = shipping.unpack(request["payload"], request["sources"])
-        store = dist.FileStore(request["store_path"], world_size)  # forked.py: why a file, not TCP
-        init_process_group(request["backend"], rank, world_size, rank, request["pg_timeout"], store)
+        init_process_group(request["backend"], rank, world_size, rank, request["pg_timeout"], request["store_path"])
         result.send_bytes(pickle.dumps(("started", None)))
         value = fn(rank, world_size, *args, **kwargs)
         try:

@@ -83,10 +83,7 @@ def join(rank: int, world_size: int, local_rank: int, backend: str, address: str
     torch.set_num_threads(1)
     from labkit.launching.rank_main import init_process_group
 
-    import torch.distributed as dist
-
-    init_process_group(backend, rank, world_size, local_rank, timeout,
-                       dist.FileStore(store[1], world_size) if store[0] == "file" else None)
+    init_process_group(backend, rank, world_size, local_rank, timeout, store[1] if store[0] == "file" else None)
     pickle.loads(hooks)  # imports the hooks' module, which registers them in labkit.launching.notebook
     _state.update(rank=rank, world_size=world_size, stack_file=stack_file)
     return os.getpid()

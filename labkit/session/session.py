@@ -25,6 +25,7 @@ import tempfile
 import psutil
 
 from labkit.launching.failures import LaunchError
+from labkit.launching.forked import store_path
 from labkit.launching.launcher import BACKENDS, choose_backend
 from labkit.launching.notebook import BEFORE_CELL
 from labkit.session import engine_side, hosts as where, report, watch
@@ -143,7 +144,7 @@ class Session:
                 raise SessionError(f"the nodes chose different backends ({backends}): give --backend gloo or nccl")
             self.backend = backends[0]
         if not spans and len(self.here) == self.world_size:  # one machine: a file, as a launch's ranks meet
-            store = ("file", os.path.join(self.folder, "store"))  # (labkit.launching.forked.store_path: why)
+            store = ("file", store_path(self.folder))
         else:  # served from this kernel on a port the OS picks (no race with a launch beside it)
             self.store = rendezvous_store(self.world_size, JOIN_TIMEOUT)
             store = ("tcp", self.store.port)
