@@ -196,7 +196,8 @@ def cp(rank):
     # each layer's ring first all-gathers every rank's q shape and kv length (5 int64), so that unequal
     # pieces raise a ValueError instead of corrupting the exchange; the all-gather's payload is its output
     shapes = L * N * 5 * 8
-    expect(m, {"isend": p2p, "irecv": p2p, "all_reduce": len(grads), "all_gather": L}, 2 * p2p * kv + ar + shapes,
+    # the gradients: ONE all-reduce of them flattened (one per parameter would pay len(grads) latencies)
+    expect(m, {"isend": p2p, "irecv": p2p, "all_reduce": 1, "all_gather": L}, 2 * p2p * kv + ar + shapes,
            2 * p2p * kv + ar * ALL_REDUCE + shapes * RING, "CP")
 
 
