@@ -3,7 +3,8 @@
     python bench/scale_cpu.py [--quick] [--impl solutions|exercises] [--steps N] [--layouts NAME ...]
 
 Fits this machine as a "cluster" from its own measurements (labkit/apps/cpu_layouts.py): notebook 03's
-alpha-beta of a ring step on 2, 4 and 8 gloo ranks, and each rank's FLOP/s on the whole model's training
+alpha-beta of a ring step on 2, 4 and 8 gloo ranks, the alpha an all-reduce pays inside a step (after
+compute, the mean: `step_alpha`, which the prediction uses), and each rank's FLOP/s on the whole model's training
 step (no communication) measured in the same launch as the layout, interleaved with its steps (the
 baseline of this bench: the machine's load, shared with other work, hits both alike; GFLOP/s column). Then, for every layout of the registry (DP, ZeRO-1, TP, PP 1F1B,
 DP x PP, CP ring attention, notebook 14's composed step, up to 8 ranks; the seed model, global batch 8 x 128 tokens), predicts its
@@ -47,7 +48,8 @@ def main():
     print(f"this CPU ({fit['cores']} cores): one process {fit['rate'] / 1e9:.1f} GFLOP/s alone, "
           f"{fit['busy'] / 1e9:.1f} GFLOP/s each with every core busy")
     for w, (alpha, beta) in fit["links"].items():
-        print(f"  ring step on {w} gloo ranks: alpha {alpha * 1e6:,.0f} us, beta {beta / 1e9:.2f} GB/s")
+        print(f"  ring step on {w} gloo ranks: alpha {alpha * 1e6:,.0f} us, beta {beta / 1e9:.2f} GB/s; inside a step "
+              f"(all-reduces after compute, mean): alpha {fit['step_alpha'][w] * 1e6:,.0f} us, used by the prediction")
     rows = predict_then_measure(names, fit, steps=steps)
     print(f"\n{MODEL} model, global batch {GLOBAL_BATCH} x {SEQ_LEN} tokens, min over {steps} steps; "
           "error = predicted / measured - 1\n")
@@ -57,7 +59,8 @@ def main():
     print(f"\n{within} of {len(rows)} rows within 25%, worst {worst:.1%}; {time.perf_counter() - start:.0f} s")
     print(json.dumps(dict(bench="scale_cpu", model=MODEL, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, steps=steps,
                           fit=dict(rate=fit["rate"], busy=fit["busy"], cores=fit["cores"],
-                                   links={str(w): dict(alpha_s=a, beta_bytes_per_s=b) for w, (a, b) in fit["links"].items()}),
+                                   links={str(w): dict(alpha_s=a, beta_bytes_per_s=b, step_alpha_s=fit["step_alpha"][w])
+                                          for w, (a, b) in fit["links"].items()}),
                           rows=[dict(layout=r["layout"], ranks=r["ranks"], predicted_s=round(r["predicted_s"], 4),
                                      measured_s=round(r["measured_s"], 4), rate=round(r["rate"]), error=round(r["error"], 4)) for r in rows],
                           worst_error=round(worst, 4), within_25=within)))

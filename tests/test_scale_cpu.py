@@ -52,3 +52,67 @@ def test_every_registered_layout_is_predictable_and_a_bad_name_is_named():
         assert cpu_layouts.predict_layout(name, FIT).step_s > 0
     with pytest.raises(ValueError, match="no layout named 'dp3'"):
         cpu_layouts.run_layout("dp3")
+
+
+def test_step_alpha_solves_the_ring_all_reduce_for_alpha_per_size_and_takes_the_median():
+    """t(S) = 2 (W-1) (alpha + S / (W beta)) for every S gives back alpha exactly (a planted S / beta, without
+    the W, would not); one size far off (a stall) moves nothing: the median of three."""
+    alpha, beta = 4e-4, 1e9
+    for world in (2, 4, 8):
+        costs = {s: 2 * (world - 1) * (alpha + s / (world * beta)) for s in (4 << 10, 64 << 10, 1 << 20)}
+        assert cpu_layouts.step_alpha(costs, world, beta) == pytest.approx(alpha, rel=1e-12)
+        costs[4 << 10] += 0.5
+        assert cpu_layouts.step_alpha(costs, world, beta) == pytest.approx(alpha, rel=1e-12)
+    assert cpu_layouts.step_alpha({1 << 20: 1e-6}, 2, 1e9) == 0.0  # faster than the bytes alone: never below 0
+
+
+def test_the_prediction_takes_the_in_step_alpha_where_the_fit_has_one():
+    """tp2's 24 all-reduces each pay 2 alphas: with step_alpha 10 x the ring step's, the exposed TP time
+    grows by exactly 2 x 24 x 9 alpha; the beta term is the same."""
+    ring = cpu_layouts.predict_layout("tp2", FIT, rate=30e9).parts_s["exposed_tp"]
+    fit = dict(FIT, step_alpha={2: 10 * FIT["links"][2][0]})
+    in_step = cpu_layouts.predict_layout("tp2", fit, rate=30e9).parts_s["exposed_tp"]
+    assert in_step - ring == pytest.approx(2 * 24 * 9 * FIT["links"][2][0], rel=1e-9)
+
+
+def test_notebook_08s_tp_computes_the_whole_head_on_every_rank():
+    """The "tp" runner keeps the head replicated: each of the 2 ranks computes 6 d V FLOPs per token on
+    all B x S tokens, where labkit.scale counts half: one more half of that, at the given rate, as its own
+    part. The composed step's head is vocabulary-parallel: no such part."""
+    cfg = cpu_layouts._config()
+    p = cpu_layouts.predict_layout("tp2", FIT, rate=30e9)
+    head = 6 * cfg.d_model * cfg.vocab_size * B * S / 2 / 30e9
+    assert p.parts_s["replicated_head"] == pytest.approx(head, rel=1e-12)
+    assert p.step_s == pytest.approx(sum(p.parts_s.values()), rel=1e-12)
+    assert "replicated_head" not in cpu_layouts.predict_layout("composed dp2 x tp2", FIT, rate=30e9).parts_s
+
+
+def _slowed_collectives(rank, world):
+    import time
+
+    import torch.distributed as dist
+
+    from labkit.links.bandwidth import collective_cost_in_a_step
+
+    real = dist.all_reduce
+
+    def slow(tensor, *args, **kwargs):  # every collective of the benchmark takes 4 ms more
+        time.sleep(0.004)
+        return real(tensor, *args, **kwargs)
+    dist.all_reduce = slow
+    try:
+        return collective_cost_in_a_step(sizes=(4096, 1 << 16), calls=10)
+    finally:
+        dist.all_reduce = real
+
+
+@pytest.mark.timeout(120)
+def test_the_in_step_benchmark_counts_the_time_spent_in_the_collectives_and_agrees_across_ranks():
+    """A 4 ms sleep inside every all-reduce: each size's cost is at least 4 ms (a lower bound, whatever the
+    machine's load; a loop that subtracted the wrong run, or divided twice, would fall below it), and every
+    rank returns the same numbers (the slowest rank's)."""
+    from labkit import launch
+
+    per_rank = launch(_slowed_collectives, 2, timeout=90)
+    assert per_rank[0] == per_rank[1]
+    assert set(per_rank[0]) == {4096, 1 << 16} and all(t >= 0.004 for t in per_rank[0].values()), per_rank[0]

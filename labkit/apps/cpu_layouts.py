@@ -16,12 +16,21 @@ The fit, from your own measurements only:
     cores   ranks beyond the cores share them: each of W > 1 ranks computes at busy x min(1, cores / W)
     links   notebook 03's alpha-beta: labkit.links.bandwidth.measure_link on W ranks (one ring step,
             all links busy: alpha from 4 bytes, beta from 4 MiB), for each world size used
+    step_alpha  the alpha a collective pays INSIDE a step (`step_alpha`): the mean cost of an
+            all-reduce of 4 KiB, 64 KiB and 1 MiB issued after a short compute
+            (labkit.links.bandwidth.collective_cost_in_a_step), less its bytes at beta, per ring step.
+            The ranks reach it from their own work, not together after a barrier, and a peer
+            that is not on a core must be woken: on this sandbox about 0.4 ms on 2 ranks against
+            the ring step's 0.13 ms, 1.2 ms on 4 ranks sharing 2 cores. The prediction uses it.
 The prediction is labkit.scale.cost.predict with that cluster, fp32 values on the wire
 (value_bytes=4), and overlap=False: the lab's steps communicate after their compute. One rule is the
 CPU's own: with more ranks than cores, a rank that waits (in the pipeline's bubble) sleeps and
 gives its core to another, so the bubble is not lost time. Then step = max(W / cores x compute,
 compute + bubble) + communication, compute at one core's busy rate: the cores' total work, or
-one rank's critical path, whichever is longer.
+one rank's critical path, whichever is longer. One rule is notebook 08's: its TP ("tp" runner) keeps
+the output head replicated, so every TP rank also computes the head's 6 d V FLOPs per token on the
+tokens that labkit.scale splits over TP (the part "replicated_head"); the composed step's head is
+vocabulary-parallel, as labkit.scale assumes.
 
 `LAYOUTS` is the registry: name -> (labkit.scale Layout, runner). A runner is the rank function of
 one of the lab's parallel steps (through `impl`, so your exercises run): "hybrid" (notebook 07's
@@ -59,6 +68,7 @@ LAYOUTS = {
     "composed cp2 x tp2": (Layout(cp=2, tp=2, micro_batch=8, **_PLAIN), "composed"),
 }
 QUICK_LAYOUTS = ("dp2", "tp2", "pp2 1f1b m4")
+REPLICATED_HEAD = {"tp"}  # notebook 08's TP keeps the embedding and the output head whole on every rank
 
 
 def _lookup(layout):
@@ -213,14 +223,32 @@ def fit_cpu(worlds=(2, 4, 8), steps: int = 3, iters: int = 5, timeout: float = 3
     rate = launch(_rate_rank, 1, steps, backend="gloo", timeout=timeout)[0]
     busy = min(launch(_rate_rank, cores(), steps, backend="gloo", timeout=timeout))
     links = {w: launch(_link_rank, w, iters, backend="gloo", timeout=timeout)[0] for w in worlds}
-    return dict(rate=rate, busy=busy, cores=cores(), links=links)
+    in_step = {w: launch(_in_step_rank, w, backend="gloo", timeout=timeout)[0] for w in worlds}
+    return dict(rate=rate, busy=busy, cores=cores(), links=links, in_step=in_step,
+                step_alpha={w: step_alpha(in_step[w], w, links[w][1]) for w in worlds})
+
+
+def _in_step_rank(rank, world):
+    from labkit.links.bandwidth import collective_cost_in_a_step
+
+    return collective_cost_in_a_step()
+
+
+def step_alpha(costs: dict, world: int, beta: float) -> float:
+    """The alpha per ring step that the all-reduces timed inside a step imply: for each size S (bytes)
+    with mean cost t, t / (2 (W - 1)) - S / (W beta) (the ring model's all-reduce solved for alpha);
+    the median over the sizes, never below 0."""
+    per_size = [t / (2 * (world - 1)) - nbytes / (world * beta) for nbytes, t in costs.items()]
+    return max(0.0, sorted(per_size)[len(per_size) // 2]) if per_size and world > 1 else 0.0
 
 
 def cpu_cluster(fit: dict, world: int, rate: float | None = None) -> Cluster:
     """This CPU as labkit.scale's Cluster for `world` ranks: one "node" holding them all, each rank
     computing at `rate` (default: the quiet machine's, shared when ranks outnumber cores). Built
     directly, not through load_cluster, whose plausible ranges are a GPU's."""
-    alpha, beta = fit["links"][min((w for w in fit["links"] if w >= world), default=max(fit["links"]))]
+    w = min((w for w in fit["links"] if w >= world), default=max(fit["links"]))
+    alpha, beta = fit["links"][w]
+    alpha = fit.get("step_alpha", {}).get(w, alpha)  # what a collective pays inside a step, where measured
     if rate is None:
         rate = fit["rate"] if world == 1 else fit["busy"] * min(1.0, fit["cores"] / world)
     return Cluster(name=f"this CPU, {world} ranks", gpus_per_node=max(world, 1), peak_bf16_flops=rate,
@@ -234,12 +262,17 @@ def predict_layout(layout, fit: dict, rate: float | None = None):
     from labkit.scale.cost import predict
     from labkit.scale.specs import spec_from_config
 
-    layout, _ = _lookup(layout)
-    world = layout.world_size
-    p = predict(spec_from_config(_config()), layout, cpu_cluster(fit, world, rate), GLOBAL_BATCH,
-                SEQ_LEN, efficiency=1.0, value_bytes=4, overlap=False)
+    layout, runner = _lookup(layout)
+    world, cfg = layout.world_size, _config()
+    cluster = cpu_cluster(fit, world, rate)
+    p = predict(spec_from_config(cfg), layout, cluster, GLOBAL_BATCH, SEQ_LEN, efficiency=1.0, value_bytes=4,
+                overlap=False)
+    if runner in REPLICATED_HEAD and layout.tp > 1:  # each TP rank computes the whole head, not 1/tp of it
+        head = 6 * cfg.d_model * cfg.vocab_size * GLOBAL_BATCH * SEQ_LEN / (layout.dp * layout.cp)
+        p.parts_s["replicated_head"] = head * (1 - 1 / layout.tp) / cluster.peak_bf16_flops
+        p.step_s += p.parts_s["replicated_head"]
     if world > fit["cores"]:  # a rank in its bubble sleeps and lends its core: the bubble shrinks
-        compute, bubble = p.parts_s["compute"], p.parts_s["bubble"]
+        compute, bubble = p.parts_s["compute"] + p.parts_s.get("replicated_head", 0.0), p.parts_s["bubble"]
         busy = max(compute, (compute + bubble) * fit["cores"] / world)
         p.step_s += busy - compute - bubble
         p.parts_s["bubble"] = busy - compute

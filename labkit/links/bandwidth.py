@@ -126,6 +126,39 @@ def measure_link(nbytes: int = 4 << 20, iters: int = 7, group=None) -> dict:
                 single_bandwidth=nbytes / s["single large"], single_latency=s["single small"])
 
 
+def collective_cost_in_a_step(sizes=(4 << 10, 64 << 10, 1 << 20), calls: int = 60, work: int = 160,
+                              group=None) -> dict:
+    """Mean seconds that one all-reduce adds to a loop of compute and collectives, per size (bytes).
+
+    A step's collectives are not back to back: each rank reaches the next one from its own compute,
+    and on a shared CPU its peers may not be on a core at that moment (a rank that waits sleeps, and
+    is woken). `measure_link` times exchanges that every rank enters together, right after a
+    barrier. Here every call follows a short compute (a `work` x `work` matmul, about 0.1 ms), and the
+    cost of a call is the loop's time with the collectives minus the same loop without them, over
+    `calls` calls: the MEAN, because a step pays the sum of its collectives, slow ones included.
+    Returns {bytes: seconds}, the slowest rank's, the same on every rank. Collective.
+    """
+    n = dist.get_world_size(group)
+    if n == 1:
+        return {nbytes: 0.0 for nbytes in sizes}
+    a = torch.randn(work, work, generator=torch.Generator().manual_seed(0))
+    cost = []
+    for nbytes in sizes:
+        tensor = torch.zeros(max(1, nbytes // 4))
+
+        def loop(with_collective: bool) -> float:
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            for _ in range(calls):
+                a @ a
+                if with_collective:
+                    dist.all_reduce(tensor, group=group)
+            return time.perf_counter() - start
+        loop(True)  # warm-up: the buffers of this size
+        cost.append((loop(True) - loop(False)) / calls)
+    return dict(zip(sizes, _max_over_ranks(cost, group)))
+
+
 def sweep(fns: dict, sizes: list, iters_for=lambda nbytes: 5, dtype=torch.float32, group=None,
           link_bytes: int | None = None) -> list:
     """Time every function in `fns` at every size (bytes); one row per (name, size).
