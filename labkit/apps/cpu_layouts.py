@@ -20,8 +20,8 @@ The fit, from your own measurements only:
             all-reduce of 4 KiB, 64 KiB and 1 MiB issued after a short compute
             (labkit.links.bandwidth.collective_cost_in_a_step), less its bytes at beta, per ring step.
             The ranks reach it from their own work, not together after a barrier, and a peer
-            that is not on a core must be woken: on this sandbox about 0.4 ms on 2 ranks against
-            the ring step's 0.13 ms, 1.2 ms on 4 ranks sharing 2 cores. The prediction uses it.
+            that is not on a core must be woken: on this sandbox 0.2-0.5 ms on 2 ranks against the
+            ring step's 0.1-0.15 ms, 0.9-1.2 ms on 4 ranks sharing 2 cores. The prediction uses it.
 The prediction is labkit.scale.cost.predict with that cluster, fp32 values on the wire
 (value_bytes=4), and overlap=False: the lab's steps communicate after their compute. One rule is the
 CPU's own: with more ranks than cores, a rank that waits (in the pipeline's bubble) sleeps and
