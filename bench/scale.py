@@ -5,7 +5,8 @@
 Predicts, from each run's published setup only (model, layout, batch, sequence, recompute, GPU
 and network), the throughput per GPU and the peak memory of every row of
 labkit/scale/published_runs.json: torchtitan's two H100 benchmark files (Dec 2024, async TP June
-2025), Megatron-LM 2021 Table 1, Megatron-LM 2022's MFU table, Llama 3's Table 4. Each set states
+2025), Megatron-LM 2021 Tables 1 and 2 (Table 2: PTD against DeepSpeed's ZeRO-3, 175B and 530B on 384-2,240
+A100s), Megatron-LM 2022's MFU table, Llama 3's Table 4. Each set states
 in the file how every unpublished input was chosen ("choices"), before predicting; the rows
 validate, nothing is fitted to them (labkit.scale.validation). Prints one line per row with its
 throughput and memory error (predicted / published - 1) and whether the model says it fits, a
@@ -31,8 +32,10 @@ torchao's own count of each recipe's cast kernels. These inputs were fixed from 
 the rows were predicted again. TP's collectives per block follow the recompute policy
 (labkit.scale.traffic.tp_collectives): torchtitan's op policy saves reduce-scatter outputs and not
 all-gathers (its save list), so its backward all-gathers twice more (stated from that source before the rows
-were predicted; kernel model 32 -> 33 of 47 within 25%, worst 72% -> 66%). After the table, each row outside
-25% with its note from the data file: what was checked, and why the miss stays.
+were predicted; kernel model 32 -> 33 of 47 within 25%, worst 72% -> 66%). Table 2's twelve rows (2026-11-27,
+their choices stated in the file first): kernel model 10 of 12 within 25% (PTD +15% to +17%, ZeRO-3 +5% to
++49%), flat 6 of 12; all 59 rows, kernel model 42 within 25%, median 17%, worst 66%. After the table, each row
+outside 25% with its note from the data file: what was checked, and why the miss stays.
 --ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
 same model, cluster, global batch, sequence length and GPU count; 1F1B, interleaved x2, ZB under the kernel
 model, and the row's own schedule; ties within 0.5% go to the least memory), at two levels: the exact published

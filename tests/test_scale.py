@@ -7,6 +7,7 @@ the model states, hand-derived closed forms for the traffic, torchtitan's publis
 whole model. Bad input: each error names the field or axis and what to use. Arithmetic only:
 about 2 s in all.
 """
+import dataclasses
 import json
 import math
 
@@ -105,10 +106,20 @@ def test_block_activations_reduce_to_labkit_activations_formula():
 
 
 def test_block_activations_split_by_tp_with_sp_and_by_cp():
-    spec = LLAMA3["70b"]
+    """With Megatron's SP (each linear keeps its input's shard) a block's saved bytes split by tp x cp; torchtitan's
+    plan saves the two all-gathered sublayer inputs whole, 2 x b (s / cp) d more in bf16, recomputed under "full"."""
+    spec = dataclasses.replace(LLAMA3["70b"], sp_saves_shard=True)
     one = block_activation_bytes(spec, Layout(recompute="none"), 1, 8192)["saved"]
-    split = block_activation_bytes(spec, Layout(dp=1, tp=8, cp=2, recompute="none"), 1, 8192)["saved"]
+    lay = Layout(dp=1, tp=8, cp=2, recompute="none")
+    split = block_activation_bytes(spec, lay, 1, 8192)["saved"]
     assert split == pytest.approx(one / 16, rel=1e-12)
+    titan = block_activation_bytes(LLAMA3["70b"], lay, 1, 8192)
+    assert titan["saved"] - split == 2 * 2 * 4096 * 8192
+    full = dataclasses.replace(lay, recompute="full")
+    assert (block_activation_bytes(LLAMA3["70b"], full, 1, 8192)["rebuilt"]
+            - block_activation_bytes(spec, full, 1, 8192)["rebuilt"]) == 2 * 2 * 4096 * 8192
+    assert block_activation_bytes(LLAMA3["70b"], Layout(tp=1, cp=2, recompute="none"), 1, 8192)["saved"] == \
+        block_activation_bytes(spec, Layout(tp=1, cp=2, recompute="none"), 1, 8192)["saved"]  # no SP, nothing gathered
 
 
 def test_model_states_are_labkit_memory_formulas():

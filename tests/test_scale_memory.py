@@ -13,6 +13,8 @@ The shapes below are powers of two, so every term is an integer or an exact bina
 the element-by-element sum in labkit.scale.footprint and the closed form agree exactly (==).
 Arithmetic only: well under a second.
 """
+import dataclasses
+
 import pytest
 from labkit.measure.memory import memory_per_rank
 from labkit.scale.cluster import load_cluster
@@ -150,3 +152,19 @@ def test_published_runs_that_ran_fit():
     p = predict(GPT_MEGATRON["530b"], Layout(dp=640, zero="zero3", recompute="full"), load_cluster("a100-sxm"),
                 global_batch=2560, seq_len=2048)
     assert p.fits, p.peak_gib
+
+
+def test_deepspeed_zero3_gathers_a_submodule_not_a_block():
+    """DeepSpeed's ZeRO-3 (Megatron 2021's Table 2 rows) holds its largest weight twice (being computed, and
+    prefetched) and that weight's gradient, 2 bytes each, plus its gradient bucket of 5e8 elements: for the 530B
+    GPT the MLP's 4h^2, so 6 x 4h^2 + 2 x 5e8 bytes. FSDP2 gathers a block, 10 bytes x 12h^2 (and more): with it,
+    Table 2's ZeRO-3 530B on 640 GPUs in micro-batches of 4, a run that ran, would not fit."""
+    m, h = GPT_MEGATRON["530b"], 20480
+    lay = Layout(dp=640, zero="zero3", zero3_unit="module", recompute="full", micro_batch=4)
+    assert stage_memory(m, lay, 0, 1, 2048)["gathered"] == 6 * 4 * h * h + 2 * 5e8
+    block = dataclasses.replace(lay, zero3_unit="block")
+    assert stage_memory(m, block, 0, 1, 2048)["gathered"] == 10 * m.layer_dense_params
+    cluster = load_cluster("a100-sxm")
+    assert predict(m, lay, cluster, global_batch=2560, seq_len=2048).fits
+    assert not predict(m, block, cluster, global_batch=2560, seq_len=2048).fits
+

@@ -29,10 +29,13 @@ def quote_mismatches(row: dict) -> list[str]:
     """The row's published figures and its setup's numbers that its quote does not contain."""
     quoted = numbers(row["quote"])
     want = [v for v in row["published"].values() if not isinstance(v, str)]
-    if row["id"].startswith("meg21"):
+    if row["id"].startswith("meg21-t1"):
         m = GPT_MEGATRON[row["model"]]
         want += [m.d_model, m.n_layers, row["params_billion"], row["tp"] * row["pp"],
                  row["dp"] * row["tp"] * row["pp"], row["global_batch"]]
+    if row["id"].startswith("meg21-t2"):  # Table 2 gives no shapes: parameters, model-parallel size, GPUs, batches
+        want += [row["params_billion"], row["tp"] * row["pp"], row["dp"] * row["tp"] * row["pp"], row["global_batch"],
+                 row["micro_batch"]]
     if row["id"].startswith("llama3"):
         want += [row["dp"] * row["tp"] * row["cp"] * row["pp"], row["tp"], row["cp"], row["pp"]]
     if row["id"].startswith("tt24") and "CP" in row["quote"]:
@@ -52,13 +55,16 @@ def test_a_mistyped_figure_is_caught():
     row = copy.deepcopy(SETS["megatron-2021-table1"]["rows"][-1])
     row["pp"] = 32  # 1T's model-parallel size 512 = tp 8 x pp 64
     assert quote_mismatches(row)
+    row = copy.deepcopy(SETS["megatron-2021-table2"]["rows"][3])
+    row["micro_batch"] = 2  # ZeRO-3's 530B on 640 GPUs ran micro-batches of 4
+    assert quote_mismatches(row)
 
 
 def test_sets_name_source_cluster_and_choices():
     assert set(SETS) == {"torchtitan-2024-12", "torchtitan-asynctp-2025-06", "megatron-2021-table1",
-                         "megatron-2022-mfu", "llama3-table4"}
+                         "megatron-2021-table2", "megatron-2022-mfu", "llama3-table4"}
     ids = [row["id"] for info in SETS.values() for row in info["rows"]]
-    assert len(ids) == len(set(ids)) == 18 + 12 + 10 + 4 + 3
+    assert len(ids) == len(set(ids)) == 18 + 12 + 10 + 12 + 4 + 3
     for name, info in SETS.items():
         assert info["source"] and info["choices"], name
         load_cluster(info["cluster"])
@@ -94,8 +100,8 @@ def test_bench_prints_rows_then_json():
                          text=True, timeout=120, check=True).stdout.splitlines()
     last = json.loads(out[-1])
     for model in MODELS_OF_COST:  # both models, the flat one's table first
-        assert last[model]["overall"]["n"] == 47 and set(last[model]["sets"]) == set(SETS)
-        assert sum(s["n"] for s in last[model]["sets"].values()) == 47
+        assert last[model]["overall"]["n"] == 59 and set(last[model]["sets"]) == set(SETS)
+        assert sum(s["n"] for s in last[model]["sets"].values()) == 59
         assert last[model]["not_fitting"] == []
         row = predict_row(SETS["torchtitan-2024-12"]["rows"][0], SETS["torchtitan-2024-12"], model)
         section = "\n".join(out).split(f"=== the {model} model ===")[1]

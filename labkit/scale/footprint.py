@@ -15,12 +15,16 @@
                    (its experts / (expert_tp x ep)) and the head, / tp. Under PP, FSDP keeps the whole stage gathered across
                    its micro-batches, as torchtitan does (reshard_after_forward=False, the
                    gradient accumulated unsharded in fp32): 6 bytes x the stage's parameters.
+                   DeepSpeed's ZeRO-3 (`Layout.zero3_unit="module"`) gathers one weight-holding
+                   submodule at a time, not a block: `deepspeed_gathered_bytes`.
     activations    bytes a block saves for backward for one micro-batch (bf16), x the blocks
                    of the stage, x the micro-batches in flight (1F1B: stage i holds pp - i;
                    stage 0 the most), see `block_activation_bytes`.
     logits         on the last stage, the loss of one micro-batch: the fp32 log-softmax output
                    saved for backward, its gradient and the gradient of its input: 12 bytes per
-                   logit, / (tp x cp) (torchtitan computes the loss vocabulary-parallel).
+                   logit, / (tp x cp) (torchtitan computes the loss vocabulary-parallel); Llama-shaped
+                   models also the head's saved input, b s d / cp in bf16 (torchtitan all-gathers it
+                   under SP: ColwiseParallel(input_layouts=Shard(1))).
 Not counted here: what the GPU holds beyond these tensors, labkit.scale.reserve (the cuBLAS workspace in its
 allocator segment, the CUDA context, NCCL's buffers; `predict` says a layout fits only with it), the allocator's
 fragmentation (published "reserved" figures include it; a run near the limit sets expandable segments to
@@ -105,7 +109,10 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
         else 2 * b * s * dkv / tp
     gathered = 2 * b * (cp - 1) * s * dkv / tp if cp > 1 and layout.cp_method == "allgather" else 0.0
     attention = (2 * b * s * d + a * b * s) / tp + kv_held + gathered + b * s * d / tp
-    everything = norms + attention + mlp
+    # torchtitan's SP all-gathers each sublayer's input (PrepareModuleInput: Shard(1) -> Replicate()) and its
+    # column-parallel linears save that whole tensor: 2 b s d more (Megatron's SP keeps the shard: sp_saves_shard)
+    sp_inputs = 2 * b * s * d if sp > 1 and not m.sp_saves_shard else 0.0
+    everything = norms + attention + mlp + sp_inputs
     block_input = b * s * d / sp
     if layout.recompute == "none":
         saved, rebuilt = everything, 0.0
@@ -114,11 +121,27 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
     elif layout.recompute == "selective-attn":
         rebuilt = (b * s * d + a * b * s) / tp
         saved = everything - rebuilt
-    else:
+    else:  # the op policy recomputes the all-gathers (torchtitan saves reduce-scatters only): sp_inputs rebuilt
         saved = block_input + (2 * b * s * d + b * s * dkv + a * b * s) / tp + b * s * h / tp + b * s * d / sp \
             + gathered
         rebuilt = everything - saved
     return {"saved": BF16 * saved, "rebuilt": BF16 * max(rebuilt, 0.0)}
+
+
+# DeepSpeed's ZeRO-3 defaults (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig): the gradient bucket
+# `reduce_bucket_size` = 5e8 elements; `stage3_prefetch_bucket_size` = 5e7 elements, smaller than a large
+# model's one weight, so the prefetch runs one submodule ahead.
+DS_REDUCE_BUCKET = 5e8
+
+
+def deepspeed_gathered_bytes(model, layout) -> float:
+    """What DeepSpeed's ZeRO-3 holds unsharded at its peak, per GPU: the weight being computed and the next one,
+    prefetched, in 16 bits (2 + 2 bytes), that weight's unsharded 16-bit gradient before its reduce-scatter (2),
+    all of the largest weight (/ tp: the MLP's d x H, wq's d x d, the embedding's V x d), plus the gradient bucket
+    (2 bytes x DS_REDUCE_BUCKET). FSDP2 gathers a whole block instead (`stage_memory`)."""
+    m = model
+    largest = max(m.d_model * m.hidden_dim, m.d_model * m.d_model, m.vocab_size * m.d_model) / layout.tp
+    return 6 * largest + 2 * DS_REDUCE_BUCKET
 
 
 def stage_params(model, layout, first: bool, last: bool, layers: int | None = None) -> tuple[int, int]:
@@ -156,6 +179,8 @@ def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int, cp_local
         # FSDP inside a pipeline (torchtitan): the stage stays gathered over all its micro-batches
         # (reshard_after_forward=False) and accumulates its unsharded gradient in fp32: 2 + 4 bytes
         gathered = 6 * sum(stage_params(model, layout, first, last, layers))
+    elif layout.zero == "zero3" and layout.zero3_unit == "module":
+        gathered = deepspeed_gathered_bytes(model, layout)
     elif layout.zero == "zero3":
         block = m.layer_dense_params / layout.tp + m.expert_params * m.n_experts / (layout.expert_tp * layout.ep)
         ends = max(last * m.head_params, first * m.embedding_params) / layout.tp
@@ -168,7 +193,9 @@ def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int, cp_local
         in_flight = in_flight * (1 + (pp - 1) / (pp * layout.virtual_stages))
     out["activations"] = in_flight * layers * act["saved"] + (act["rebuilt"] if layers else 0.0)
     tokens = layout.micro_batch * seq_len
-    out["logits"] = LOGIT_BYTES * tokens * m.vocab_size / (layout.tp * layout.cp) if last else 0.0
+    # the loss, and the head's saved input: the final norm's output, whole (all-gathered under SP), bf16
+    head_input = BF16 * tokens * m.d_model / layout.cp if m.attention != "materialized" else 0.0
+    out["logits"] = (LOGIT_BYTES * tokens * m.vocab_size / (layout.tp * layout.cp) + head_input) if last else 0.0
     out["total"] = sum(out.values())
     return out
 

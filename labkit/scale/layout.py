@@ -42,6 +42,8 @@ sequence for heads: the query heads per tp rank must divide by cp), "hybrid" (Ul
 cp ranks inside a node, `cp_local`, a ring across nodes: the heads per tp rank must divide by it).
 `ep_overlap`: EP's two-micro-batch overlap (solutions/moe_overlap.py, notebook 12): each
 micro-batch runs as two halves whose all-to-alls hide behind the other half's experts.
+`zero3_unit`: what ZeRO-3 gathers at once: "block" (FSDP2, torchtitan: a transformer block) or
+"module" (DeepSpeed's ZeRO-3: each weight-holding submodule, labkit.scale.footprint).
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ from labkit.scale.traffic import CP_METHODS  # noqa: F401 (re-exported: the meth
 
 ZERO_STAGES = ("dp", "zero1", "zero2", "zero3")
 SCHEDULES = ("1f1b", "interleaved", "zb")
+ZERO3_UNITS = ("block", "module")
 
 
 class LayoutError(ValueError):
@@ -79,6 +82,7 @@ class Layout:
     ep_overlap: bool = False
     first_stage_embedding_only: bool = False
     last_stage_loss_only: bool = False
+    zero3_unit: str = "block"
 
     def __post_init__(self):
         if self.recompute == "selective":  # torchtitan's name for its op policy (and the lab's, before)
@@ -180,6 +184,8 @@ class Layout:
             extra += " ep-over-tp"
         if self.ep > 1 and self.ep_overlap:
             extra += " ep-overlap"
+        if self.zero3_unit == "module":
+            extra += " per-module"
         return f"{axes or 'single'} {self.zero} {self.recompute} mb{self.micro_batch}{extra}"
 
     def as_dict(self) -> dict:
@@ -205,6 +211,9 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
             raise LayoutError(f"{axis}={value!r}: must be an int >= 1")
     if layout.zero not in ZERO_STAGES:
         raise LayoutError(f"zero={layout.zero!r}: choose one of {ZERO_STAGES}")
+    if layout.zero3_unit not in ZERO3_UNITS or (layout.zero3_unit == "module" and layout.zero != "zero3"):
+        raise LayoutError(f"zero3_unit={layout.zero3_unit!r} with zero={layout.zero!r}: it says what ZeRO-3 gathers at once, "
+                          f"one of {ZERO3_UNITS}; 'module' needs zero='zero3'")
     if layout.recompute not in RECOMPUTE:
         raise LayoutError(f"recompute={layout.recompute!r} is not a policy the model knows: choose one of {RECOMPUTE} "
                           "('selective' is read as 'selective-op', torchtitan's op policy)")

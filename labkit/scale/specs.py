@@ -32,6 +32,9 @@ only the attention core, the scores, softmax, its dropout and the weighted sum, 
 w3's outputs and their product; silu is recomputed inside the kernel), as production stacks run them;
 False: labkit.model's eager modules, whose saved tensors labkit.measure.activations counts. "selective",
 torchtitan's name, means "selective-op" (`normalize_recompute`).
+`sp_saves_shard=True`: sequence parallelism as Megatron-LM runs it (Korthikanti et al. 2022, sec. 4.2.2: each
+column-parallel linear saves its input's shard and all-gathers it again in backward); False: torchtitan's
+plan, whose linears save the whole all-gathered input (labkit.scale.footprint).
 """
 from __future__ import annotations
 
@@ -68,6 +71,7 @@ class ModelSpec:
     attention: str = "flash"
     dropout: bool = False
     fused_kernels: bool = False
+    sp_saves_shard: bool = False
 
     def __post_init__(self):
         for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size"):

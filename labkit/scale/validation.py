@@ -34,7 +34,7 @@ from labkit.scale.specs import MODELS
 
 RUNS_FILE = Path(__file__).with_name("published_runs.json")
 LAYOUT_FIELDS = ("dp", "pp", "cp", "tp", "zero", "recompute", "micro_batch", "schedule", "virtual_stages",
-                 "first_stage_embedding_only", "last_stage_loss_only", "cp_method")
+                 "first_stage_embedding_only", "last_stage_loss_only", "cp_method", "zero3_unit")
 
 
 def load_sets(path: Path | str = RUNS_FILE) -> dict:
@@ -80,8 +80,9 @@ def predict_row(row: dict, set_info: dict, model: str = "flat") -> dict:
     """One row: published and predicted tokens/s/GPU and GiB, the errors, whether it fits."""
     cluster = load_cluster(set_info["cluster"])
     spec = MODELS[row["model"]]
-    if row.get("fused_kernels"):
-        spec = dataclasses.replace(spec, fused_kernels=True)
+    for flag in ("fused_kernels", "sp_saves_shard"):
+        if row.get(flag):
+            spec = dataclasses.replace(spec, **{flag: True})
     p = predict(spec, layout_of(row), cluster, global_batch=row["global_batch"], seq_len=row["seq_len"],
                 **model_options(row, model))
     pub_tps = published_tps(row, spec, set_info, cluster.peak_bf16_flops)
