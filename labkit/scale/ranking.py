@@ -66,8 +66,7 @@ from labkit.scale.cluster import load_cluster
 from labkit.scale.cost import EFFICIENCY, TIE, predict, rank_key, ranked
 from labkit.scale.footprint import peak_memory, stage_memory
 from labkit.scale.layout import CP_METHODS, ZERO_STAGES, Layout, LayoutError, check_layout
-from labkit.scale.specs import MODELS
-from labkit.scale.validation import layout_of, model_options
+from labkit.scale.validation import layout_of, model_options, row_spec
 
 TOP, WITHIN = 5, 0.05
 LAYOUT_CAP = 10  # the layout level's ranks, exactly up to here (its criterion needs the top 5; its gap is always exact)
@@ -249,9 +248,7 @@ def rank_published(row: dict, set_info: dict, model: str = "flat", *, prune: boo
     {rank (among layouts; layout_cap + 1 means beyond layout_cap), best (the published layout's best configuration,
     a Prediction), gap (its tokens/s / the top's - 1), meets}}."""
     cluster = load_cluster(set_info["cluster"])
-    spec = MODELS[row["model"]]
-    if row.get("fused_kernels"):
-        spec = replace(spec, fused_kernels=True)
+    spec = row_spec(row)
     if spec.n_experts:
         raise ValueError(f"row {row['id']}: rank_published searches dense models only (ep = 1)")
     layout = layout_of(row)

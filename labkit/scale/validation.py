@@ -65,6 +65,13 @@ def published_tps(row: dict, spec, set_info: dict, peak_flops: float) -> float:
 MODELS_OF_COST = ("flat", "kernels")
 
 
+def row_spec(row: dict):
+    """The row's ModelSpec: its model, with the implementation flags the row sets (fused_kernels, sp_saves_shard)."""
+    spec = MODELS[row["model"]]
+    flags = {flag: True for flag in ("fused_kernels", "sp_saves_shard") if row.get(flag)}
+    return dataclasses.replace(spec, **flags) if flags else spec
+
+
 def model_options(row: dict, model: str) -> dict:
     """`predict`'s keywords for one row under the flat or the kernel model."""
     if model not in MODELS_OF_COST:
@@ -79,10 +86,7 @@ def model_options(row: dict, model: str) -> dict:
 def predict_row(row: dict, set_info: dict, model: str = "flat") -> dict:
     """One row: published and predicted tokens/s/GPU and GiB, the errors, whether it fits."""
     cluster = load_cluster(set_info["cluster"])
-    spec = MODELS[row["model"]]
-    for flag in ("fused_kernels", "sp_saves_shard"):
-        if row.get(flag):
-            spec = dataclasses.replace(spec, **{flag: True})
+    spec = row_spec(row)
     p = predict(spec, layout_of(row), cluster, global_batch=row["global_batch"], seq_len=row["seq_len"],
                 **model_options(row, model))
     pub_tps = published_tps(row, spec, set_info, cluster.peak_bf16_flops)
