@@ -9,7 +9,7 @@ import pytest
 from labkit.scale import async_tp as atp
 from labkit.scale.cluster import CLUSTER_DIR, load_cluster
 from labkit.scale.cost import predict
-from labkit.scale.cost_kernels import _block_comm
+from labkit.scale.cost_kernels import _block_comm, contention
 from labkit.scale.gpu import load_gpu
 from labkit.scale.layer_ops import Options, Shape, block_ops, end_ops, seconds
 from labkit.scale.layout import Layout, LayoutError
@@ -32,7 +32,8 @@ def test_single_stage_step_is_micro_batches_times_forward_and_backward_plus_dp_a
                for d in ("forward", "backward"))
     work = p.n_micro * (SPEC.n_layers * (seconds(blk["forward"]) + seconds(blk["backward"])) + ends)
     assert p.n_micro == 2 and p.parts_s["compute"] == pytest.approx(work, rel=1e-12)
-    assert p.step_s == pytest.approx(work + p.parts_s["exposed_dp"] + p.parts_s["optimizer"], rel=1e-12)
+    assert p.step_s == pytest.approx(work + p.parts_s["exposed_dp"] + p.parts_s["contention"] + p.parts_s["optimizer"],
+                                     rel=1e-12)
     assert p.step_s == pytest.approx(sum(p.parts_s.values()), rel=1e-12)
 
 
@@ -105,3 +106,42 @@ def test_compile_and_float8_make_the_step_shorter_flat_model_unchanged_by_them()
     assert flat.step_s == predict(SPEC, lay, H100, 16, 8192, compile=True).step_s
     with pytest.raises(LayoutError, match="no fp8"):
         predict(SPEC, Layout(dp=8), load_cluster("a100-sxm"), 8, 4096, efficiency=None, float8=True)
+
+
+# --- overlapped collectives slow the compute beside them -----------------------------------------
+
+@pytest.mark.parametrize("traffic,exposed,want", [
+    (2.0, 0.0, 2.0 * 0.25 / 1.25),            # hidden whole: C k, k = s / (1 + s)
+    (10.0, 5.0, 0.0),                         # W = 5, C >= W (1 + s) = 6.25: the traffic sets the step
+    (6.0, 1.0, 6.0 * 0.25 / 1.25 - 1.0),       # W = 5 < C < 6.25: the slowed compute outlasts it, by 0.2
+    (6.25, 1.25, 0.0),                         # the boundary, from either side
+    (0.0, 0.0, 0.0),
+])
+def test_contention_regimes(traffic, exposed, want):
+    """contention(C, exposed, s) = max(0, k min(C, W (1 + s)) - exposed), W = C - exposed: beyond max(C, W), what
+    max(C, W + k min(C, W (1 + s))) adds. s = 0.25 keeps every value a binary fraction's neighbour."""
+    assert contention(traffic, exposed, 0.25) == pytest.approx(want, abs=1e-15)
+    assert contention(traffic, exposed, 0.0) == 0.0
+
+
+def test_fsdp_traffic_hidden_behind_compute_costs_its_contention():
+    """ZeRO-3 over 8 GPUs of one node: its traffic hides behind the compute, and the step grows by exactly
+    k x the dp traffic (GPU.overlap_slowdown s, k = s / (1 + s)) over the same GPU without the slowdown."""
+    import dataclasses
+
+    import labkit.scale.cost_kernels as ck
+    lay = Layout(dp=8, zero="zero3", recompute="selective", micro_batch=1)
+    with_s = predict(SPEC, lay, H100, 16, 4096, efficiency=None)
+    s = GPU.overlap_slowdown
+    assert s == 0.189  # labkit/scale/gpus/h100-sxm.json, Lee et al. 2025's average
+    real = ck.load_gpu
+    try:
+        ck.load_gpu = lambda name: dataclasses.replace(real(name), overlap_slowdown=0.0)
+        without = predict(SPEC, lay, H100, 16, 4096, efficiency=None)
+    finally:
+        ck.load_gpu = real
+    t = with_s.traffic["dp"]["seconds"]
+    assert t < with_s.parts_s["compute"] and without.parts_s["contention"] == 0.0
+    assert with_s.parts_s["contention"] == pytest.approx(t * s / (1 + s), rel=1e-12)
+    assert with_s.step_s - without.step_s == pytest.approx(t * s / (1 + s), rel=1e-9)
+

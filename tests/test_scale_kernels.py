@@ -213,6 +213,8 @@ def test_gpu_file_missing_field_and_unit_off_by_1000_are_named():
         load_gpu({k: v for k, v in values.items() if k != "eager_op_us"})
     with pytest.raises(GPUError, match="eager_op_us=0.0372 .*a unit off by 1,000"):
         load_gpu(dict(values, eager_op_us=0.0372))
+    with pytest.raises(GPUError, match=r"overlap_slowdown=18.9 .*a fraction of the compute's time"):
+        load_gpu(dict(values, overlap_slowdown=18.9))  # a percentage given for the fraction
     with pytest.raises(GPUError, match="attention_scale=74.59 is outside"):
         load_gpu(dict(values, attention_scale=74.59))
     with pytest.raises(GPUError, match="sources"):

@@ -23,10 +23,14 @@ model (opt-in until it meets issue 34's aims on the published set; `python bench
                first gather and the last reduction, exposed = max(0, t_dp - compute) + t_dp / L;
                plain DP / ZeRO-1/2 reduce buckets during the backward only:
                exposed = max(0, t_dp - backward) + t_dp / L (the last bucket, one layer's, waits)
-    pipeline   per-stage F_s + exposed tp/cp/ep, B_s likewise, through the lab's schedule simulator
-               (labkit.scale.pipeline): makespan = the busiest rank's work + the bubble
-    step       makespan + exposed dp + the optimizer step (AdamW over this GPU's shard)
-`parts_s` splits it: compute (the busiest rank's kernels), exposed_tp / _cp / _ep / _dp, bubble,
+    overlap    what a hidden NCCL collective (the ring's hops, EP's overlapped all-to-alls, dp) still costs:
+               the compute beside it runs GPU.overlap_slowdown slower while it runs (its kernels share the
+               SMs and memory), `cost_kernels.contention`: for C seconds of traffic behind a window of W,
+               max(C, W + k min(C, W (1 + s))) in all, k = s / (1 + s); async TP's transfers use the copy engines
+    pipeline   per-stage F_s + exposed tp/cp/ep + their blocks' contention, B_s likewise, through the lab's
+               schedule simulator (labkit.scale.pipeline): makespan = the busiest rank's work + the bubble
+    step       makespan + exposed dp + dp's contention + the optimizer step (AdamW over this GPU's shard)
+`parts_s` splits it: compute (the busiest rank's kernels), exposed_tp / _cp / _ep / _dp, contention, bubble,
 optimizer; `bound_s` says how much of one block's forward and backward is compute-, memory- or
 launch-bound: each pass takes max(GPU time, CPU time to issue its kernels), and "launch" is the time
 the GPU waits for the CPU (a model this small that is mostly "launch" runs at the CPU's pace,
@@ -41,8 +45,8 @@ Outputs tokens/s per GPU, MFU (model FLOPs against the cluster's bf16 peak) and 
 (labkit.scale.footprint); a layout fits when that peak plus labkit.scale.reserve's reserve (the cuBLAS
 workspace in its allocator segment, the CUDA context, NCCL's buffers) is within the GPU's memory.
 A power limit enters through the GPU kind (h100-sxm-500w: its GEMM measured at 500 W). Not modelled:
-stragglers, link contention between axes sharing a NIC, the SMs a collective takes from the GEMMs
-(async TP's transfers run on copy engines).
+stragglers, link contention between axes sharing a NIC; the SMs a collective takes from the GEMMs enter as
+one measured average slowdown of overlapped compute, not per kernel.
 """
 from __future__ import annotations
 

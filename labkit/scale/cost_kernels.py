@@ -60,8 +60,23 @@ def two_batch_exposed(ep_s: float, experts_s: float, layers: int, n_micro: int) 
     return layers * n_micro * per_layer
 
 
-def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool, chunk_blk: dict | None = None) -> dict:
-    """Exposed seconds of one block's tp, cp and ep traffic for one micro-batch, forward and backward.
+def contention(traffic_s: float, exposed_s: float, slowdown: float) -> float:
+    """Seconds a collective overlapped with compute costs beyond its exposed part: while it runs, the compute
+    beside it runs `slowdown` slower (GPU.overlap_slowdown: the collective's kernels share the SMs and memory).
+    With C = traffic_s and W the compute window it hides behind (W = C - exposed_s when some is exposed; at least
+    C when none is), the pair takes max(C, W + k min(C, W (1 + slowdown))), k = slowdown / (1 + slowdown): the
+    collective's C seconds of wall time do C / (1 + slowdown) of the compute's work, until the compute, slowed
+    all through, outlasts it. Beyond max(C, W): max(0, k min(C, W (1 + slowdown)) - exposed_s)."""
+    if traffic_s <= 0 or slowdown <= 0:
+        return 0.0
+    window = traffic_s - exposed_s if exposed_s > 0 else traffic_s
+    return max(0.0, slowdown / (1.0 + slowdown) * min(traffic_s, window * (1.0 + slowdown)) - exposed_s)
+
+
+def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool, chunk_blk: dict | None = None,
+                slowdown: float = 0.0) -> dict:
+    """Exposed seconds of one block's tp, cp and ep traffic for one micro-batch, forward and backward, and
+    "contention": what the hidden part costs the compute beside it (`contention`), split evenly over the passes.
     async_tp: each TP collective decomposed into tp chunks behind the matmuls it feeds (labkit.scale.async_tp),
     chunk_blk: the block's ops on one chunk of T / tp rows."""
     def share(axis, key="seconds"):
@@ -79,8 +94,12 @@ def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool, chunk_bl
     if layout.ep_overlap and ep:
         experts = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.name.split()[0] in ("w1", "w2", "w3"))
         ep = two_batch_exposed(ep, experts, 1, 1)
-    return {"tp": tp_f + tp_b, "cp": cp, "ep": ep, "forward": tp_f + cp / 2 + ep / 2,
-            "backward": tp_b + cp / 2 + ep / 2}
+    # NCCL's kernels beside the compute: the ring's hops, EP's overlapped all-to-alls (plain TP is all exposed;
+    # async TP's transfers run on the copy engines, not the SMs)
+    slow = contention(ring, max(0.0, ring - attn), slowdown)
+    slow += contention(share("ep"), ep, slowdown) if layout.ep_overlap else 0.0
+    return {"tp": tp_f + tp_b, "cp": cp, "ep": ep, "contention": slow, "forward": tp_f + cp / 2 + ep / 2 + slow / 2,
+            "backward": tp_b + cp / 2 + ep / 2 + slow / 2}
 
 
 def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, value_bytes, options) -> dict:
@@ -101,7 +120,8 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     # one chunk: T / tp rows (at least one row per cp rank, so that a tiny layout's chunk is not empty)
     chunk_seq = max(shape.cp, shape.seq_len // layout.tp)
     chunk = block_ops(model, replace(shape, seq_len=chunk_seq), opts, gpu) if async_tp else None
-    comm = _block_comm(blk, traffic, layout, L * n_micro, async_tp, chunk)
+    slowdown = gpu.overlap_slowdown
+    comm = _block_comm(blk, traffic, layout, L * n_micro, async_tp, chunk, slowdown)
     layers, roles = stage_layers(layout, model.n_layers), stage_roles(layout, model.n_layers)
     f_block, b_block = seconds(blk["forward"]), seconds(blk["backward"])
     fwd, bwd, kern = [], [], []
@@ -130,12 +150,15 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     t_dp = traffic.get("dp", {}).get("seconds", 0.0)
     hide = compute if layout.zero == "zero3" else backward
     exposed_dp = max(0.0, t_dp - hide) + t_dp / max(1, L) if t_dp else 0.0
+    contention_dp = contention(t_dp, max(0.0, t_dp - hide), slowdown)
     shards = layout.dp * layout.cp if layout.zero != "dp" else 1
     params = sum(params_per_gpu(model, layout).values()) / shards
     optimizer = seconds([optimizer_step(params, 9 * L + 3, gpu)])
     parts = {"compute": compute, "exposed_tp": n_micro * blocks * comm["tp"], "exposed_cp": n_micro * blocks * comm["cp"],
              "exposed_ep": n_micro * blocks * comm["ep"], "bubble": makespan - work, "exposed_dp": exposed_dp,
              "exposed_pp": 0.0, "optimizer": optimizer}
+    parts["contention"] = n_micro * blocks * comm["contention"] + contention_dp
     f_bound, b_bound = by_bound(blk["forward"]), by_bound(blk["backward"])  # each pass a stretch, as timed above
     bound = {k: f_bound[k] + b_bound[k] for k in f_bound}
-    return {"step_s": makespan + exposed_dp + optimizer, "parts_s": parts, "bound_s": bound, "traffic": traffic}
+    return {"step_s": makespan + exposed_dp + contention_dp + optimizer, "parts_s": parts, "bound_s": bound,
+            "traffic": traffic}

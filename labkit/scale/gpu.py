@@ -16,6 +16,8 @@ units, and a "sources" object giving, for each, the measurement it comes from (U
                                autograd, allocator, launch): what a launch-bound eager model runs at
     attention_scale   1        optional (default 1): the attention tables' figures x this, where they
                                were measured on another power limit than this kind's (see h100-sxm-500w)
+    overlap_slowdown  1        optional (default 0): how much slower compute runs while an NCCL collective
+                               runs beside it (labkit.scale.cost_kernels.contention), a measured average
     fp8_rowwise_tflops TFLOP/s optional: a measured fp8 GEMM with rowwise scales (torchao's "rowwise" float8
                                recipe runs CUTLASS's rowwise-scaled kernel, not cuBLAS's tensorwise one), at
     fp8_rowwise_shape [m,n,k]  this shape; absent: rowwise GEMMs run at the tensorwise (bf16-derived) rate
@@ -45,6 +47,7 @@ FIELDS = {
     "eager_op_us": (float, "microseconds (e.g. 45)", 0.5, 1000),
 }
 ATTENTION_SCALE = (float, "a fraction of the attention tables' figures (e.g. 0.75)", 0.2, 1.0)
+OVERLAP_SLOWDOWN = (float, "a fraction of the compute's time (e.g. 0.189 for 18.9%)", 0.0, 1.0)
 FP8_ROWWISE = (float, "TFLOP/s (e.g. 1125.51 for an H100 at 500 W)", 10, 40000)
 ATTENTION_KINDS = ("forward", "forward_causal", "backward")
 
@@ -69,6 +72,7 @@ class GPU:
     attention: dict = field(default_factory=dict)  # impl -> kind -> ((seq, TFLOP/s), ...) ascending
     description: str = ""
     attention_scale: float = 1.0
+    overlap_slowdown: float = 0.0
     fp8_rowwise_tflops: float = 0.0   # 0: not measured (rowwise GEMMs at the tensorwise rate)
     fp8_rowwise_shape: tuple | None = None
 
@@ -151,6 +155,8 @@ def check_gpu(values: dict, where: str = "the GPU kind") -> dict:
     out["attention"] = attention
     if "attention_scale" in values:
         out["attention_scale"] = checked_number(values, "attention_scale", ATTENTION_SCALE, where)
+    if "overlap_slowdown" in values:
+        out["overlap_slowdown"] = checked_number(values, "overlap_slowdown", OVERLAP_SLOWDOWN, where)
     if "fp8_rowwise_tflops" in values:
         out["fp8_rowwise_tflops"] = checked_number(values, "fp8_rowwise_tflops", FP8_ROWWISE, where)
         if not out["peak_fp8_tflops"] or out["fp8_rowwise_tflops"] > out["peak_fp8_tflops"]:

@@ -34,7 +34,8 @@ from labkit.scale.ranking import WITHIN
 
 CHOICES = ("recompute", "micro_batch", "zero", "dp_replicate", "cp_method", "virtual_stages",
            "first_stage_embedding_only", "last_stage_loss_only")
-TERMS = ("compute", "bubble", "exposed_tp", "exposed_cp", "exposed_ep", "exposed_pp", "exposed_dp", "optimizer")
+TERMS = ("compute", "bubble", "exposed_tp", "exposed_cp", "exposed_ep", "exposed_pp", "exposed_dp", "contention",
+         "optimizer")
 
 
 def changed(a, b) -> str:
