@@ -202,6 +202,15 @@ def test_tp_across_nodes_costs_more_than_inside():
     assert across.tokens_per_s_per_gpu < inside.tokens_per_s_per_gpu
 
 
+def test_a_group_that_does_not_tile_the_node_straddles_two():
+    """tp 3 on 8-GPU nodes: tp groups are ranks 0-2, 3-5, 6-8, ...; 6-8 crosses into the next node, so tp's level is
+    the network (the slowest group sets the pace), and the same for cp 3 behind tp 2 (span 6). tp 4 and 8 tile it."""
+    assert Layout(dp=8, tp=3).level("tp", 8) == "network"
+    assert Layout(dp=8, cp=3, tp=2).level("cp", 8) == "network"
+    assert Layout(dp=6, tp=4).level("tp", 8) == "node" and Layout(dp=3, tp=8).level("tp", 8) == "node"
+    assert Layout(dp=16, tp=2).level("tp", 6) == "node" and Layout(dp=16, tp=4).level("tp", 6) == "network"
+
+
 def test_ep_borrows_cp_ranks_first():
     lay = Layout(dp=4, pp=2, cp=2, tp=2, ep=2)
     assert lay.level("ep", 8) == "node"          # ep 2 x tp 2 = 4 neighbouring GPUs

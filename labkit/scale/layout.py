@@ -155,7 +155,9 @@ class Layout:
         return math.prod(sizes[a] for a in AXES[AXES.index(axis) + 1:])
 
     def level(self, axis: str, gpus_per_node: int) -> str:
-        """"node" if every group along `axis` lies inside one node, else "network"."""
+        """"node" if every group along `axis` lies inside one node, else "network". A group spans an aligned
+        block of `span` ranks; the blocks tile the nodes only when span divides gpus_per_node (tp 3 on 8-GPU
+        nodes: ranks 6, 7, 8 straddle two, and that group sets the pace)."""
         if axis == "ep" and self.ep_over_tp:  # the innermost ep of (dp_shard, cp, tp) flattened: contiguous
             # while inside cp x tp, then dp_shard's ranks, pp cp tp apart
             span = self.ep if self.ep <= self.cp * self.tp else self.ep * self.pp
@@ -164,7 +166,8 @@ class Layout:
             span = self.ep * self.tp if self.ep <= self.cp else self.ep * self.pp * self.tp
         else:
             span = getattr(self, axis) * self.stride(axis)
-        return "node" if span <= gpus_per_node else "network"
+        tiles = gpus_per_node % span == 0 or self.world_size <= gpus_per_node  # (whole nodes: else one straddles)
+        return "node" if span <= gpus_per_node and tiles else "network"
 
     def layers_per_rank(self, n_layers: int) -> int:
         """Blocks on the busiest pipeline rank (`rank_layers`' largest: torchtitan splits 126 layers
