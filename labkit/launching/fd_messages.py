@@ -1,8 +1,8 @@
 """Length-prefixed pickled messages over a Unix socket, with file descriptors riding along (SCM_RIGHTS).
 
-The zygote and its caller talk this way (labkit/launching/zygote.py): a launch request carries the
-ranks' stdout, stderr and result pipes, made by the caller, so that the caller reads them as if it
-had forked the ranks itself.
+The zygote and its caller talk this way (labkit/launching/zygote_server.py and zygote.py): a launch
+request carries the ranks' stdout, stderr and result pipes, made by the caller, so that the caller
+reads them as if it had forked the ranks itself.
 """
 from __future__ import annotations
 

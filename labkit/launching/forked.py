@@ -323,6 +323,7 @@ class ForkLauncher:
 
 NOISE_FRAMES = ("labkit/launching/forked.py", "labkit/launching/launcher.py", "labkit/launching/cluster.py",
                 "labkit/launching/rank_main.py", "labkit/launching/shipping.py", "labkit/launching/zygote.py",
+                "labkit/launching/zygote_server.py",
                 "/cloudpickle/", "multiprocessing/",
                 "/IPython/", "/ipykernel/", "/tornado/", "/asyncio/", "/traitlets/", "/zmq/", "runpy.py",
                 "/_pytest/", "/pluggy/", "/pytest/", "/jupyter_client/", "/jupyter_core/", "/nbclient/",

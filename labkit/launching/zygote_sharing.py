@@ -7,7 +7,7 @@ train app's scripts, pytest runs inside pytest), so it pays it a hundred times. 
 starts one *shared* zygote (`SharedZygote`, from tests/conftest.py); it listens on a Unix socket
 named in the environment, which every child process inherits. For each process that connects it
 forks a handler, a copy of itself already warmed up, which then serves that process exactly as
-its own zygote would: it forks its ranks and kills them when the process goes (`zygote.serve`).
+its own zygote would: it forks its ranks and kills them when the process goes (`zygote_server.serve`).
 This is Python's ``forkserver`` again, one level up.
 
 A process may use the shared zygote only if the zygote imported exactly what it would have
@@ -69,7 +69,7 @@ def shared_socket() -> str | None:
 
 def serve_shared(owner_fd: int, listener_fd: int, path: str, prepare, serve) -> None:
     """The shared zygote: warm up (`prepare`), then fork a handler running `serve` for each process
-    that connects (`zygote.serve` and `zygote._prepare`, passed in: that module imports this one).
+    that connects (`zygote_server.serve` and `zygote_server._prepare`, passed in: that module imports this one).
 
     Its owner made the listening socket, so a process connecting while this one warms up waits in
     the queue. It leaves when its owner's end of `owner_fd` closes, ending every handler (each kills
