@@ -23,7 +23,6 @@ import warnings
 from labkit.launching.failures import (LaunchError, LaunchInterrupted, OversubscriptionWarning,  # noqa: F401 - public
                        RankFailure, StubNotImplemented)
 from labkit.launching.forked import ForkLauncher
-from labkit.launching.zygote_server import prewarm  # noqa: F401 - the lab's one warm-up (the train app, the grading runner)
 from labkit.launching.cluster import run_as_scheduled_rank, scheduled_world
 
 BACKENDS = ("auto", "gloo", "nccl")

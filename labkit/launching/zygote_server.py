@@ -138,8 +138,7 @@ def prewarm():
 
     The first torch.optim optimizer a process builds imports torch._dynamo (seconds on a
     laptop), and the first ``assert_close`` imports numpy's testing helpers. The zygote does this
-    once, so the ranks it forks inherit both for free; the training entry point and the grading
-    runner call it too (`labkit.launching.launcher.prewarm`). It runs no autograd and touches no GPU.
+    once, so the ranks it forks inherit both for free. It runs no autograd and touches no GPU.
     """
     global _prewarmed
     if not _prewarmed:
