@@ -53,7 +53,8 @@ Ranks are exact up to CAP (the criterion needs the top 5), the layout level's up
 search only needs the top, which prunes harder. Cost (2 shared cores, `bench/scale.py --ranks`): 2026-11-26, the
 configuration level alone, the 47 rows in 89 s under the flat model, 510 s under the kernel model; 2026-11-27 with
 the layout level too, measured alone: 101 s flat, 708 s kernels (most rows 0.1-13 s, Megatron's 145B-1T 26-60 s, Llama 3's 8K- and 16K-GPU
-rows 322 s and 108 s: their simulated schedules are long). 405B on 512 GPUs (tt24-t5-13) under the kernel model:
+rows 322 s and 108 s: their simulated schedules are long); later that day, 59 rows (Megatron 2021's Table 2 added),
+both levels, beside other work: 49 s flat, 724 s kernels (Llama 3's 8K-GPU row 190 s, Megatron's 1T 118 s). 405B on 512 GPUs (tt24-t5-13) under the kernel model:
 98 s before the kernel bound (1F1B only), 9.5-11 s with it and more schedules in the space, 7.9 s with both levels.
 """
 from __future__ import annotations
