@@ -32,7 +32,7 @@ def test_single_stage_step_is_micro_batches_times_forward_and_backward_plus_dp_a
                for d in ("forward", "backward"))
     work = p.n_micro * (SPEC.n_layers * (seconds(blk["forward"]) + seconds(blk["backward"])) + ends)
     assert p.n_micro == 2 and p.parts_s["compute"] == pytest.approx(work, rel=1e-12)
-    assert p.step_s == pytest.approx(work + p.parts_s["exposed_dp"] + p.parts_s["contention"] + p.parts_s["optimizer"],
+    assert p.step_s == pytest.approx(work + p.parts_s["exposed_dp"] + p.parts_s["contention_dp"] + p.parts_s["optimizer"],
                                      rel=1e-12)
     assert p.step_s == pytest.approx(sum(p.parts_s.values()), rel=1e-12)
 
@@ -70,6 +70,21 @@ def test_cp_ring_hidden_only_where_attention_outlasts_its_transfer():
     assert short == 0 and long == pytest.approx(2 * attn) and mixed == 1.0
     planted_always_hidden = 0.0
     assert long != planted_always_hidden
+
+
+def test_the_rings_hidden_hops_slow_the_attention_beside_them():
+    """A ring hidden behind attention costs k x its time (k = s / (1 + s)); one longer than the slowed attention
+    costs only its exposed part; plain TP, all exposed, costs nothing more."""
+    lay = Layout(cp=2)
+    blk = block_ops(SPEC, Shape(1, 8192, cp=2), Options(), GPU)
+    attn = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.kind == "attention")
+    for ring, want in ((0.5 * attn, 0.5 * attn * 0.2), (3 * attn, 0.0), (1.1 * attn, 1.1 * attn * 0.2 - 0.1 * attn)):
+        comm = _block_comm(blk, {"cp": {"seconds": ring, "hideable_seconds": ring}}, lay, 1, False, None, 0.25)
+        assert comm["contention"] == pytest.approx(want, rel=1e-12, abs=1e-18)
+        assert comm["forward"] + comm["backward"] == pytest.approx(comm["cp"] + comm["contention"], rel=1e-12)
+    tp = Layout(tp=2)
+    blk2 = block_ops(SPEC, Shape(1, 8192, tp=2), Options(), GPU)
+    assert _block_comm(blk2, {"tp": {"seconds": 1.0}}, tp, 1, False, None, 0.25)["contention"] == 0.0
 
 
 def test_tp_exposed_unless_async_then_decomposed_behind_its_gemms():
@@ -141,7 +156,7 @@ def test_fsdp_traffic_hidden_behind_compute_costs_its_contention():
     finally:
         ck.load_gpu = real
     t = with_s.traffic["dp"]["seconds"]
-    assert t < with_s.parts_s["compute"] and without.parts_s["contention"] == 0.0
-    assert with_s.parts_s["contention"] == pytest.approx(t * s / (1 + s), rel=1e-12)
+    assert t < with_s.parts_s["compute"] and without.parts_s["contention_dp"] == 0.0
+    assert with_s.parts_s["contention_dp"] == pytest.approx(t * s / (1 + s), rel=1e-12)
     assert with_s.step_s - without.step_s == pytest.approx(t * s / (1 + s), rel=1e-9)
 

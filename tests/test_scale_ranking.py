@@ -41,16 +41,15 @@ def test_pruned_ranking_equals_every_layout(model, row):
 
 @pytest.mark.parametrize("efficiency", (0.40, None))
 def test_group_floor_is_shared_by_zero_stages_and_replicas(efficiency):
-    """Stage 2's floor: step less exposed dp, the contention and the optimizer is the same for every ZeRO stage and
-    dp_replicate of a group (they change only those terms and the memory; the blocks' contention, inside the
-    contention part, does not change with them, so the floor stays below every layout's step)."""
+    """Stage 2's floor: step less exposed dp, its contention and the optimizer is the same for every ZeRO stage and
+    dp_replicate of a group (they change only those terms and the memory)."""
     cluster, spec = load_cluster("h100-sxm"), LLAMA3["8b"]
     floors = set()
     for zero in ("dp", "zero1", "zero2", "zero3"):
         for r in (1, 2, 4) if zero != "dp" else (1,):
             p = predict(spec, Layout(dp=4, pp=2, cp=2, tp=2, zero=zero, dp_replicate=r, micro_batch=1), cluster,
                         32, 8192, efficiency=efficiency)
-            floors.add(round(p.step_s - p.parts_s["exposed_dp"] - p.parts_s.get("contention", 0.0)
+            floors.add(round(p.step_s - p.parts_s["exposed_dp"] - p.parts_s.get("contention_dp", 0.0)
                              - p.parts_s.get("optimizer", 0.0), 12))
     assert len(floors) == 1, floors
 

@@ -30,8 +30,8 @@ model (opt-in until it meets issue 34's aims on the published set; `python bench
     pipeline   per-stage F_s + exposed tp/cp/ep + their blocks' contention, B_s likewise, through the lab's
                schedule simulator (labkit.scale.pipeline): makespan = the busiest rank's work + the bubble
     step       makespan + exposed dp + dp's contention + the optimizer step (AdamW over this GPU's shard)
-`parts_s` splits it: compute (the busiest rank's kernels), exposed_tp / _cp / _ep / _dp, contention, bubble,
-optimizer; `bound_s` says how much of one block's forward and backward is compute-, memory- or
+`parts_s` splits it: compute (the busiest rank's kernels), exposed_tp / _cp / _ep / _dp, contention (the blocks')
+and contention_dp, bubble, optimizer; `bound_s` says how much of one block's forward and backward is compute-, memory- or
 launch-bound: each pass takes max(GPU time, CPU time to issue its kernels), and "launch" is the time
 the GPU waits for the CPU (a model this small that is mostly "launch" runs at the CPU's pace,
 kernels x eager PyTorch's measured cost per kernel; torch.compile's launches cost less).

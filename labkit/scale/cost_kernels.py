@@ -157,7 +157,8 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     parts = {"compute": compute, "exposed_tp": n_micro * blocks * comm["tp"], "exposed_cp": n_micro * blocks * comm["cp"],
              "exposed_ep": n_micro * blocks * comm["ep"], "bubble": makespan - work, "exposed_dp": exposed_dp,
              "exposed_pp": 0.0, "optimizer": optimizer}
-    parts["contention"] = n_micro * blocks * comm["contention"] + contention_dp
+    parts["contention"] = n_micro * blocks * comm["contention"]  # the blocks' (cp ring, ep), inside the passes
+    parts["contention_dp"] = contention_dp
     f_bound, b_bound = by_bound(blk["forward"]), by_bound(blk["backward"])  # each pass a stretch, as timed above
     bound = {k: f_bound[k] + b_bound[k] for k in f_bound}
     return {"step_s": makespan + exposed_dp + contention_dp + optimizer, "parts_s": parts, "bound_s": bound,

@@ -154,8 +154,8 @@ def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: l
                     continue
                 predicted += 1
                 if first and prune:  # the step less what ZeRO and dp_replicate change: a floor for the group
-                    first = False   # (contention: dp's changes with them, the blocks' does not; both only add)
-                    if p.step_s - sum(p.parts_s.get(k, 0.0) for k in ("exposed_dp", "contention", "optimizer")) > limit(base):
+                    first = False
+                    if p.step_s - sum(p.parts_s.get(k, 0.0) for k in ("exposed_dp", "contention_dp", "optimizer")) > limit(base):
                         break
                 if p.fits and p.step_s <= limit(base):
                     visit(p)
