@@ -373,6 +373,49 @@ def test_keyboard_interrupt_kills_every_rank(tmp_path):
                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 
 
+def test_keyboard_interrupt_while_the_ranks_are_forked_stops_them(tmp_path):
+    """The window between the zygote forking the ranks and the caller hearing their pids: a Ctrl-C there (seen in
+    `make test-stress`, when the test above signalled as soon as the ranks had written their pids) raised a plain
+    KeyboardInterrupt and left the ranks running. The Ctrl-C is planted in that window: the caller's first wait for
+    the zygote's answer raises it, once both ranks run. It must stop both ranks, with their stacks."""
+    script = tmp_path / "interrupt_in_fork.py"
+    script.write_text(_sleeper_script(tmp_path) + f"PIDS = {str(tmp_path / 'pids')!r}\n" + textwrap.dedent("""
+        from labkit.launching import zygote
+        real_fork, real_next, state = zygote.Zygote.fork, zygote.Zygote.next_message, {"in": False, "done": False}
+        def fork(self, request, fds):
+            state["in"] = True
+            try:
+                return real_fork(self, request, fds)
+            finally:
+                state["in"] = False
+        def next_message(self, timeout=None):
+            if state["in"] and not state["done"]:
+                state["done"] = True
+                pids, deadline = [PIDS + str(r) for r in range(2)], time.monotonic() + 60
+                while not all(os.path.exists(f) and open(f).read() for f in pids) and time.monotonic() < deadline:
+                    time.sleep(0.05)  # until both ranks run: they are forked, their pids not yet heard
+                raise KeyboardInterrupt
+            return real_next(self, timeout)
+        zygote.Zygote.fork, zygote.Zygote.next_message = fork, next_message
+        try:
+            labkit.launch(sleeper, 2, timeout=600)
+        except KeyboardInterrupt as error:
+            print("MESSAGE", str(error))
+            print("interrupted cleanly", type(error).__name__)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert "interrupted cleanly LaunchInterrupted" in out, out
+    assert "launch interrupted: rank(s) 0, 1 of 2 were still running and have been stopped" in out
+    rank_pids = [int((tmp_path / f"pids{r}").read_text()) for r in range(2)]
+    time.sleep(0.2)
+    assert not [pid for pid in rank_pids if psutil.pid_exists(pid)
+                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
 # --------------------------------------------------------------------------- under torchrun
 
 def test_under_torchrun_the_process_is_its_rank(tmp_path):

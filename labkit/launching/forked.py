@@ -92,14 +92,20 @@ class ForkLauncher:
                     result_readers.append(multiprocessing.connection.Connection(result_r, writable=False))
                     self._forward(out_r, rank, "stdout")
                     self._forward(err_r, rank, "stderr")
-                self.pids = self.zygote.fork(request, theirs)
-                for fd in theirs:
-                    os.close(fd)
-                theirs = []
                 try:
+                    try:
+                        self.pids = self.zygote.fork(request, theirs)
+                    finally:
+                        for fd in theirs:
+                            os.close(fd)
+                        theirs = []
                     self._wait(result_readers)
                 except KeyboardInterrupt as interrupt:
                     if isinstance(interrupt, LaunchError):
+                        raise
+                    if isinstance(interrupt, zygote.ForkInterrupted):  # Ctrl-C while the ranks were being forked
+                        self.pids = interrupt.pids
+                    if not self.pids:  # before the request reached the zygote: no rank to stop
                         raise
                     self._interrupted()
             finally:

@@ -49,6 +49,15 @@ class ZygoteError(LaunchError):
     """The zygote could not be started, or died."""
 
 
+class ForkInterrupted(KeyboardInterrupt):
+    """A Ctrl-C that came while the zygote was forking the ranks: `Zygote.fork` waited for their pids (`pids`), so
+    that the caller can stop them; without them, ranks started in that window would run on."""
+
+    def __init__(self, pids: list[int]):
+        super().__init__()
+        self.pids = pids
+
+
 class Zygote:
     """The caller's handle on its zygote: start it, ask it to fork ranks, hear about their exits."""
 
@@ -113,14 +122,22 @@ class Zygote:
         return self.pid is None or _running(self.pid)  # a shared zygote's handler (not our child)
 
     def fork(self, request: dict, fds: list) -> list[int]:
-        """Ask for ``request['world_size']`` ranks; their pids, in rank order."""
+        """Ask for ``request['world_size']`` ranks; their pids, in rank order. A Ctrl-C once the request is sent
+        waits for the pids and raises `ForkInterrupted` with them (the ranks exist by then)."""
         new = [name for name in list(sys.modules)
                if name not in self.preloaded and zygote_server.worth_preloading(name)]
         self.preloaded.update(new)
         send(self.sock, ("launch", dict(request, preload=new)), fds)
+        interrupted = False
         while True:
-            kind, value = self.next_message(timeout=READY_TIMEOUT)
+            try:
+                kind, value = self.next_message(timeout=READY_TIMEOUT)
+            except KeyboardInterrupt:
+                interrupted = True  # the zygote answers within milliseconds: hear it, then stop what it forked
+                continue
             if kind == "forked" and value[0] == request["launch_id"]:
+                if interrupted:
+                    raise ForkInterrupted(value[1])
                 return value[1]
             if kind == "exit":
                 self.exits.append(value)
