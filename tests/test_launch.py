@@ -339,15 +339,32 @@ def _sleeper_script(tmp_path) -> str:
     """)
 
 
+# a script's end: launch two sleepers and print what the interrupt raised
+LAUNCH_UNTIL_INTERRUPTED = textwrap.dedent("""
+    try:
+        labkit.launch(sleeper, 2, timeout=600)
+    except KeyboardInterrupt as error:
+        print("MESSAGE", str(error))
+        print("interrupted cleanly", type(error).__name__)
+""")
+
+
+def assert_both_ranks_stopped_with_their_stacks(out: str, rank_pids: list[int]) -> None:
+    assert "interrupted cleanly LaunchInterrupted" in out, out
+    message = out.split("MESSAGE ", 1)[1]
+    # each rank's Python stack, showing where it was, then one line saying what happened
+    assert "=== rank 0: interrupted here ===" in message and "=== rank 1: interrupted here ===" in message
+    assert "in sleeper" in message
+    assert "launch interrupted: rank(s) 0, 1 of 2 were still running and have been stopped" in message
+    assert "multiprocessing" not in message and "selectors" not in message
+    time.sleep(0.2)
+    assert not [pid for pid in rank_pids if psutil.pid_exists(pid)
+                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
 def test_keyboard_interrupt_kills_every_rank(tmp_path):
     script = tmp_path / "interrupt.py"
-    script.write_text(_sleeper_script(tmp_path) + textwrap.dedent("""
-        try:
-            labkit.launch(sleeper, 2, timeout=600)
-        except KeyboardInterrupt as error:
-            print("MESSAGE", str(error))
-            print("interrupted cleanly", type(error).__name__)
-    """))
+    script.write_text(_sleeper_script(tmp_path) + LAUNCH_UNTIL_INTERRUPTED)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120  # forking two ranks can take long on a loaded machine
@@ -361,16 +378,7 @@ def test_keyboard_interrupt_kills_every_rank(tmp_path):
         out, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()
-    assert "interrupted cleanly LaunchInterrupted" in out
-    message = out.split("MESSAGE ", 1)[1]
-    # each rank's Python stack, showing where it was, then one line saying what happened
-    assert "=== rank 0: interrupted here ===" in message and "=== rank 1: interrupted here ===" in message
-    assert "in sleeper" in message
-    assert "launch interrupted: rank(s) 0, 1 of 2 were still running and have been stopped" in message
-    assert "multiprocessing" not in message and "selectors" not in message
-    time.sleep(0.2)
-    assert not [pid for pid in rank_pids if psutil.pid_exists(pid)
-                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert_both_ranks_stopped_with_their_stacks(out, rank_pids)
 
 
 def test_keyboard_interrupt_while_the_ranks_are_forked_stops_them(tmp_path):
@@ -397,23 +405,13 @@ def test_keyboard_interrupt_while_the_ranks_are_forked_stops_them(tmp_path):
                 raise KeyboardInterrupt
             return real_next(self, timeout)
         zygote.Zygote.fork, zygote.Zygote.next_message = fork, next_message
-        try:
-            labkit.launch(sleeper, 2, timeout=600)
-        except KeyboardInterrupt as error:
-            print("MESSAGE", str(error))
-            print("interrupted cleanly", type(error).__name__)
-    """))
+    """) + LAUNCH_UNTIL_INTERRUPTED)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert "interrupted cleanly LaunchInterrupted" in out, out
-    assert "launch interrupted: rank(s) 0, 1 of 2 were still running and have been stopped" in out
-    rank_pids = [int((tmp_path / f"pids{r}").read_text()) for r in range(2)]
-    time.sleep(0.2)
-    assert not [pid for pid in rank_pids if psutil.pid_exists(pid)
-                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert_both_ranks_stopped_with_their_stacks(out, [int((tmp_path / f"pids{r}").read_text()) for r in range(2)])
 
 
 # --------------------------------------------------------------------------- under torchrun
