@@ -34,7 +34,11 @@ the rows were predicted again. TP's collectives per block follow the recompute p
 all-gathers (its save list), so its backward all-gathers twice more (stated from that source before the rows
 were predicted; kernel model 32 -> 33 of 47 within 25%, worst 72% -> 66%). Table 2's twelve rows (2026-11-27,
 their choices stated in the file first): kernel model 10 of 12 within 25% (PTD +15% to +17%, ZeRO-3 +5% to
-+49%), flat 6 of 12; all 59 rows, kernel model 42 within 25%, median 17%, worst 66%. After the table, each row
++49%), flat 6 of 12; all 59 rows, kernel model 42 within 25%, median 17%, worst 66%. The contention rule
+(GPU.overlap_slowdown): 43, median 16%, worst 64%. Each collective kind at its own measured bus bandwidth
+against its size (the cluster's busbw_by_kind: on H100 nodes nccl-tests' reduce-scatter curve, 311-362 GB/s, for
+the all-gathers and reduce-scatters, where the all-reduce's NVLink-SHARP 460 GB/s had priced them; sources in the
+cluster file, read before the rows were predicted again): 47 of 59, median 15%, worst 54%. After the table, each row
 outside 25% with its note from the data file: what was checked, and why the miss stays.
 --ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
 same model, cluster, global batch, sequence length and GPU count; 1F1B, interleaved x2, ZB under the kernel

@@ -160,8 +160,13 @@ def test_hsdp_dp_traffic_by_level_equals_closed_form():
     assert dp["replica_bytes"] == pytest.approx(2 * (R - 1) / R * 4 * P / S, rel=1e-12)
     flat = predict(spec, Layout(dp=64, zero="zero3"), H100, 64, 8192).traffic["dp"]
     assert flat["bytes"] == pytest.approx(63 / 64 * 8 * P, rel=1e-12) and "replica_bytes" not in flat
-    (a_n, b_n), (a_x, b_x) = H100.link("node"), H100.link("network")
-    seconds = (2 * 7 * a_n + 7 * a_n + (S - 1) / S * 8 * P / b_n) + (2 * (R - 1) * a_x + 2 * (R - 1) / R * 4 * P / S / b_x)
+    # the shard group's all-gathers and reduce-scatter at their own bus bandwidth (H100's curve, past its 8 GiB end:
+    # 362.16 GB/s), the replicas' all-reduce at the NIC's
+    (a_n, b_ag), (_, b_rs) = H100.link("node", "all_gather", 2 * P), H100.link("node", "reduce_scatter", 4 * P)
+    a_x, b_x = H100.link("network", "all_reduce", 4 * P / S)
+    assert b_ag == b_rs == 362.16e9
+    seconds = ((2 * 7 * a_n + 2 * (S - 1) / S * 2 * P / b_ag) + (7 * a_n + (S - 1) / S * 4 * P / b_rs)
+               + (2 * (R - 1) * a_x + 2 * (R - 1) / R * 4 * P / S / b_x))
     assert dp["seconds"] == pytest.approx(seconds, rel=1e-12)
     assert dp["seconds"] < flat["seconds"]  # 8x fewer network bytes
 
@@ -225,7 +230,8 @@ def test_ep_folded_over_tp_bytes_equal_closed_form():
     assert (L, m) == (16, 4)
     tokens = 2 * k * (4096 // 4) * d
     assert p.traffic["ep"]["bytes"] == 4 * L * m * 7 / 8 * tokens
-    a, b = H100.link("node")
+    a, b = H100.link("node", "all_to_all", tokens)
+    assert b == 370e9  # the all-to-all's own bus bandwidth on H100's NVLink, not the all-reduce's (NVLink SHARP)
     assert p.traffic["ep"]["seconds"] == pytest.approx(4 * L * m * (7 * a + 7 / 8 * tokens / b), rel=1e-12)
     D = (L * MOE.layer_dense_params + MOE.embedding_params + MOE.head_params) / 4
     E = L * MOE.expert_params * MOE.n_experts / 8

@@ -121,6 +121,6 @@ def group_bounds(model, base: Layout, cluster, batch, seq, n, options) -> dict:
             compute = flops / (cluster.peak_bf16_flops * options.get("efficiency", EFFICIENCY))
             v = lay.virtual_stages if lay.schedule == "interleaved" else 1
             bubble = (lay.pp - 1) / (v * n_micro) * compute if lay.pp > 1 else 0.0
-            _, beta = cluster.link(lay.level("tp", cluster.gpus_per_node))
+            beta = cluster.fastest_busbw(lay.level("tp", cluster.gpus_per_node))  # no kind is faster: a bound
             out[mb, rc] = compute + bubble + tp.get("bytes", 0.0) / beta
     return out

@@ -14,8 +14,16 @@ fields, in these units, and a "sources" object saying where each figure comes fr
 Two optional fields connect it to the kernel model (labkit.scale.kernels, labkit.scale.collectives):
     gpu                        the GPU kind (labkit/scale/gpus/<gpu>.json): without it, `predict`
                                can only use a flat FLOP rate (its `efficiency=`)
-    node_busbw_gbytes_per_s    GB/s  measured large-message bus bandwidth of a collective inside one
+    node_busbw_gbytes_per_s    GB/s  measured large-message bus bandwidth of an all-reduce inside one
                                node (nccl-tests); without it the NVLink datasheet rate is used
+and one optional field that gives a collective kind its own measured bus bandwidth at a level:
+    busbw_by_kind              {"node"|"network": {kind: GB/s, or [[bytes, GB/s], ...]}}: one figure, or
+                               nccl-tests' busbw against its "size" column (the whole tensor, S) at
+                               increasing sizes, read log-linearly in S between them and held flat beyond
+                               the ends (`Cluster.link(level, kind, nbytes)`). kind: all_reduce,
+                               all_gather, reduce_scatter, all_to_all, send. Where a kind has none, the
+                               level's figure above. H100's NVLink SHARP is why this is needed: it speeds
+                               up the all-reduce only (460-480 GB/s), the other kinds move ~370 GB/s
 
 Each figure is checked against a plausible range, so a unit off by 1,000 (TFLOP/s written as
 FLOP/s, MB/s for GB/s, ms for us) is caught and named with the unit expected.
@@ -23,6 +31,7 @@ FLOP/s, MB/s for GB/s, ms for us) is caught and named with the unit expected.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +52,10 @@ FIELDS = {
 }
 
 
+BUSBW_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+BUSBW_RANGE = (5, 5000)  # GB/s: as node_busbw_gbytes_per_s
+
+
 class ClusterError(ValueError):
     """A cluster description with a missing field, a wrong type or an implausible unit."""
 
@@ -60,18 +73,75 @@ class Cluster:
     description: str = ""
     gpu: str = ""
     node_busbw_gbytes_per_s: float = 0.0
+    # ((level, kind, ((bytes, bytes/s), ...)), ...): busbw_by_kind, checked, as a hashable value
+    busbw_by_kind: tuple = ()
 
     @property
     def memory_bytes(self) -> float:
         return self.memory_gib * 2**30
 
-    def link(self, level: str) -> tuple[float, float]:
-        """(alpha seconds, beta bytes/s) of one GPU's link at `level`: "node" (NVLink) or "network"."""
+    def link(self, level: str, kind: str | None = None, nbytes: float = 0.0) -> tuple[float, float]:
+        """(alpha seconds, beta bytes/s) of one GPU's link at `level`: "node" (NVLink) or "network".
+        With a collective `kind` (and its whole tensor's `nbytes`, nccl-tests' size S), beta is that kind's
+        measured bus bandwidth where `busbw_by_kind` gives one (`busbw_at`), else the level's."""
         if level == "node":  # the measured bus bandwidth where the file gives one, else the datasheet link
-            return self.nvlink_latency_us * 1e-6, (self.node_busbw_gbytes_per_s or self.nvlink_gbytes_per_s) * 1e9
-        if level == "network":
-            return self.network_latency_us * 1e-6, self.network_gbits_per_s * 1e9 / 8
-        raise ValueError(f"link level must be 'node' or 'network', got {level!r}")
+            alpha, beta = self.nvlink_latency_us * 1e-6, (self.node_busbw_gbytes_per_s or self.nvlink_gbytes_per_s) * 1e9
+        elif level == "network":
+            alpha, beta = self.network_latency_us * 1e-6, self.network_gbits_per_s * 1e9 / 8
+        else:
+            raise ValueError(f"link level must be 'node' or 'network', got {level!r}")
+        for lvl, k, curve in self.busbw_by_kind:
+            if lvl == level and k == kind:
+                return alpha, busbw_at(curve, nbytes)
+        return alpha, beta
+
+    def fastest_busbw(self, level: str) -> float:
+        """The largest bus bandwidth any kind gets at `level`: a bound no collective beats (labkit.scale.bounds)."""
+        return max([self.link(level)[1]] + [b for lvl, _, curve in self.busbw_by_kind if lvl == level
+                                            for _, b in curve])
+
+
+def busbw_at(curve: tuple, nbytes: float) -> float:
+    """Bytes/s of a measured busbw curve ((bytes, bytes/s), ...) at size `nbytes`: log-linear in the size
+    between two measured sizes, the nearest end's figure outside them (a flat curve has one point)."""
+    if len(curve) == 1 or nbytes <= curve[0][0]:
+        return curve[0][1]
+    for (s0, b0), (s1, b1) in zip(curve, curve[1:]):
+        if nbytes <= s1:
+            return b0 + (b1 - b0) * math.log(nbytes / s0) / math.log(s1 / s0)
+    return curve[-1][1]
+
+
+def check_busbw_by_kind(values, where: str) -> tuple:
+    """`busbw_by_kind` as Cluster holds it, or ClusterError naming the level, kind or point and the fix."""
+    if not isinstance(values, dict):
+        raise ClusterError(f"{where}: busbw_by_kind must map a level ('node', 'network') to {{kind: GB/s or "
+                           "[[bytes, GB/s], ...]}}")
+    out = []
+    for level, kinds in values.items():
+        if level not in ("node", "network") or not isinstance(kinds, dict):
+            raise ClusterError(f"{where}: busbw_by_kind[{level!r}]: the levels are 'node' and 'network', "
+                               "each a dict {kind: GB/s or [[bytes, GB/s], ...]}")
+        for kind, figure in kinds.items():
+            at = f"{where}: busbw_by_kind[{level!r}][{kind!r}]"
+            if kind not in BUSBW_KINDS:
+                raise ClusterError(f"{at}: {kind!r} is not a collective kind the model times: one of {BUSBW_KINDS}")
+            points = [[0, figure]] if isinstance(figure, (int, float)) and not isinstance(figure, bool) else figure
+            if not isinstance(points, list) or not points or not all(
+                    isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                                for x in p) for p in points):
+                raise ClusterError(f"{at} must be a number (GB/s) or a list of [bytes, GB/s] pairs, got {figure!r}")
+            sizes = [p[0] for p in points]
+            if any(b <= a for a, b in zip(sizes, sizes[1:])) or sizes[0] < 0:
+                raise ClusterError(f"{at}: the sizes must increase, in bytes (nccl-tests' size column), got {sizes}")
+            low, high = BUSBW_RANGE
+            for size, gbps in points:
+                if not low <= gbps <= high:
+                    hint = " (a unit off by 1,000?)" if low <= gbps * 1e-3 <= high or low <= gbps * 1e3 <= high else ""
+                    raise ClusterError(f"{at}: {gbps:g} at {size:g} bytes is outside {low}..{high}{hint}: the unit "
+                                       "expected is GB/s (nccl-tests' busbw column, e.g. 362 for reduce_scatter on 8 H100)")
+            out.append((level, kind, tuple((float(s), float(g) * 1e9) for s, g in points)))
+    return tuple(out)
 
 
 def check_fields(values: dict, where: str = "the cluster") -> dict:
@@ -111,4 +181,6 @@ def load_cluster(name_or_path: str | Path | dict | Cluster) -> Cluster:
             raise ClusterError(f"{where}: node_busbw_gbytes_per_s={busbw!r} is outside 5..5000{hint}: the unit "
                                "expected is GB/s (e.g. 460 for nccl-tests all_reduce on 8 H100 SXM)")
         extra["node_busbw_gbytes_per_s"] = float(busbw)
+    if "busbw_by_kind" in values:
+        extra["busbw_by_kind"] = check_busbw_by_kind(values["busbw_by_kind"], where)
     return Cluster(name=name, description=values.get("description", ""), **fields, **extra)

@@ -8,8 +8,9 @@ reports, flat in n for a given link. So
     time = steps x alpha + wire / busbw(level)
 
 busbw(level): the cluster's measured large-message figure where its file gives one
-(`node_busbw_gbytes_per_s`, nccl-tests all_reduce_perf on one NVSwitch node), else the link's
-datasheet rate (`Cluster.link`): an upper bound. alpha: the level's per-step latency. Steps, by
+(`node_busbw_gbytes_per_s`, nccl-tests all_reduce_perf on one NVSwitch node; the kind's own against
+the size S where `busbw_by_kind` gives one: on H100 nodes the all-gather and reduce-scatter are
+not sped up by NVLink SHARP), else the link's datasheet rate (`Cluster.link`): an upper bound. alpha: the level's per-step latency. Steps, by
 NCCL's algorithm: ring all-gather / reduce-scatter / all-to-all n-1; all-reduce inside a node a ring,
 2(n-1); all-reduce across nodes NCCL's tree (double binary tree, Sanders et al. 2009, NCCL >= 2.4),
 2 log2(n) latency steps at the same bus bandwidth; send/recv 1. Message size enters through alpha:
@@ -41,9 +42,10 @@ def steps(kind: str, n: int, level: str) -> int:
     return n - 1
 
 
-def busbw(cluster, level: str) -> float:
-    """Bytes/s one rank's link moves at `level`: the measured bus bandwidth, or the datasheet link."""
-    return cluster.link(level)[1]
+def busbw(cluster, level: str, kind: str | None = None, nbytes: float = 0.0) -> float:
+    """Bytes/s one rank's link moves at `level`: the measured bus bandwidth (the kind's own at size
+    `nbytes` where the cluster gives one, `Cluster.link`), or the datasheet link."""
+    return cluster.link(level, kind, nbytes)[1]
 
 
 def collective_time(kind: str, nbytes: float, n: int, level: str, cluster) -> tuple[float, float]:
@@ -52,4 +54,4 @@ def collective_time(kind: str, nbytes: float, n: int, level: str, cluster) -> tu
         return 0.0, 0.0
     wire = BUS_FACTOR[kind](n) * nbytes
     alpha = cluster.link(level)[0]
-    return wire, steps(kind, n, level) * alpha + wire / busbw(cluster, level)
+    return wire, steps(kind, n, level) * alpha + wire / busbw(cluster, level, kind, nbytes)

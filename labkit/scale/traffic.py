@@ -5,9 +5,10 @@ of a full tensor of B bytes sends (n-1)/n x B from each rank in n-1 steps; an al
 that in 2(n-1) steps; an all-to-all (n-1)/n x B in n-1 exchanges; a send is B in one step.
 Time of one collective: steps x alpha + bytes sent / beta, where (alpha, beta) is the link of
 the group's level (`Layout.level`, `Cluster.link`): inside a node the measured nccl-tests bus
-bandwidth where the cluster file gives one (`node_busbw_gbytes_per_s`), else NVLink's datasheet
-rate; across nodes the GPU's NIC. (labkit.scale.collectives states the same time per collective,
-with NCCL's tree for all-reduces across nodes.)
+bandwidth where the cluster file gives one (`node_busbw_gbytes_per_s`; the collective kind's own,
+at the call's size, where `busbw_by_kind` gives one), else NVLink's datasheet rate; across nodes the
+GPU's NIC. (labkit.scale.collectives states the same time per collective, with NCCL's tree for
+all-reduces across nodes.)
 
 Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch = mb x s / cp
 (b s d-sized activations in bf16: A = 2 mb s d):
@@ -104,10 +105,11 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
     act = BF16 * mb * s * m.d_model
     out = {}
 
-    def add(axis, kind, nbytes, n, count):
-        # the data-parallel group is dp x cp: it stays in a node only if its dp part does
+    def add(axis, kind, nbytes, n, count, message=None):
+        # the data-parallel group is dp x cp: it stays in a node only if its dp part does. `message`: the
+        # size each call really moves where the count folds several (FSDP's per-block gathers), for busbw(S)
         where = "cp" if axis == "dp" and layout.dp == 1 else axis
-        alpha, beta = cluster.link(layout.level(where, cluster.gpus_per_node))
+        alpha, beta = cluster.link(layout.level(where, cluster.gpus_per_node), kind, message or nbytes)
         sent, secs = ring_time(kind, nbytes, n, alpha, beta)
         entry = out.setdefault(axis, {"bytes": 0.0, "seconds": 0.0, "count": 0})
         if sent:
@@ -130,8 +132,8 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         entry = out.setdefault("cp", {"bytes": 0.0, "seconds": 0.0, "count": 0, "hideable_seconds": 0.0})
         passes = {"forward": 2 if layout.recompute == "full" else 1, "backward": 1}
         for direction, parts in cp_layer_traffic(layout.cp_method, layout.cp, q, kv, local).items():
-            for where, sent, steps, calls, hideable in parts:
-                alpha, beta = cluster.link(levels[where])
+            for where, sent, steps, calls, hideable, kind, message in parts:
+                alpha, beta = cluster.link(levels[where], kind, message)
                 times = L * n_micro * passes[direction]
                 entry["bytes"] += sent * times
                 entry["seconds"] += (steps * alpha + sent / beta) * times
@@ -149,9 +151,9 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         return out
     n_dp = layout.dp * layout.cp
     for axis_params, ranks in ((params_per_gpu["dense"], n_dp), (params_per_gpu["experts"], layout.efsdp)):
-        if layout.zero == "zero3":
-            add("dp", "all_gather", BF16 * axis_params, ranks, 2)
-            add("dp", "reduce_scatter", 4 * axis_params, ranks, 1)
+        if layout.zero == "zero3":  # FSDP gathers and scatters block by block: busbw at one block's size
+            add("dp", "all_gather", BF16 * axis_params, ranks, 2, message=BF16 * axis_params / L)
+            add("dp", "reduce_scatter", 4 * axis_params, ranks, 1, message=4 * axis_params / L)
         else:
             add("dp", "all_reduce", BF16 * axis_params, ranks, 1)
     return out
@@ -180,7 +182,7 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
     out = {name: {"bytes": 0.0, "seconds": 0.0, "count": 0, "level": level} for name, level in levels.items()}
 
     def add(name, kind, nbytes, n, count):
-        sent, secs = ring_time(kind, nbytes, n, *cluster.link(levels[name]))
+        sent, secs = ring_time(kind, nbytes, n, *cluster.link(levels[name], kind, nbytes))
         if sent:
             out[name]["bytes"] += sent * count
             out[name]["seconds"] += secs * count
@@ -264,7 +266,8 @@ def cp_kv_heads(method: str, kv_heads: int, cp: int, local: int = 1) -> int:
 
 def cp_layer_traffic(method: str, cp: int, q_bytes: float, kv_bytes: float, local: int = 1) -> dict:
     """One attention layer's context-parallel traffic for one micro-batch, by direction:
-    {"forward": [...], "backward": [...]}, items (where, bytes sent, alpha steps, calls, hideable).
+    {"forward": [...], "backward": [...]}, items (where, bytes sent, alpha steps, calls, hideable, kind,
+    message): kind and message (one call's whole tensor, nccl-tests' S) choose its bus bandwidth (`Cluster.link`).
 
     where: "cp" (the cp group's own level), "node" (the hybrid's all-to-alls among the cp ranks of a
     node) or "network" (its ring across the o = cp / local nodes). hideable: the ring's K/V blocks,
@@ -284,16 +287,18 @@ def cp_layer_traffic(method: str, cp: int, q_bytes: float, kv_bytes: float, loca
     def ring(n, where):  # (forward, backward) of a ring of n: hops of one K,V pair, each one alpha
         if n <= 1:
             return [], []
-        return ([(where, 2 * kv_bytes * (n - 1), n - 1, n - 1, True)],
-                [(where, 2 * kv_bytes * (2 * n - 1), 2 * n - 1, 2 * n - 1, True)])
+        return ([(where, 2 * kv_bytes * (n - 1), n - 1, n - 1, True, "send", 2 * kv_bytes)],
+                [(where, 2 * kv_bytes * (2 * n - 1), 2 * n - 1, 2 * n - 1, True, "send", 2 * kv_bytes)])
 
-    def swaps(n, where):  # one direction's 4 all-to-alls over n ranks
-        return [] if n <= 1 else [(where, 2 * (q_bytes + kv_bytes) * (n - 1) / n, 4 * (n - 1), 4, False)]
+    def swaps(n, where):  # one direction's 4 all-to-alls over n ranks (one of q, k, v, out: (q + kv) / 2 on average)
+        return [] if n <= 1 else [(where, 2 * (q_bytes + kv_bytes) * (n - 1) / n, 4 * (n - 1), 4, False,
+                                   "all_to_all", (q_bytes + kv_bytes) / 2)]
 
     if method == "ring":
         forward, backward = ring(cp, "cp")
-    elif method == "allgather":
-        forward = backward = [("cp", 2 * kv_bytes * (cp - 1), cp - 1, 1, False)] if cp > 1 else []
+    elif method == "allgather":  # K,V gathered (S = 2 kv cp) forward, dK,dV reduce-scattered backward
+        forward = [("cp", 2 * kv_bytes * (cp - 1), cp - 1, 1, False, "all_gather", 2 * kv_bytes * cp)] if cp > 1 else []
+        backward = [("cp", 2 * kv_bytes * (cp - 1), cp - 1, 1, False, "reduce_scatter", 2 * kv_bytes * cp)] if cp > 1 else []
     elif method == "ulysses":
         forward = backward = swaps(cp, "cp")
     else:
