@@ -38,7 +38,10 @@ their choices stated in the file first): kernel model 10 of 12 within 25% (PTD +
 (GPU.overlap_slowdown): 43, median 16%, worst 64%. Each collective kind at its own measured bus bandwidth
 against its size (the cluster's busbw_by_kind: on H100 nodes nccl-tests' reduce-scatter curve, 311-362 GB/s, for
 the all-gathers and reduce-scatters, where the all-reduce's NVLink-SHARP 460 GB/s had priced them; sources in the
-cluster file, read before the rows were predicted again): 47 of 59, median 15%, worst 54%. After the table, each row
+cluster file, read before the rows were predicted again): 47 of 59, median 15%, worst 54%. GEMMs on the 700 W kinds
+at the sustained, power-saturated rate (GPU.msmf_tflops: 708.5 TFLOP/s measured on the H200, the H100's die at the same
+700 W, where the burst MAMF is 841.9; the attention tables scaled by MSMF / MAMF alike): 49 of 59, median 15%, worst
+54% (Llama 3's rows +29% -> +11..+17%); flat 36 of 59. After the table, each row
 outside 25% with its note from the data file: what was checked, and why the miss stays.
 --ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
 same model, cluster, global batch, sequence length and GPU count; 1F1B, interleaved x2, ZB under the kernel

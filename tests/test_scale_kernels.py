@@ -3,6 +3,7 @@ cited figure, the roofline's closed form, wave quantization on hand-worked shape
 mistakes caught. Pure arithmetic, no process: well under a second."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -21,8 +22,9 @@ H100 = load_gpu("h100-sxm")
 
 @pytest.mark.parametrize("name", ["h100-sxm", "a100-sxm", "h200"])
 def test_gemm_at_the_mamf_shape_reproduces_the_cited_mamf(name):
-    """The per-SM efficiency is derived from the MAMF figure at its shape: the model gives that figure back."""
-    gpu = load_gpu(name)
+    """The per-SM efficiency is derived from the MAMF figure at its shape: the model gives that figure back (for a
+    kind with an MSMF, its burst variant: the same kind without it)."""
+    gpu = dataclasses.replace(load_gpu(name), msmf_tflops=0.0, msmf_shape=None)
     m, n, k = gpu.mamf_shape or (132 * 256 * 4, 128 * 8, 8192)  # no shape given: any shape of full waves
     if gpu.mamf_shape is None:
         m = gpu.sm_count * 256
@@ -31,15 +33,47 @@ def test_gemm_at_the_mamf_shape_reproduces_the_cited_mamf(name):
     assert op.flops / op.seconds / 1e12 == pytest.approx(gpu.mamf_tflops, rel=1e-9)
 
 
+@pytest.mark.parametrize("name", ["h100-sxm", "h200"])
+def test_gemm_at_the_msmf_shape_reproduces_the_sustained_figure_and_no_shape_beats_it(name):
+    """stas00/ml-engineering (branch fast-mamf, 082816f9): the H200's Maximum Sustainable Matmul FLOPS, 708.5 TFLOP/s at
+    8192x8448x20480 at the settled clock, is these kinds' GEMM reference (`reference_gemm`): the model gives it back at
+    its shape, no shape goes faster (`best_rate`), and the burst MAMF is only a ceiling. The FlashAttention tables
+    take the same sustained / burst ratio (attention_scale = MSMF / MAMF). Planted (checked when written): the MAMF as
+    the reference gives 792.1 at the MSMF shape (capped at the MAMF) and fails there."""
+    gpu = load_gpu(name)
+    assert (gpu.msmf_tflops, gpu.msmf_shape) == (708.5, (8192, 8448, 20480))
+    op = K.gemm("msmf", 8192, 8448, 20480, gpu)
+    assert op.flops / op.seconds / 1e12 == pytest.approx(708.5, rel=1e-9)
+    for m, n, k in [(6144, 17920, 2816), (65536, 8192, 7168), (98304, 1792, 4096), (2048, 2048, 13312)]:
+        fast = K.gemm("g", m, n, k, gpu)
+        assert fast.flops / fast.seconds <= 708.5e12 * (1 + 1e-12)
+    assert gpu.attention_scale == pytest.approx(708.5 / gpu.mamf_tflops, abs=5e-5)
+    assert K.attention_rate(gpu, "fa2", "forward", 8192) == pytest.approx(370e12 * gpu.attention_scale)
+
+
+def test_msmf_bad_input_is_named():
+    """A sustained figure above the burst MAMF, one without its shape, one in GFLOP/s: each GPUError names the fix."""
+    values = json.loads((GPU_DIR / "h200.json").read_text())
+    with pytest.raises(GPUError, match="msmf_tflops=900 exceeds mamf_tflops=794.5: a GEMM sustained"):
+        load_gpu(dict(values, msmf_tflops=900.0))
+    with pytest.raises(GPUError, match=r"msmf_shape=None must be \[m, n, k\]"):
+        load_gpu({k: v for k, v in values.items() if k != "msmf_shape"})
+    with pytest.raises(GPUError, match=r"msmf_tflops=708500 is outside .*a unit off by 1,000"):
+        load_gpu(dict(values, msmf_tflops=708500.0))
+
+
 def test_attention_figures_reproduce_fa3_paper_figures_at_their_lengths():
-    """FA3 paper (arXiv 2407.08608) figure 5, causal, head dim 128, FA3: 292 ... 616 TFLOP/s; figure 6 backward."""
+    """FA3 paper (arXiv 2407.08608) figure 5, causal, head dim 128, FA3: 292 ... 616 TFLOP/s; figure 6 backward.
+    The tables as measured (attention_scale 1); the kind scales them to the sustained clock (its attention_scale)."""
+    tables = dataclasses.replace(H100, attention_scale=1.0)
     for seq, want in ((512, 292), (2048, 521), (16384, 616)):
-        assert K.attention_rate(H100, "fa3", "forward_causal", seq) == pytest.approx(want * 1e12)
-    assert K.attention_rate(H100, "fa2", "backward", 8192) == pytest.approx(318e12)
+        assert K.attention_rate(tables, "fa3", "forward_causal", seq) == pytest.approx(want * 1e12)
+        assert K.attention_rate(H100, "fa3", "forward_causal", seq) == pytest.approx(want * 1e12 * H100.attention_scale)
+    assert K.attention_rate(tables, "fa2", "backward", 8192) == pytest.approx(318e12)
     # between two lengths: log-linear; beyond: flat
-    assert K.attention_rate(H100, "fa3", "forward_causal", 724) == pytest.approx(
+    assert K.attention_rate(tables, "fa3", "forward_causal", 724) == pytest.approx(
         (292 + math.log(724 / 512) / math.log(2) * (423 - 292)) * 1e12)
-    assert K.attention_rate(H100, "fa3", "forward_causal", 131072) == pytest.approx(616e12)
+    assert K.attention_rate(tables, "fa3", "forward_causal", 131072) == pytest.approx(616e12)
 
 
 def test_wave_quantization_hand_worked():
@@ -133,12 +167,13 @@ def test_500w_gemm_reproduces_fbgemm_figure_and_checks_its_other_shapes():
 
 def test_500w_attention_scale_is_the_gemm_ratio_at_one_shape():
     """attention_scale = the GEMM rate at 500 W over the H100 SXM kind's at the same shape (8192^3): 585.23 / 784.56.
-    The FlashAttention tables (measured at 700 W) are scaled by it; the 700 W kind's are not."""
-    op700 = K.gemm("g", 8192, 8192, 8192, H100)
+    The FlashAttention tables (measured at 700 W) are scaled by it; the 700 W kind's by its MSMF / MAMF (sustained / burst)."""
+    burst = dataclasses.replace(H100, msmf_tflops=0.0, msmf_shape=None, attention_scale=1.0)  # the tables' condition
+    op700 = K.gemm("g", 8192, 8192, 8192, burst)
     ratio = 585.23 / (op700.flops / op700.seconds / 1e12)
-    assert H500.attention_scale == pytest.approx(ratio, abs=5e-5) and H100.attention_scale == 1.0
+    assert H500.attention_scale == pytest.approx(ratio, abs=5e-5) and H500.msmf_tflops == 0.0
     assert K.attention_rate(H500, "fa2", "forward", 8192) == pytest.approx(370e12 * 0.7459)
-    assert K.attention_rate(H100, "fa2", "forward", 8192) == pytest.approx(370e12)
+    assert K.attention_rate(burst, "fa2", "forward", 8192) == pytest.approx(370e12)
 
 
 def test_fp8_gemm_runs_at_the_fp8_peak_with_the_same_tiles():

@@ -10,6 +10,10 @@ units, and a "sources" object giving, for each, the measurement it comes from (U
     hbm_fraction      1        the fraction of it a streaming kernel reaches (a measurement)
     mamf_tflops       TFLOP/s  the best measured bf16 GEMM (Maximum Achievable Matmul FLOPS)
     mamf_shape        [m,n,k]  the shape it was measured at (null when the source gives none)
+    msmf_tflops       TFLOP/s  optional: the best bf16 GEMM *sustained* once the GPU is power-saturated at its
+    msmf_shape        [m,n,k]  TDP and its clock has settled (Maximum Sustainable Matmul FLOPS), at this shape;
+                               where given it is the GEMM reference instead of the MAMF (a short burst at the
+                               boost clock): "for training-throughput reasoning use MSMF" (its source)
     gemm_tiles        [[m,n]]  the output tiles cuBLAS uses for large GEMMs
     launch_us         us       CPU cost of issuing one kernel from compiled code (torch.compile's wrapper)
     eager_op_us       us       CPU cost per kernel of eager PyTorch (Python, module call, dispatcher,
@@ -49,6 +53,7 @@ FIELDS = {
 ATTENTION_SCALE = (float, "a fraction of the attention tables' figures (e.g. 0.75)", 0.2, 1.0)
 OVERLAP_SLOWDOWN = (float, "a fraction of the compute's time (e.g. 0.189 for 18.9%)", 0.0, 1.0)
 FP8_ROWWISE = (float, "TFLOP/s (e.g. 1125.51 for an H100 at 500 W)", 10, 40000)
+MSMF = (float, "TFLOP/s (e.g. 708.5 for an H200 SXM)", 5, 20000)
 ATTENTION_KINDS = ("forward", "forward_causal", "backward")
 
 
@@ -75,6 +80,8 @@ class GPU:
     overlap_slowdown: float = 0.0
     fp8_rowwise_tflops: float = 0.0   # 0: not measured (rowwise GEMMs at the tensorwise rate)
     fp8_rowwise_shape: tuple | None = None
+    msmf_tflops: float = 0.0          # 0: not measured (GEMMs reference the MAMF)
+    msmf_shape: tuple | None = None
 
     def host_us(self, compile: bool) -> float:
         """CPU microseconds per kernel: eager PyTorch's per-op cost, or compiled code's launch."""
@@ -167,6 +174,16 @@ def check_gpu(values: dict, where: str = "the GPU kind") -> dict:
             raise GPUError(f"{where}: fp8_rowwise_shape={rshape!r} must be [m, n, k] (positive ints), the shape "
                            "fp8_rowwise_tflops was measured at")
         out["fp8_rowwise_shape"] = tuple(rshape)
+    if "msmf_tflops" in values:
+        out["msmf_tflops"] = checked_number(values, "msmf_tflops", MSMF, where)
+        if out["msmf_tflops"] > out["mamf_tflops"]:
+            raise GPUError(f"{where}: msmf_tflops={out['msmf_tflops']:g} exceeds mamf_tflops={out['mamf_tflops']:g}: "
+                           "a GEMM sustained at the power limit cannot beat the best short burst; check both figures")
+        mshape = values.get("msmf_shape")
+        if not (isinstance(mshape, list) and len(mshape) == 3 and all(isinstance(x, int) and x > 0 for x in mshape)):
+            raise GPUError(f"{where}: msmf_shape={mshape!r} must be [m, n, k] (positive ints), the shape "
+                           "msmf_tflops was measured at")
+        out["msmf_shape"] = tuple(mshape)
     if "sources" not in values:
         raise GPUError(f"{where} has no 'sources': every figure needs the measurement it comes from")
     return out

@@ -17,7 +17,12 @@ SM; the tiles run in waves of `sm_count`; a wave takes a whole tile's FLOPs at o
     t_compute = ceil(tiles / SMs) x 2 tm tn k / (per-SM rate),   tiles = ceil(m / tm) ceil(n / tn)
 (tile and wave quantization), the better of the tiles. The per-SM rate is the measured best GEMM
 (`mamf_tflops`) over the waves of its own shape: `gemm_efficiency` = MAMF / (peak x its quantization),
-so the model reproduces the MAMF figure at the MAMF shape. Float8 GEMMs: the same tiles at the fp8
+so the model reproduces the MAMF figure at the MAMF shape. Where the kind gives the sustained figure
+(`msmf_tflops`: the best GEMM once the GPU draws its full TDP and its clock has settled, 15-20% under the
+MAMF's short boost-clock burst) that is the reference instead: a training step keeps the GPU saturated. And no shape beats it: the MAMF is the best of
+its source's sweep over shapes (a maximum, by its name), so a shape with less quantization loss than the
+MAMF's runs at the MAMF rate, not above (`best_rate`; FBGEMM's 500 W shapes bear this out: 546-585 TFLOP/s
+where the uncapped waves gave 596-599). Float8 GEMMs: the same tiles at the fp8
 peak, 1-byte inputs; tensorwise scales (cuBLAS) at the MAMF's efficiency, rowwise scales (CUTLASS's
 rowwise kernel) at a measured rowwise GEMM's where the kind gives one; and each recipe's casts
 (`float8_casts`: torchao's own count of the kernels each recipe runs per operand).
@@ -83,15 +88,31 @@ def quantization(m: int, n: int, gpu: GPU) -> float:
     return max(m * n / (waves(m, n, t, gpu.sm_count)[1] * gpu.sm_count * t[0] * t[1]) for t in gpu.gemm_tiles)
 
 
-def gemm_efficiency(gpu: GPU, dtype: str = "bf16") -> float:
-    """Fraction of the peak one SM reaches inside a full wave: MAMF / (peak x the MAMF shape's quantization).
-    "fp8_rowwise" where the kind gives a measured rowwise GEMM: that figure / (fp8 peak x its shape's
-    quantization); bf16 and tensorwise fp8 (and rowwise where none is measured) share the MAMF's."""
+def reference_gemm(gpu: GPU, dtype: str = "bf16") -> tuple[float, float, tuple | None]:
+    """(TFLOP/s, its peak TFLOP/s, shape) of the measured GEMM the per-SM rate comes from: for "fp8_rowwise" the
+    kind's measured rowwise GEMM where it gives one; else the MSMF where it gives one (sustained at the power
+    limit: what a training step runs at), else the MAMF. Tensorwise fp8 shares the bf16 reference's efficiency."""
     if dtype == "fp8_rowwise" and gpu.fp8_rowwise_tflops:
-        m, n, _ = gpu.fp8_rowwise_shape
-        return gpu.fp8_rowwise_tflops / (gpu.peak_fp8_tflops * quantization(m, n, gpu))
-    q = quantization(gpu.mamf_shape[0], gpu.mamf_shape[1], gpu) if gpu.mamf_shape else 1.0
-    return gpu.mamf_tflops / (gpu.peak_bf16_tflops * q)
+        return gpu.fp8_rowwise_tflops, gpu.peak_fp8_tflops, gpu.fp8_rowwise_shape
+    if gpu.msmf_tflops:
+        return gpu.msmf_tflops, gpu.peak_bf16_tflops, gpu.msmf_shape
+    return gpu.mamf_tflops, gpu.peak_bf16_tflops, gpu.mamf_shape
+
+
+def gemm_efficiency(gpu: GPU, dtype: str = "bf16") -> float:
+    """Fraction of the peak one SM reaches inside a full wave: the reference GEMM (`reference_gemm`: MSMF or MAMF,
+    or a measured rowwise fp8 GEMM) / (its peak x its shape's quantization; no shape given: none)."""
+    tflops, peak, shape = reference_gemm(gpu, dtype)
+    q = quantization(shape[0], shape[1], gpu) if shape else 1.0
+    return tflops / (peak * q)
+
+
+def best_rate(gpu: GPU, dtype: str = "bf16") -> float:
+    """FLOP/s no GEMM of this dtype beats: the reference GEMM's rate (the best of its source's sweep), i.e. the
+    per-SM rate x the reference shape's quantization, at this dtype's peak."""
+    _, _, shape = reference_gemm(gpu, dtype)
+    q = quantization(shape[0], shape[1], gpu) if shape else 1.0
+    return gpu.peak_flops(dtype) * gemm_efficiency(gpu, dtype) * q
 
 
 @lru_cache(maxsize=200_000)
@@ -104,11 +125,13 @@ def gemm(name: str, m: int, n: int, k: int, gpu: GPU, dtype: str = "bf16", batch
     in_bytes = 1 if dtype in ("fp8", "fp8_rowwise") else 2
     nbytes = batch * (in_bytes * (m * k + k * n) + 2 * m * n)
     per_sm = gpu.peak_flops(dtype) * gemm_efficiency(gpu, dtype) / gpu.sm_count
+    cap = best_rate(gpu, dtype)
     best, extra = math.inf, 0.0
     for t in gpu.gemm_tiles:
         tiles = waves(m, n, t, gpu.sm_count)[0] * batch
         for split in {1, max(1, min(gpu.sm_count // tiles, k // 256))}:
             compute = math.ceil(tiles * split / gpu.sm_count) * 2.0 * t[0] * t[1] * math.ceil(k / split) / per_sm
+            compute = max(compute, flops / cap)  # never faster than the measured best (`best_rate`)
             partials = 8.0 * m * n * batch * split if split > 1 else 0.0
             total = max(compute, (nbytes + partials) / gpu.hbm_bytes_per_s)
             if total < best:
