@@ -147,7 +147,7 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         v = layout.virtual_stages if layout.schedule == "interleaved" else 1
         add("pp", "send", act / (layout.tp if layout.sequence_parallel else 1), 2, 2 * n_micro * v)
     if layout.dp_replicate > 1:
-        _add_hsdp(out, layout, cluster, params_per_gpu, BF16)
+        _add_hsdp(out, layout, cluster, params_per_gpu, BF16, blocks=L)
         return out
     n_dp = layout.dp * layout.cp
     for axis_params, ranks in ((params_per_gpu["dense"], n_dp), (params_per_gpu["experts"], layout.efsdp)):
@@ -160,7 +160,7 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
 
 
 def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: str = "zero3",
-                 shard_stride: int = 1, value_bytes: int = BF16, grad_bytes: int = 4) -> dict:
+                 shard_stride: int = 1, value_bytes: int = BF16, grad_bytes: int = 4, blocks: int = 1) -> dict:
     """HSDP's data-parallel traffic by link level: {"shard": {...}, "replica": {...}}, each
     {"bytes": sent per GPU per step, "seconds": alpha-beta time, "count": collectives, "level": link}.
 
@@ -175,14 +175,18 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
         otherwise (ZeRO-1/2 in the node, HSDPOptimizer): shard  reduce-scatter + all-gather of
                                      value_bytes P: 2 (S-1)/S x value P; replica 2 (R-1)/R x value P/S
     The two levels of the ZeRO-1/2 form add up to a flat all-reduce's 2 (W-1)/W x value P.
+    blocks: under ZeRO-3 FSDP gathers, scatters and all-reduces block by block, so each call's bus bandwidth is
+    read at 1/blocks of the bytes (`Cluster.link`'s size); the bytes and the count are the step's.
     """
     node = shard * shard_stride <= cluster.gpus_per_node
     levels = {"shard": "node" if node else "network",
               "replica": "node" if replicate * shard * shard_stride <= cluster.gpus_per_node else "network"}
     out = {name: {"bytes": 0.0, "seconds": 0.0, "count": 0, "level": level} for name, level in levels.items()}
 
+    per_call = blocks if zero == "zero3" else 1
+
     def add(name, kind, nbytes, n, count):
-        sent, secs = ring_time(kind, nbytes, n, *cluster.link(levels[name], kind, nbytes))
+        sent, secs = ring_time(kind, nbytes, n, *cluster.link(levels[name], kind, nbytes / per_call))
         if sent:
             out[name]["bytes"] += sent * count
             out[name]["seconds"] += secs * count
@@ -236,7 +240,7 @@ def cp_attention_bytes(method: str, cp: int, q_bytes: float, kv_bytes: float, lo
     return out
 
 
-def _add_hsdp(out: dict, layout, cluster, params_per_gpu: dict, value_bytes: int) -> None:
+def _add_hsdp(out: dict, layout, cluster, params_per_gpu: dict, value_bytes: int, blocks: int = 1) -> None:
     """axis_traffic's "dp" entry under HSDP: `hsdp_traffic` of the dense parameters over S = dp_shard x cp and
     of the experts over S = `Layout.efsdp`, R = dp_replicate replicas; its bytes by level in "shard_bytes", "replica_bytes"."""
     span = layout.dp_shard * layout.pp * layout.cp * layout.tp if layout.dp_shard > 1 else layout.cp * layout.tp
@@ -247,7 +251,7 @@ def _add_hsdp(out: dict, layout, cluster, params_per_gpu: dict, value_bytes: int
         if params == 0:
             continue
         levels = hsdp_traffic(params, layout.dp_replicate, ranks, cluster, zero=layout.zero,
-                              shard_stride=span / ranks, value_bytes=value_bytes)
+                              shard_stride=span / ranks, value_bytes=value_bytes, blocks=blocks)
         for name, level in levels.items():
             entry["bytes"] += level["bytes"]
             entry["seconds"] += level["seconds"]
