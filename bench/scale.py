@@ -52,8 +52,8 @@ printed beside the first, never instead of it); for each, the rank and the gap t
 took; and for each row that misses as a configuration, its class (labkit.scale.misses: a choice inside its layout,
 "config", or the layout itself, "layout"; "-memory" where the row's published memory, against the model's own
 error on it, says the faster configuration would not fit) with the numbers of both steps. On 2 shared CPU cores
-(2026-11-27, 59 rows, beside other work): 776 s under the kernel model (Llama 3's 8K-GPU row 156 s, Megatron's 1T
-123 s, most rows under 20 s), 63 s under the flat model. Kernel model: 2 of 59 meet the criterion as a
+(2026-11-27, 59 rows, beside other work): 723 s under the kernel model (Llama 3's 8K-GPU row 166 s, Megatron's 1T
+127 s, most rows under 20 s), 52 s under the flat model. Kernel model: 2 of 59 meet the criterion as a
 configuration, 11 of 59 as a parallel layout; flat: 1 and 10 (47 rows, before: 1 and 10 under both); unchanged by
 the per-kind bus bandwidth and the MSMF, which move Llama 3's rows to within 8-10% of the top.
 --memory: also a memory table per row: published memory (torchtitan's peak reserved GiB; "ran": every other row
