@@ -159,6 +159,19 @@ def install(background: Background | None):
     _current = background
 
 
+def living(process) -> bool:
+    """Whether a process (a psutil.Process or a pid) still runs and is not a zombie. One that ends between two
+    reads of /proc makes psutil raise at the second: that is "not living", not an error (`make test-stress`
+    caught that race in test_launch's leftover check: is_running() true, then status() on a pid gone)."""
+    import psutil
+
+    try:
+        process = process if isinstance(process, psutil.Process) else psutil.Process(process)
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def process_trees() -> set[int]:
     """The pids of every running job and its descendants (and of the helpers the jobs share): tests that look for processes they left
     behind among this process's children must not count these."""

@@ -47,6 +47,8 @@ from pathlib import Path
 
 import pytest
 
+import background
+
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 # Flags that work in containers and on machines without internet (see issue 14).
@@ -116,20 +118,10 @@ def _stop(proc: subprocess.Popen, extra=()):
                 pass
         try:
             proc.wait(timeout=10)
-            if sig == signal.SIGTERM and not any(_alive(p) for p in extra):
+            if sig == signal.SIGTERM and not any(background.living(p) for p in extra):
                 return
         except subprocess.TimeoutExpired:
             pass
-
-
-def _alive(process) -> bool:
-    """Still running (a zombie is not), and the same process: a pid reused since is another one."""
-    import psutil
-
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _shot(page, path: Path):
@@ -226,7 +218,7 @@ def lab(artefacts):
         kernels.update(_descendants(server.pid))  # kernels and their ranks: own sessions, stop them by PID
         _stop(server, kernels)
         log.close()
-        assert not any(_alive(p) for p in kernels), "a kernel or rank outlived the server"
+        assert not any(background.living(p) for p in kernels), "a kernel or rank outlived the server"
 
 
 def _append_scratch_cell(path: Path, stop_file: Path):

@@ -79,6 +79,6 @@ def test_a_forked_kernel_has_the_runners_environment_and_directory_is_interrupte
         client.stop_channels()
         manager.shutdown_kernel(now=True)  # SIGKILL to the shim's process group: the factory ends the kernel
     deadline = time.monotonic() + 10
-    while kernel.is_running() and kernel.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+    while background.living(kernel) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not kernel.is_running() or kernel.status() == psutil.STATUS_ZOMBIE, "the kernel outlived its manager's kill"
+    assert not background.living(kernel), "the kernel outlived its manager's kill"

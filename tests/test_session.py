@@ -235,9 +235,15 @@ def _session_processes():
     # notebooks 00, 02 and 08 start sessions of their own beside this test (their engines are forked by the
     # shared zygote's handlers that serve their kernels)
     beside = background.beside_this_process()
-    return [p for p in psutil.Process().children(recursive=True) if p.pid not in beside and p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE
-            and (p.name() == ENGINE_NAME or "ipyparallel" in " ".join(p.cmdline()))]
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.pid not in beside and background.living(p) and (
+                    p.name() == ENGINE_NAME or "ipyparallel" in " ".join(p.cmdline())):
+                found.append(p)
+        except psutil.Error:  # it ended while we read it
+            pass
+    return found
 
 
 def test_a_cell_with_no_session_and_no_number_says_what_to_do():
