@@ -41,10 +41,9 @@ def source_of(values: dict, field: str) -> str:
     sources = values.get("sources") or {}
     if sources.get(field):
         return sources[field]
-    if field == "attention":
-        return " | ".join(f"{impl}: {sources[f'attention.{impl}']}" for impl in values["attention"]
-                          if sources.get(f"attention.{impl}")) if all(
-            sources.get(f"attention.{impl}") for impl in values["attention"]) else ""
+    if field == "attention":  # one source per implementation; cited only if every implementation is
+        parts = {impl: sources.get(f"attention.{impl}") for impl in values["attention"]}
+        return " | ".join(f"{impl}: {src}" for impl, src in parts.items()) if all(parts.values()) else ""
     return next((sources[key] for key in SHARED.get(field, ()) if sources.get(key)), "")
 
 
