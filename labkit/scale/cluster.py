@@ -11,16 +11,19 @@ fields, in these units, and a "sources" object saying where each figure comes fr
     nvlink_latency_us     us      latency of one step over NVLink (alpha)
     network_latency_us    us      latency of one step across nodes (alpha)
 
-Two optional fields connect it to the kernel model (labkit.scale.kernels, labkit.scale.collectives):
+Three optional fields connect it to the kernel model (labkit.scale.kernels, labkit.scale.collectives):
     gpu                        the GPU kind (labkit/scale/gpus/<gpu>.json): without it, `predict`
                                can only use a flat FLOP rate (its `efficiency=`)
     node_busbw_gbytes_per_s    GB/s  measured large-message bus bandwidth of an all-reduce inside one
                                node (nccl-tests); without it the NVLink datasheet rate is used
+    network_busbw_gbytes_per_s GB/s  measured large-message bus bandwidth per NIC across nodes; without
+                               it the NIC's line rate, network_gbits_per_s / 8; never above that rate
 and one optional field that gives a collective kind its own measured bus bandwidth at a level:
     busbw_by_kind              {"node"|"network": {kind: GB/s, or [[bytes, GB/s], ...]}}: one figure, or
                                nccl-tests' busbw against its "size" column (the whole tensor, S) at
                                increasing sizes, read log-linearly in S between them and held flat beyond
-                               the ends (`Cluster.link(level, kind, nbytes)`). kind: all_reduce,
+                               the ends (`Cluster.link(level, kind, nbytes)`); within a curve's sizes the
+                               measurement is the whole time, no latency added. kind: all_reduce,
                                all_gather, reduce_scatter, all_to_all, send. Where a kind has none, the
                                level's figure above. H100's NVLink SHARP is why this is needed: it speeds
                                up the all-reduce only (460-480 GB/s), the other kinds move ~370 GB/s
@@ -73,6 +76,7 @@ class Cluster:
     description: str = ""
     gpu: str = ""
     node_busbw_gbytes_per_s: float = 0.0
+    network_busbw_gbytes_per_s: float = 0.0
     # ((level, kind, ((bytes, bytes/s), ...)), ...): busbw_by_kind, checked, as a hashable value
     busbw_by_kind: tuple = ()
 
@@ -83,16 +87,21 @@ class Cluster:
     def link(self, level: str, kind: str | None = None, nbytes: float = 0.0) -> tuple[float, float]:
         """(alpha seconds, beta bytes/s) of one GPU's link at `level`: "node" (NVLink) or "network".
         With a collective `kind` (and its whole tensor's `nbytes`, nccl-tests' size S), beta is that kind's
-        measured bus bandwidth where `busbw_by_kind` gives one (`busbw_at`), else the level's."""
+        measured bus bandwidth where `busbw_by_kind` gives one (`busbw_at`), else the level's; alpha is 0 where
+        S lies within a curve's measured sizes (the measurement already holds the latency)."""
         if level == "node":  # the measured bus bandwidth where the file gives one, else the datasheet link
             alpha, beta = self.nvlink_latency_us * 1e-6, (self.node_busbw_gbytes_per_s or self.nvlink_gbytes_per_s) * 1e9
         elif level == "network":
-            alpha, beta = self.network_latency_us * 1e-6, self.network_gbits_per_s * 1e9 / 8
+            alpha = self.network_latency_us * 1e-6
+            beta = (self.network_busbw_gbytes_per_s or self.network_gbits_per_s / 8) * 1e9
         else:
             raise ValueError(f"link level must be 'node' or 'network', got {level!r}")
         for lvl, k, curve in self.busbw_by_kind:
             if lvl == level and k == kind:
-                return alpha, busbw_at(curve, nbytes)
+                # a curve measured against size is the whole time at the sizes it spans: nccl-tests' busbw is the
+                # wire bytes over the measured time, latency included, so no latency step is added there
+                spanned = len(curve) > 1 and curve[0][0] <= nbytes <= curve[-1][0]
+                return (0.0 if spanned else alpha), busbw_at(curve, nbytes)
         return alpha, beta
 
     def fastest_busbw(self, level: str) -> float:
@@ -134,12 +143,16 @@ def check_busbw_by_kind(values, where: str) -> tuple:
             sizes = [p[0] for p in points]
             if any(b <= a for a, b in zip(sizes, sizes[1:])) or sizes[0] < 0:
                 raise ClusterError(f"{at}: the sizes must increase, in bytes (nccl-tests' size column), got {sizes}")
+            if any(gbps <= 0 for _, gbps in points):
+                raise ClusterError(f"{at}: every busbw must be positive, in GB/s, got {[g for _, g in points]}")
+            # small messages are latency-bound (1.3 GB/s at 32 KiB on 8 A100s), so the unit is checked on the
+            # curve's largest figure, its large-message end: MB/s or TB/s moves that one out of range
             low, high = BUSBW_RANGE
-            for size, gbps in points:
-                if not low <= gbps <= high:
-                    hint = " (a unit off by 1,000?)" if low <= gbps * 1e-3 <= high or low <= gbps * 1e3 <= high else ""
-                    raise ClusterError(f"{at}: {gbps:g} at {size:g} bytes is outside {low}..{high}{hint}: the unit "
-                                       "expected is GB/s (nccl-tests' busbw column, e.g. 362 for reduce_scatter on 8 H100)")
+            size, gbps = max(points, key=lambda p: p[1])
+            if not low <= gbps <= high:
+                hint = " (a unit off by 1,000?)" if low <= gbps * 1e-3 <= high or low <= gbps * 1e3 <= high else ""
+                raise ClusterError(f"{at}: {gbps:g} at {size:g} bytes is outside {low}..{high}{hint}: the unit "
+                                   "expected is GB/s (nccl-tests' busbw column, e.g. 362 for reduce_scatter on 8 H100)")
             out.append((level, kind, tuple((float(s), float(g) * 1e9) for s, g in points)))
     return tuple(out)
 
@@ -174,13 +187,21 @@ def load_cluster(name_or_path: str | Path | dict | Cluster) -> Cluster:
     if values.get("gpu"):
         load_gpu(values["gpu"])  # a missing or wrong GPU file is named now, not at the first prediction
         extra["gpu"] = values["gpu"]
-    if "node_busbw_gbytes_per_s" in values:
-        busbw = values["node_busbw_gbytes_per_s"]
+    for field, example in (("node_busbw_gbytes_per_s", "460 for nccl-tests all_reduce on 8 H100 SXM"),
+                           ("network_busbw_gbytes_per_s", "46 for one 400 Gb/s NDR NIC")):
+        if field not in values:
+            continue
+        busbw = values[field]
         if isinstance(busbw, bool) or not isinstance(busbw, (int, float)) or not 5 <= busbw <= 5000:
             hint = " (a unit off by 1,000?)" if isinstance(busbw, (int, float)) and 5 <= busbw * 1e-3 <= 5000 else ""
-            raise ClusterError(f"{where}: node_busbw_gbytes_per_s={busbw!r} is outside 5..5000{hint}: the unit "
-                               "expected is GB/s (e.g. 460 for nccl-tests all_reduce on 8 H100 SXM)")
-        extra["node_busbw_gbytes_per_s"] = float(busbw)
+            raise ClusterError(f"{where}: {field}={busbw!r} is outside 5..5000{hint}: the unit expected is GB/s "
+                               f"(e.g. {example})")
+        extra[field] = float(busbw)
+    line = fields["network_gbits_per_s"] / 8
+    if extra.get("network_busbw_gbytes_per_s", 0) > line:  # Gb/s written for GB/s is 8x: caught here, not by range
+        raise ClusterError(f"{where}: network_busbw_gbytes_per_s={extra['network_busbw_gbytes_per_s']:g} is above the "
+                           f"NIC's line rate, network_gbits_per_s / 8 = {line:g} GB/s: a measured bus bandwidth cannot "
+                           "beat its link; is it in Gb/s? The unit expected is GB/s")
     if "busbw_by_kind" in values:
         extra["busbw_by_kind"] = check_busbw_by_kind(values["busbw_by_kind"], where)
     return Cluster(name=name, description=values.get("description", ""), **fields, **extra)

@@ -5,17 +5,19 @@ ranks puts wire = S x bus factor on each rank's link (all-reduce 2(n-1)/n; all-g
 all-to-all (n-1)/n; send/recv 1), and its bus bandwidth busbw = wire / time is what nccl-tests
 reports, flat in n for a given link. So
 
-    time = steps x alpha + wire / busbw(level)
+    time = steps x alpha + wire / busbw(level, kind, S)
 
-busbw(level): the cluster's measured large-message figure where its file gives one
-(`node_busbw_gbytes_per_s`, nccl-tests all_reduce_perf on one NVSwitch node; the kind's own against
-the size S where `busbw_by_kind` gives one: on H100 nodes the all-gather and reduce-scatter are
-not sped up by NVLink SHARP), else the link's datasheet rate (`Cluster.link`): an upper bound. alpha: the level's per-step latency. Steps, by
+busbw: the cluster's measured figure (`Cluster.link`): the kind's own against the size S where
+`busbw_by_kind` gives a curve (nccl-tests' sweeps: on 8 A100s the all-reduce from 1.3 GB/s at 32 KiB
+to 235 GB/s at 16 GiB; on H100 nodes NVLink SHARP speeds up the all-reduce only, so the all-gather and
+reduce-scatter have their own), else the level's large-message figure (`node_busbw_gbytes_per_s`),
+else the link's datasheet rate: an upper bound. alpha: the level's per-step latency, 0 where S lies
+within a measured curve (its busbw is wire / measured time: the latency is in it). Steps, by
 NCCL's algorithm: ring all-gather / reduce-scatter / all-to-all n-1; all-reduce inside a node a ring,
 2(n-1); all-reduce across nodes NCCL's tree (double binary tree, Sanders et al. 2009, NCCL >= 2.4),
-2 log2(n) latency steps at the same bus bandwidth; send/recv 1. Message size enters through alpha:
-algbw = S / (steps alpha + wire / busbw) rises with S towards busbw / bus factor, the shape of an
-nccl-tests curve.
+2 log2(n) latency steps at the same bus bandwidth; send/recv 1. Without a curve, message size enters
+through alpha: algbw = S / (steps alpha + wire / busbw) rises with S towards busbw / bus factor, the
+shape of an nccl-tests curve.
 """
 from __future__ import annotations
 
@@ -42,16 +44,10 @@ def steps(kind: str, n: int, level: str) -> int:
     return n - 1
 
 
-def busbw(cluster, level: str, kind: str | None = None, nbytes: float = 0.0) -> float:
-    """Bytes/s one rank's link moves at `level`: the measured bus bandwidth (the kind's own at size
-    `nbytes` where the cluster gives one, `Cluster.link`), or the datasheet link."""
-    return cluster.link(level, kind, nbytes)[1]
-
-
 def collective_time(kind: str, nbytes: float, n: int, level: str, cluster) -> tuple[float, float]:
     """(wire bytes per rank, seconds) of one collective of `nbytes` (nccl-tests' S) over n ranks at `level`."""
     if n <= 1 or nbytes <= 0:
         return 0.0, 0.0
     wire = BUS_FACTOR[kind](n) * nbytes
-    alpha = cluster.link(level)[0]
-    return wire, steps(kind, n, level) * alpha + wire / busbw(cluster, level, kind, nbytes)
+    alpha, beta = cluster.link(level, kind, nbytes)
+    return wire, steps(kind, n, level) * alpha + wire / beta
