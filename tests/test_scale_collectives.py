@@ -153,6 +153,36 @@ def test_nvlink_latency_is_the_measured_sweeps_smallest_all_reduce():
         assert modelled_us == pytest.approx(measured_us, rel=0.06)
 
 
+def test_a_smaller_group_reads_the_node_curve_at_the_same_per_step_chunk():
+    """A node's curve is measured over all 8 GPUs; a group of n reads it at S x 8 / n. Exact for a ring: with a curve
+    made by the alpha-beta ring itself on 8 ranks (busbw = c / (a + c / B), c = S / 8), a 4-rank all-reduce of S timed
+    from it equals the 4-rank ring's own 2 (n-1) (a + S / (n B)), at every size whose 2 S is a row. A send moves its
+    whole message whatever the group. Planted (checked when written): reading the curve at S itself fails here."""
+    a, B = 3e-6, 230e9
+    sizes = [2**k for k in range(16, 34)]
+    curve = [[S, (S / 8) / (a + S / 8 / B) / 1e9] for S in sizes]
+    values = json.loads((CLUSTER_DIR / "a100-sxm.json").read_text())
+    cluster = load_cluster(dict(values, busbw_by_kind={"node": {"all_reduce": curve, "send": curve}}))
+    for S in sizes[:-1]:
+        for n in (2, 4):
+            if S * 8 // n not in sizes:
+                continue
+            _, t = collective_time("all_reduce", S, n, "node", cluster)
+            assert t == pytest.approx(2 * (n - 1) * (a + S / (n * B)), rel=1e-12)
+        assert cluster.link("node", "send", S, 4)[1] == cluster.link("node", "send", S)[1]
+
+
+def test_megatron_tp4_reads_the_a100_curve_at_twice_its_size():
+    """Megatron-LM's 7.5B at tp 4 all-reduces a 2 x 2,048 x 4,096-byte activation (16 MiB) among 4 GPUs: the ring's
+    chunk is S / 4, which the 8-GPU sweep moves at 32 MiB, so its busbw is the 32 MiB row's 138.49 GB/s, not the
+    16 MiB row's 106.16."""
+    a100 = load_cluster("a100-sxm")
+    act = 2 * 2048 * 4096
+    assert act == 2**24
+    assert a100.link("node", "all_reduce", act, 4) == (0.0, 138.49e9)
+    assert a100.link("node", "all_reduce", act, 8) == (0.0, 106.16e9)
+
+
 def test_latency_is_added_outside_a_measured_curve_only():
     """Below a curve's first size (H100's reduce-scatter curve starts at 128 MiB) the first row's figure is held and
     the ring's 7 latency steps are added: the measurement does not cover that size; within it, none."""

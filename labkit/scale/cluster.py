@@ -22,8 +22,10 @@ and one optional field that gives a collective kind its own measured bus bandwid
     busbw_by_kind              {"node"|"network": {kind: GB/s, or [[bytes, GB/s], ...]}}: one figure, or
                                nccl-tests' busbw against its "size" column (the whole tensor, S) at
                                increasing sizes, read log-linearly in S between them and held flat beyond
-                               the ends (`Cluster.link(level, kind, nbytes)`); within a curve's sizes the
-                               measurement is the whole time, no latency added. kind: all_reduce,
+                               the ends (`Cluster.link(level, kind, nbytes, ranks)`); within a curve's sizes
+                               the measurement is the whole time, no latency added; a node's curve (measured
+                               on the whole node) is read for n ranks at S x gpus_per_node / n, the size at
+                               which its ring moves the same chunk per step. kind: all_reduce,
                                all_gather, reduce_scatter, all_to_all, send. Where a kind has none, the
                                level's figure above. H100's NVLink SHARP is why this is needed: it speeds
                                up the all-reduce only (460-480 GB/s), the other kinds move ~370 GB/s
@@ -84,11 +86,14 @@ class Cluster:
     def memory_bytes(self) -> float:
         return self.memory_gib * 2**30
 
-    def link(self, level: str, kind: str | None = None, nbytes: float = 0.0) -> tuple[float, float]:
+    def link(self, level: str, kind: str | None = None, nbytes: float = 0.0, ranks: int = 0) -> tuple[float, float]:
         """(alpha seconds, beta bytes/s) of one GPU's link at `level`: "node" (NVLink) or "network".
-        With a collective `kind` (and its whole tensor's `nbytes`, nccl-tests' size S), beta is that kind's
-        measured bus bandwidth where `busbw_by_kind` gives one (`busbw_at`), else the level's; alpha is 0 where
-        S lies within a curve's measured sizes (the measurement already holds the latency)."""
+        With a collective `kind` (and its whole tensor's `nbytes`, nccl-tests' size S, over `ranks` ranks), beta is
+        that kind's measured bus bandwidth where `busbw_by_kind` gives one (`busbw_at`), else the level's; alpha is 0
+        where the size read lies within a curve's measured sizes (the measurement already holds the latency).
+        A node's curve is measured over the whole node (gpus_per_node ranks). In a ring, busbw depends on the
+        per-step chunk c = S / n alone (busbw = c / (alpha + c / B)), so a group of `ranks` reads the curve where
+        the node's ring moves the same chunk, at S x gpus_per_node / ranks; a send moves its whole message, as is."""
         if level == "node":  # the measured bus bandwidth where the file gives one, else the datasheet link
             alpha, beta = self.nvlink_latency_us * 1e-6, (self.node_busbw_gbytes_per_s or self.nvlink_gbytes_per_s) * 1e9
         elif level == "network":
@@ -98,10 +103,11 @@ class Cluster:
             raise ValueError(f"link level must be 'node' or 'network', got {level!r}")
         for lvl, k, curve in self.busbw_by_kind:
             if lvl == level and k == kind:
+                size = nbytes * self.gpus_per_node / ranks if level == "node" and ranks and kind != "send" else nbytes
                 # a curve measured against size is the whole time at the sizes it spans: nccl-tests' busbw is the
                 # wire bytes over the measured time, latency included, so no latency step is added there
-                spanned = len(curve) > 1 and curve[0][0] <= nbytes <= curve[-1][0]
-                return (0.0 if spanned else alpha), busbw_at(curve, nbytes)
+                spanned = len(curve) > 1 and curve[0][0] <= size <= curve[-1][0]
+                return (0.0 if spanned else alpha), busbw_at(curve, size)
         return alpha, beta
 
     def fastest_busbw(self, level: str) -> float:

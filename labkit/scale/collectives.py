@@ -11,7 +11,9 @@ busbw: the cluster's measured figure (`Cluster.link`): the kind's own against th
 `busbw_by_kind` gives a curve (nccl-tests' sweeps: on 8 A100s the all-reduce from 1.3 GB/s at 32 KiB
 to 235 GB/s at 16 GiB; on H100 nodes NVLink SHARP speeds up the all-reduce only, so the all-gather and
 reduce-scatter have their own), else the level's large-message figure (`node_busbw_gbytes_per_s`),
-else the link's datasheet rate: an upper bound. alpha: the level's per-step latency, 0 where S lies
+else the link's datasheet rate: an upper bound. A node's curve, measured over the whole node, is read for
+n ranks at S x gpus_per_node / n, where the node's ring moves the same chunk S / n per step (in a ring,
+busbw depends on that chunk alone). alpha: the level's per-step latency, 0 where the size read lies
 within a measured curve (its busbw is wire / measured time: the latency is in it). Steps, by
 NCCL's algorithm: ring all-gather / reduce-scatter / all-to-all n-1; all-reduce inside a node a ring,
 2(n-1); all-reduce across nodes NCCL's tree (double binary tree, Sanders et al. 2009, NCCL >= 2.4),
@@ -49,5 +51,5 @@ def collective_time(kind: str, nbytes: float, n: int, level: str, cluster) -> tu
     if n <= 1 or nbytes <= 0:
         return 0.0, 0.0
     wire = BUS_FACTOR[kind](n) * nbytes
-    alpha, beta = cluster.link(level, kind, nbytes)
+    alpha, beta = cluster.link(level, kind, nbytes, n)
     return wire, steps(kind, n, level) * alpha + wire / beta

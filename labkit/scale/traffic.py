@@ -109,7 +109,7 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         # the data-parallel group is dp x cp: it stays in a node only if its dp part does. `message`: the
         # size each call really moves where the count folds several (FSDP's per-block gathers), for busbw(S)
         where = "cp" if axis == "dp" and layout.dp == 1 else axis
-        alpha, beta = cluster.link(layout.level(where, cluster.gpus_per_node), kind, message or nbytes)
+        alpha, beta = cluster.link(layout.level(where, cluster.gpus_per_node), kind, message or nbytes, n)
         sent, secs = ring_time(kind, nbytes, n, alpha, beta)
         entry = out.setdefault(axis, {"bytes": 0.0, "seconds": 0.0, "count": 0})
         if sent:
@@ -132,8 +132,8 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         entry = out.setdefault("cp", {"bytes": 0.0, "seconds": 0.0, "count": 0, "hideable_seconds": 0.0})
         passes = {"forward": 2 if layout.recompute == "full" else 1, "backward": 1}
         for direction, parts in cp_layer_traffic(layout.cp_method, layout.cp, q, kv, local).items():
-            for where, sent, steps, calls, hideable, kind, message in parts:
-                alpha, beta = cluster.link(levels[where], kind, message)
+            for where, sent, steps, calls, hideable, kind, message, ranks in parts:
+                alpha, beta = cluster.link(levels[where], kind, message, ranks)
                 times = L * n_micro * passes[direction]
                 entry["bytes"] += sent * times
                 entry["seconds"] += (steps * alpha + sent / beta) * times
@@ -186,7 +186,7 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
     per_call = blocks if zero == "zero3" else 1
 
     def add(name, kind, nbytes, n, count):
-        sent, secs = ring_time(kind, nbytes, n, *cluster.link(levels[name], kind, nbytes / per_call))
+        sent, secs = ring_time(kind, nbytes, n, *cluster.link(levels[name], kind, nbytes / per_call, n))
         if sent:
             out[name]["bytes"] += sent * count
             out[name]["seconds"] += secs * count
@@ -271,7 +271,8 @@ def cp_kv_heads(method: str, kv_heads: int, cp: int, local: int = 1) -> int:
 def cp_layer_traffic(method: str, cp: int, q_bytes: float, kv_bytes: float, local: int = 1) -> dict:
     """One attention layer's context-parallel traffic for one micro-batch, by direction:
     {"forward": [...], "backward": [...]}, items (where, bytes sent, alpha steps, calls, hideable, kind,
-    message): kind and message (one call's whole tensor, nccl-tests' S) choose its bus bandwidth (`Cluster.link`).
+    message, ranks): kind, message (one call's whole tensor, nccl-tests' S) and ranks choose its bus bandwidth
+    (`Cluster.link`).
 
     where: "cp" (the cp group's own level), "node" (the hybrid's all-to-alls among the cp ranks of a
     node) or "network" (its ring across the o = cp / local nodes). hideable: the ring's K/V blocks,
@@ -291,18 +292,18 @@ def cp_layer_traffic(method: str, cp: int, q_bytes: float, kv_bytes: float, loca
     def ring(n, where):  # (forward, backward) of a ring of n: hops of one K,V pair, each one alpha
         if n <= 1:
             return [], []
-        return ([(where, 2 * kv_bytes * (n - 1), n - 1, n - 1, True, "send", 2 * kv_bytes)],
-                [(where, 2 * kv_bytes * (2 * n - 1), 2 * n - 1, 2 * n - 1, True, "send", 2 * kv_bytes)])
+        return ([(where, 2 * kv_bytes * (n - 1), n - 1, n - 1, True, "send", 2 * kv_bytes, 2)],
+                [(where, 2 * kv_bytes * (2 * n - 1), 2 * n - 1, 2 * n - 1, True, "send", 2 * kv_bytes, 2)])
 
     def swaps(n, where):  # one direction's 4 all-to-alls over n ranks (one of q, k, v, out: (q + kv) / 2 on average)
         return [] if n <= 1 else [(where, 2 * (q_bytes + kv_bytes) * (n - 1) / n, 4 * (n - 1), 4, False,
-                                   "all_to_all", (q_bytes + kv_bytes) / 2)]
+                                   "all_to_all", (q_bytes + kv_bytes) / 2, n)]
 
     if method == "ring":
         forward, backward = ring(cp, "cp")
     elif method == "allgather":  # K,V gathered (S = 2 kv cp) forward, dK,dV reduce-scattered backward
-        forward = [("cp", 2 * kv_bytes * (cp - 1), cp - 1, 1, False, "all_gather", 2 * kv_bytes * cp)] if cp > 1 else []
-        backward = [("cp", 2 * kv_bytes * (cp - 1), cp - 1, 1, False, "reduce_scatter", 2 * kv_bytes * cp)] if cp > 1 else []
+        forward = [("cp", 2 * kv_bytes * (cp - 1), cp - 1, 1, False, "all_gather", 2 * kv_bytes * cp, cp)] if cp > 1 else []
+        backward = [("cp", 2 * kv_bytes * (cp - 1), cp - 1, 1, False, "reduce_scatter", 2 * kv_bytes * cp, cp)] if cp > 1 else []
     elif method == "ulysses":
         forward = backward = swaps(cp, "cp")
     else:
