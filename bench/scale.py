@@ -57,8 +57,8 @@ printed beside the first, never instead of it); for each, the rank and the gap t
 took; and for each row that misses as a configuration, its class (labkit.scale.misses: a choice inside its layout,
 "config", or the layout itself, "layout"; "-memory" where the row's published memory, against the model's own
 error on it, says the faster configuration would not fit) with the numbers of both steps. On 2 shared CPU cores
-(2026-11-27, 59 rows, beside other work): 751 s under the kernel model (Llama 3's 8K-GPU row 241 s, most rows
-under 25 s), 54 s under the flat model. Kernel model: 2 of 59 meet the criterion as a configuration, 12 of 59 as a
+(2026-11-27, 59 rows, beside other work): 750 s under the kernel model (Llama 3's 8K-GPU row 254 s, most rows
+under 25 s), 64 s under the flat model. Kernel model: 2 of 59 meet the criterion as a configuration, 12 of 59 as a
 parallel layout (11 before the all-reduce's curve against size: torchtitan's interleaved 405B row comes within 5%);
 flat: 1 and 10. The curve makes TP 8 on A100 nodes dearer, so Megatron's rows fall 1-5 points further from the top.
 --memory: also a memory table per row: published memory (torchtitan's peak reserved GiB; "ran": every other row
