@@ -1,6 +1,7 @@
 """The one check an instructor runs on a GPU node: the lab's tests, notebooks and speed there.
 
     bash bench/gpu_check.sh [--quick] [--only tests,notebooks,single,compile,predict] [--notebooks 00,01]
+                            [--suite-seconds N]
 
 Rows, each PASS / FAIL / SKIP with its figures, then one JSON object as the last line:
 - tests:     the whole test suite with the GPU visible (quick setting, reference solutions;
@@ -9,10 +10,10 @@ Rows, each PASS / FAIL / SKIP with its figures, then one JSON object as the last
              the browser tests are the suite's and need Chromium);
 - single:    `bench/single_device.py` in bf16 and fp32 (TF32 allowed) at three model sizes, with MFU;
 - compile:   `torch.compile` of the model in the lab's step, its speed-up over eager (bf16, seed model);
-- predict:   the cost model's compute time for this GPU's step (FLOPs / (peak x EFFICIENCY),
-             `labkit.scale.cost`) against the measured step. The model is for large matrices; the
-             lab's small models are bound by kernel launches, so a large miss here is expected, and
-             the row says by how much.
+- predict:   the kernel model's tokens/s (`labkit.scale.cost`, efficiency=None, this GPU's kind) against the
+             measured eager bf16 step of the tiny and seed models, and what sets the gap: these steps are
+             bound by kernel launches, so the row gives the kernels one step launches (torch.profiler)
+             against the model's count, and the measured time per kernel against its `eager_op_us`.
 On a machine without a GPU every row but `tests` is skipped with a one-line reason, and `tests`
 says to run `make test` instead; the script still ends with its JSON line.
 """
@@ -32,6 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 STEPS = ("tests", "notebooks", "single", "compile", "predict")
 NOTEBOOKS: list = []  # --notebooks 00,01: only these (default: all)
+SUITE_SECONDS: list = []  # --suite-seconds N: the suite's time limit (default 330 s with --quick, else 1800 s)
 
 
 def _run(cmd, timeout, env_extra=None):
@@ -48,21 +50,51 @@ def _run(cmd, timeout, env_extra=None):
 def check_tests(gpu: bool, quick: bool) -> dict:
     if not gpu:
         return {"status": "SKIP", "why": "no GPU here: the CPU suite is `make test`"}
-    import importlib.util
+    import torch
 
-    cmd = [sys.executable, "-m", "pytest", "-q", "--impl=solutions", "-p", "no:cacheprovider", "--timeout", "240", "-rfE",
-           "tests", "-m", "not slow", "-p", "bench.pytest_failures_log", "--deselect", "tests/test_browser.py", "--deselect", "tests/test_multihost.py"]
-    if importlib.util.find_spec("xdist"):
-        cmd += ["-p", "xdist", "-n", str(min(12, os.cpu_count() or 1))]
-    code, text, seconds = _run(cmd, 330 if quick else 1800, {"LABKIT_QUICK": "1"})
+    # the suite's kernels, scripts and torchrun jobs import labkit from any folder where `make setup` installed it;
+    # with the node's own Python (no .venv) it is not installed, so they get this checkout on PYTHONPATH
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from checkout import labkit_path_env
+
+    path_env = labkit_path_env()
+    cmd, notes = suite_command(torch.__version__, bool(path_env))
+    limit = SUITE_SECONDS[0] if SUITE_SECONDS else 330 if quick else 1800
+    code, text, seconds = _run(cmd, limit, {"LABKIT_QUICK": "1", **path_env})
     if os.environ.get("GPU_CHECK_LOG_DIR"):  # the whole pytest output, for a later look
         with open(os.path.join(os.environ["GPU_CHECK_LOG_DIR"], "pytest.txt"), "w") as f:
             f.write(text)
     tail = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed)", line)]
     summary = tail[-1].strip("= ") if tail else f"no summary (exit {code})"
     failed = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    return {"status": "PASS" if code == 0 else "FAIL", "summary": summary, "seconds": round(seconds, 1),
-            "failed": failed[:40]}
+    return {"status": "PASS" if code == 0 else "FAIL", "summary": "; ".join([summary, *notes]),
+            "seconds": round(seconds, 1), "failed": failed[:40]}
+
+
+def suite_command(torch_version: str, labkit_on_path: bool) -> tuple[list, list]:
+    """The suite's command on a GPU node, and a line for each way it differs from `make test`: the browser and
+    two-host tests left out (they need Chromium and network namespaces), the pin's test left out where the node's
+    torch is not the pin, and the checkout on the children's PYTHONPATH where labkit is not installed."""
+    import importlib.util
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "--impl=solutions", "-p", "no:cacheprovider", "--timeout", "240", "-rfE",
+           "tests", "-m", "not slow", "-p", "bench.pytest_failures_log", "--deselect", "tests/test_browser.py", "--deselect", "tests/test_multihost.py"]
+    notes = []
+    pin = _torch_pin()
+    if torch_version.split("+")[0] != pin:  # the node's own torch: the pin's test would only say so
+        cmd += ["--deselect", "tests/test_setup.py::test_torch_is_the_pinned_version"]
+        notes.append(f"torch {torch_version} is the node's, not the pin {pin}: the pin's test left out")
+    if labkit_on_path:
+        notes.append("labkit is not installed in this Python: the suite's children get this checkout on PYTHONPATH")
+    if importlib.util.find_spec("xdist"):
+        cmd += ["-p", "xdist", "-n", str(min(12, os.cpu_count() or 1))]
+    return cmd, notes
+
+
+def _torch_pin() -> str:
+    """The torch version pyproject.toml pins ("torch==X"; read as text: tomllib is Python 3.11+)."""
+    with open(os.path.join(REPO, "pyproject.toml")) as f:
+        return re.search(r'"torch==([^"]+)"', f.read()).group(1)
 
 
 def check_notebooks(gpu: bool, quick: bool) -> dict:
@@ -159,39 +191,81 @@ def check_compile(gpu: bool, quick: bool) -> dict:
             "eager_s": timings["eager"], "compiled_s": timings["compiled"], "speedup": speedup}
 
 
+def profile_kernels(model, opt, batch, train_step) -> dict:
+    """One eager step under torch.profiler: the CUDA kernels it launched (memcpy and memset apart), and the
+    ten kernel names launched most often (where an eager step's extra kernels come from: autocast's casts, say)."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        train_step(model, opt, *batch)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = [n for n in names if n.startswith(("Memcpy", "Memset"))]
+    counts = collections.Counter(n[:90] for n in names if n not in copies)
+    return {"kernels": sum(counts.values()), "memcpy_memset": len(copies), "top": counts.most_common(10)}
+
+
 def check_predict(gpu: bool, quick: bool) -> dict:
+    """The kernel model (labkit.scale.cost, efficiency=None) against the measured eager bf16 step of the lab's
+    tiny and seed models, with what explains the gap: the kernels a step launches (the profiler's count against
+    the model's) and the CPU time per kernel (the measured step / the measured kernels, these steps being
+    launch-bound, against the model's eager_op_us)."""
     if not gpu:
         return {"status": "SKIP", "why": "no GPU here"}
     import torch
 
     from labkit.data import get_batch, load_tokens
-    from labkit.measure.metrics import flops_per_token, peak_flops
-    from labkit.model import build_model
-    from labkit.scale.cost import EFFICIENCY
+    from labkit.model import build_model, get_config
+    from labkit.scale.cluster import load_cluster
+    from labkit.scale.cost import predict
+    from labkit.scale.gpu import load_gpu
+    from labkit.scale.layer_ops import step_kernels
+    from labkit.scale.layout import Layout
+    from labkit.scale.specs import spec_from_config
     from labkit.training.loop import TrainConfig, make_optimizer, train_step
 
+    name = torch.cuda.get_device_name(0)
+    kind = "h200-sxm" if "H200" in name else "h100-sxm" if "H100" in name else None
     tokens, device = load_tokens("tinystories"), torch.device("cuda")
     rows = {}
-    for name, b, t in (("tiny", 64, 128), ("seed", 64, 256)):
-        model = build_model(name, seed=0, device=device)
+    for model_name, b, t in (("tiny", 64, 128), ("seed", 64, 256)):
+        model = build_model(model_name, seed=0, device=device)
         opt = make_optimizer(model, TrainConfig(steps=100, batch_size=b, seq_len=t))
         batches = [get_batch(tokens, b, t, i, seed=0, device=device) for i in range(12)]
         with torch.autocast("cuda", dtype=torch.bfloat16):
             measured = _step_seconds(model, opt, batches, train_step, torch.cuda.synchronize)
-        peak = peak_flops(device, torch.bfloat16)
-        predicted = flops_per_token(model.config, t) * b * t / (peak * EFFICIENCY) if peak else float("nan")
-        rows[name] = {"measured_s": measured, "predicted_s": predicted, "ratio": predicted / measured}
-    return {"status": "PASS", "summary": ", ".join(f"{k}: predicted {1e3 * v['predicted_s']:.3f} ms / measured "
-                                                   f"{1e3 * v['measured_s']:.3f} ms = {v['ratio']:.2f}" for k, v in rows.items())
-            + " (compute-only model; these steps are launch-bound)", "rows": rows}
+            prof = profile_kernels(model, opt, batches[0], train_step)
+        row = {"measured_s": measured, "measured_tokens_per_s": b * t / measured, "profile": prof,
+               "measured_us_per_kernel": 1e6 * measured / max(1, prof["kernels"])}
+        if kind:
+            config = get_config(model_name, context=t)
+            p = predict(spec_from_config(config), Layout(zero="dp", recompute="none", micro_batch=b,
+                        sequence_parallel=False), load_cluster(kind), b, t, n_gpus=1, efficiency=None)
+            row.update(kind=kind, predicted_tokens_per_s=p.tokens_per_s_per_gpu,
+                       error=p.tokens_per_s_per_gpu * measured / (b * t) - 1,
+                       model=step_kernels(spec_from_config(config), load_gpu(load_cluster(kind).gpu), b, t))
+        rows[model_name] = row
+    summary = "; ".join(
+        f"{k}: measured {v['measured_tokens_per_s'] / 1e3:.0f}k tok/s, {v['profile']['kernels']} kernels, "
+        f"{v['measured_us_per_kernel']:.1f} us each"
+        + (f"; kernel model {v['predicted_tokens_per_s'] / 1e3:.0f}k ({100 * v['error']:+.0f}%), "
+           f"{v['model']['kernels']} kernels at {1e6 * v['model']['host_s'] / v['model']['kernels']:.1f} us" if "model" in v else "")
+        for k, v in rows.items())
+    return {"status": "PASS", "summary": summary, "rows": rows}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="shorter benches; the suite's time limit 7 minutes")
+    parser.add_argument("--quick", action="store_true", help="shorter benches; the suite's time limit 330 s")
     parser.add_argument("--only", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
     parser.add_argument("--notebooks", default="", help="comma-separated notebook numbers, e.g. 00,01 (default: all)")
+    parser.add_argument("--suite-seconds", type=int, default=0,
+                        help="the test suite's time limit (default 330 s with --quick, else 1800 s; a lease's length, say)")
     options = parser.parse_args(argv)
+    SUITE_SECONDS[:] = [options.suite_seconds] if options.suite_seconds > 0 else []
     NOTEBOOKS[:] = [n.strip().zfill(2) for n in options.notebooks.split(",") if n.strip()]
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch

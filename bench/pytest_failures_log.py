@@ -8,6 +8,8 @@ import os
 
 def pytest_runtest_logreport(report):
     folder = os.environ.get("GPU_CHECK_LOG_DIR")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist the controller gets every report too: write it once
+        return
     if not folder or not (report.failed or (report.when != "call" and report.outcome == "error")):
         return
     text = str(report.longrepr)

@@ -17,7 +17,8 @@ labkit.scale.cost.predict), the kernel model (every op by a roofline from kernel
 `predict(..., efficiency=None)`), or both, one after the other (the default: the "before" and
 "after" of issue 34), each set's summary in the JSON under its model's name.
 --small: also the lab's own models on one H200, measured by bench/single_device.py
-(/work/shared/gpu-2026-11-26/single_bf16.txt), against the kernel model, with what bounds a block.
+(/work/shared/gpu-2026-11-26/single_bf16.txt) and by bench/gpu_check.sh's predict row (2026-11-27), against
+the kernel model, with what bounds a block and the kernels of one step, modelled and profiled.
 The kernel model's hardware inputs come from the cluster files, each chosen from the source's own
 description of its machines, not from the rows: torchtitan's hosts run their H100s at 500 W (its
 'Hardware' section), so h100-grand-teton uses the GPU kind h100-sxm-500w (FBGEMM's GEMM measured
@@ -80,28 +81,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from labkit.scale.validation import MODELS_OF_COST, format_sets, load_sets, predict_sets, summarize  # noqa: E402
 
-# bench/single_device.py on one H200, bf16, eager (the GPU run of 2026-11-26): model, batch, seq, tok/s
-SMALL_MEASURED = (("tiny", 64, 128, 409.1e3), ("seed", 64, 256, 523.1e3))
+# The lab's own models on one H200, bf16 autocast, eager: model, batch, seq, then each measurement's tok/s
+# - bench/single_device.py, 2026-11-26 (/work/shared/gpu-2026-11-26/single_bf16.txt): median tok/s over rounds;
+# - bench/gpu_check.sh --only predict, 2026-11-27 (torch 2.11.0+cu130): the median synchronized step, and the CUDA
+#   kernels one step launched by torch.profiler (memcpy and memset apart).
+SMALL_MEASURED = (("tiny", 64, 128, 409.1e3, 498.2e3, 613), ("seed", 64, 256, 523.1e3, 463.3e3, 890))
 
 
 def small_end() -> list[dict]:
-    """The lab's own models on one H200: measured and predicted by the kernel model, a block's time by bound."""
+    """The lab's own models on one H200: measured twice, predicted by the kernel model, a block's time by bound,
+    and the kernels of one step, counted by the model (layer_ops.step_kernels) and by the profiler."""
     from labkit.model import get_config
     from labkit.scale.cluster import load_cluster
     from labkit.scale.cost import predict
+    from labkit.scale.gpu import load_gpu
+    from labkit.scale.layer_ops import step_kernels
     from labkit.scale.layout import Layout
     from labkit.scale.specs import spec_from_config
 
     cluster, rows = load_cluster("h200-sxm"), []
-    for name, batch, seq, measured in SMALL_MEASURED:
+    for name, batch, seq, measured, measured_again, profiled in SMALL_MEASURED:
         spec = spec_from_config(get_config(name, context=seq))
         p = predict(spec, Layout(zero="dp", recompute="none", micro_batch=batch, sequence_parallel=False), cluster,
                     batch, seq, n_gpus=1, efficiency=None)
         total = sum(p.bound_s.values())
-        rows.append(dict(model=name, measured=measured, predicted=round(p.tokens_per_s_per_gpu),
+        step = batch * seq / measured_again
+        rows.append(dict(model=name, measured=measured, measured_again=measured_again,
+                         predicted=round(p.tokens_per_s_per_gpu),
                          error=round(p.tokens_per_s_per_gpu / measured - 1, 4),
-                         bound={k: round(v / total, 3) for k, v in p.bound_s.items()}))
+                         error_again=round(p.tokens_per_s_per_gpu / measured_again - 1, 4),
+                         bound={k: round(v / total, 3) for k, v in p.bound_s.items()},
+                         kernels_model=step_kernels(spec, load_gpu(cluster.gpu), batch, seq)["kernels"],
+                         kernels_profiled=profiled, us_per_kernel_measured=round(1e6 * step / profiled, 1)))
     return rows
+
+
+def load_gpu_us() -> float:
+    """The H200 kind's eager per-kernel CPU cost (eager_op_us), as the small-end rows use it."""
+    from labkit.scale.cluster import load_cluster
+    from labkit.scale.gpu import load_gpu
+
+    return load_gpu(load_cluster("h200-sxm").gpu).eager_op_us
 
 
 def ranks(model: str) -> dict:
@@ -238,10 +258,21 @@ def main():
             out[model]["picks"] = picks(model)
     if args.small:
         out["small"] = small_end()
-        print("\nthe lab's own models on one H200 (bf16, eager), kernel model:")
+        print("\nthe lab's own models on one H200 (bf16 autocast, eager), kernel model:")
         for r in out["small"]:
-            print(f"  {r['model']}: measured {r['measured']:,.0f} tok/s, predicted {r['predicted']:,.0f} "
-                  f"({r['error']:+.0%}); a block's time by bound: {r['bound']}")
+            print(f"  {r['model']}: measured {r['measured']:,.0f} tok/s (2026-11-26) and {r['measured_again']:,.0f} "
+                  f"(2026-11-27), predicted {r['predicted']:,.0f} ({r['error']:+.0%}, {r['error_again']:+.0%}); "
+                  f"a block's time by bound: {r['bound']}")
+            print(f"    kernels a step: {r['kernels_model']} modelled, {r['kernels_profiled']} profiled, at "
+                  f"{r['us_per_kernel_measured']} us each measured (the model: {load_gpu_us()} us)")
+        rows = out["small"]
+        count = [r["kernels_profiled"] / r["kernels_model"] for r in rows]
+        each = [r["us_per_kernel_measured"] / load_gpu_us() for r in rows]
+        print(f"  the profiled step launches {min(count):.2f}-{max(count):.2f}x the kernels the model counts (the model\n"
+              "  counts the ops as torchtitan writes them in bf16; the lab's step runs under autocast with fp32 weights:\n"
+              "  each matmul's weight cast, the fp32 gradients, cuBLAS's split-K reductions), and each costs\n"
+              f"  {min(each):.2f}-{max(each):.2f}x the cited {load_gpu_us()} us: the two "
+              "partly cancel, and the error's size moves with the host CPU from run to run")
     print(json.dumps(out))
 
 

@@ -295,3 +295,43 @@ def test_mfu_counts_against_the_peak_of_the_arithmetic_that_runs():
     assert lookup_peak("NVIDIA H200", "bf16") == 989 * TFLOPS and lookup_peak("NVIDIA H200", "tf32") == 495 * TFLOPS
     assert lookup_peak("NVIDIA H100 80GB HBM3", "fp32") == 67 * TFLOPS
     assert lookup_peak("NVIDIA H100 PCIe", "bf16") == 756 * TFLOPS
+
+
+def _gpu_check():
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import gpu_check
+
+    return gpu_check
+
+
+@pytest.mark.parametrize("node_torch, left_out", [("2.11.0+cu130", True), (None, False)])
+def test_gpu_check_leaves_out_the_pin_test_only_where_the_nodes_torch_is_not_the_pin(node_torch, left_out):
+    """A GPU node's own torch (2.11 on 2026-11-27) failed test_torch_is_the_pinned_version, which says nothing about
+    the node: bench/gpu_check.py leaves it out there, with a line saying why, and keeps it where torch is the pin."""
+    gc = _gpu_check()
+    version = node_torch or gc._torch_pin() + "+cu130"
+    cmd, notes = gc.suite_command(version, labkit_on_path=False)
+    pin_test = "tests/test_setup.py::test_torch_is_the_pinned_version"
+    assert (pin_test in cmd) == left_out
+    assert any("not the pin" in n for n in notes) == left_out
+    assert cmd[cmd.index("-m", 3) + 1] == "not slow" and "tests/test_browser.py" in cmd
+
+
+def test_a_python_without_labkit_installed_gives_the_suites_children_this_checkout():
+    """On 2026-11-27, 41 tests failed on a GPU node whose own Python had no `make setup`: their kernels, scripts and
+    torchrun jobs could not import labkit. tests/checkout.labkit_path_env (which bench/gpu_check.py gives the suite)
+    asks a child of that Python, started in another folder: the venv's base interpreter has no labkit installed,
+    so it gets this checkout on PYTHONPATH; this venv's has it, so it gets nothing."""
+    base = os.path.join(sys.base_prefix, "bin", "python3")
+    probe = ("import sys; sys.path.insert(0, 'tests'); from checkout import labkit_path_env; "
+             "print(labkit_path_env().get('PYTHONPATH', ''))")
+    if sys.prefix == sys.base_prefix or not os.path.exists(base):
+        pytest.skip("not in a virtual environment: no base interpreter without this one's packages")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    without = subprocess.run([base, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    if "labkit" in subprocess.run([base, "-c", "import importlib.util as u; print(u.find_spec('labkit'))"],
+                                  capture_output=True, text=True, timeout=60, cwd="/", env=env).stdout:
+        pytest.skip("labkit is installed in the base interpreter too")
+    assert without.stdout.strip().split(os.pathsep)[0] == REPO, without.stderr
+    with_it = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert with_it.stdout.strip() == "", with_it.stderr

@@ -162,3 +162,25 @@ def test_fsdp_traffic_hidden_behind_compute_costs_its_contention():
     assert with_s.parts_s["contention_dp"] == pytest.approx(t * s / (1 + s), rel=1e-12)
     assert with_s.step_s - without.step_s == pytest.approx(t * s / (1 + s), rel=1e-9)
 
+
+
+@pytest.mark.parametrize("name, batch, seq", [("tiny", 64, 128), ("seed", 64, 256)])
+def test_a_launch_bound_step_is_its_kernel_count_times_the_cost_of_one(name, batch, seq):
+    """The lab's own models on one H200 (bench/scale.py --small, bench/gpu_check.py's predict row): every pass of
+    the tiny model waits for the CPU, so the predicted step is exactly step_kernels' count x eager_op_us, the
+    count that the predict row sets beside the profiler's. The seed model's longer GEMMs make some of its time
+    the GPU's, so its step is longer than the CPU's time alone, never shorter."""
+    from labkit.model import get_config
+    from labkit.scale.layer_ops import step_kernels
+    from labkit.scale.specs import spec_from_config
+
+    spec, h200 = spec_from_config(get_config(name, context=seq)), load_cluster("h200-sxm")
+    gpu = load_gpu(h200.gpu)
+    count = step_kernels(spec, gpu, batch, seq)
+    assert count["host_s"] == pytest.approx(count["kernels"] * gpu.eager_op_us * 1e-6, rel=1e-12)
+    p = predict(spec, Layout(zero="dp", recompute="none", micro_batch=batch, sequence_parallel=False), h200,
+                batch, seq, n_gpus=1, efficiency=None)
+    if name == "tiny":
+        assert p.step_s == pytest.approx(count["host_s"], rel=1e-12)
+    else:
+        assert count["host_s"] < p.step_s < count["host_s"] + count["gpu_s"]

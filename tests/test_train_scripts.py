@@ -94,7 +94,11 @@ def _report(output: str) -> dict:
 def _check(report, saved_path, reference, strategy, world_size):
     ref_weights, ref_losses = reference
     assert (report["strategy"], report["world_size"]) == (strategy, world_size)
-    assert report["tokens_per_s"] > 0 and report["mfu"] is None  # CPU: no honest peak, no MFU
+    assert report["tokens_per_s"] > 0
+    if report["device"].startswith("cuda"):  # a GPU node: MFU against its known peak, or None for an unknown GPU
+        assert report["mfu"] is None or 0 < report["mfu"] < 1
+    else:
+        assert report["mfu"] is None  # CPU: no honest peak, no MFU
     assert report["tokens_per_s_per_device"] == pytest.approx(report["tokens_per_s"] / world_size)
     torch.testing.assert_close(torch.tensor([report["first_loss"], report["final_loss"]], dtype=torch.float64),
                                torch.tensor([ref_losses[0], ref_losses[-1]], dtype=torch.float64),

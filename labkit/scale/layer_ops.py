@@ -193,3 +193,18 @@ def by_bound(ops) -> dict:
         out[op.bound] += op.seconds
     out["launch"] = max(0.0, sum(op.host_s for op in ops) - out["compute"] - out["memory"])
     return out
+
+
+def step_kernels(model, gpu, micro_batch: int, seq_len: int) -> dict:
+    """One eager step of `model` on one GPU (no parallelism, no recompute), as this module counts it: its kernels
+    (the blocks' forward and backward, the embedding, the final norm, head and loss, the optimizer), their CPU
+    time (kernels x eager_op_us) and their GPU time. What a profiler counts on a real step can be set beside
+    it (bench/gpu_check.py's predict row): a launch-bound step's time is its kernel count x the cost of one."""
+    shape = Shape(micro_batch, seq_len, sequence_parallel=False)
+    opts = Options(attention="fa2" if "fa2" in gpu.attention else "unfused")
+    blk = block_ops(model, shape, opts, gpu)
+    ends = [end_ops(model, shape, opts, gpu, which) for which in ("embedding", "head")]
+    ops = (blk["forward"] + blk["backward"]) * model.n_layers + [o for e in ends for o in e["forward"] + e["backward"]]
+    ops.append(K.optimizer_step(model.n_params, 9 * model.n_layers + 3, gpu))
+    return {"kernels": sum(o.kernels for o in ops), "host_s": sum(o.host_s for o in ops),
+            "gpu_s": sum(o.seconds for o in ops)}
