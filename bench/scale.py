@@ -47,7 +47,10 @@ H100/H200 nodes (nccl-tests' sweeps from 32 KiB to 16 GiB, stas00/ml-engineering
 is added) and each NIC's measured figure across nodes (NCCL's maintainers: 24 GB/s per 200 Gb/s HDR NIC, 46 per
 400 Gb/s NDR NIC, where the line rate had been used), a group smaller than the node reading the node's curve at the
 size where its ring moves the same chunk per step (S x 8 / n): 49 of 59, median 12%, worst 54% (Table 2's PTD rows
-+15..+17% -> +12..+15%); flat 33 of 59. After the table, each row
++15..+17% -> +12..+15%); flat 33 of 59. Megatron-LM's GPT blocks with the kernels its paper says it ran (sec.
+4.2: bias + dropout + add fused; Apex's fused LayerNorm; learned positions, no rotary; specs.megatron_fusions):
+49 of 59, median 13%, worst 54%: its runs without a pipeline -11..-2% -> -4..+8%, its pipelined ones +3..+16% ->
++7..+21%; every Megatron run without a pipeline or ZeRO-3 within 9%. After the table, each row
 outside 25% with its note from the data file: what was checked, and why the miss stays.
 --ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
 same model, cluster, global batch, sequence length and GPU count; 1F1B, interleaved x2, ZB under the kernel

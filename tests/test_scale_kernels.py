@@ -298,3 +298,24 @@ def test_zero_bubble_schedule_through_the_same_simulator_beats_1f1b():
     one = pipeline_time(Layout(pp=4), 8, f, b, 0.0)
     zb = pipeline_time(Layout(pp=4, schedule="zb"), 8, f, b, 0.0)
     assert zb["busy"] == pytest.approx(one["busy"]) and zb["makespan"] < one["makespan"]
+
+
+def test_gpt_blocks_run_megatrons_fused_kernels_and_llama_blocks_do_not():
+    """Megatron-LM's GPT (Narayanan et al. 2021, sec. 4.2; Apex's FusedLayerNorm; learned positions): its blocks
+    have no rotary op, their norms move 4 bytes per element forward in one kernel, and each residual add carries
+    its sublayer's dropout (7 bytes, one kernel) so the dropout op covers the attention scores only. A Llama
+    block keeps rotary and its residual adds. Planted: gpt_spec without megatron_fusions fails here."""
+    from labkit.scale.specs import GPT_MEGATRON, LLAMA3
+
+    gpu = load_gpu("a100-sxm")
+    shape, opts = Shape(1, 2048, tp=8, sequence_parallel=False), Options(attention="unfused")
+    gpt, llama = GPT_MEGATRON["175b"], LLAMA3["8b"]
+    ops = {op.name: op for op in block_ops(gpt, shape, opts, gpu)["forward"]}
+    rows, d = 2048, gpt.d_model
+    assert "rotary" not in ops
+    assert (ops["norm1"].bytes, ops["norm1"].kernels) == (4 * rows * d, 1)
+    assert (ops["residual1"].bytes, ops["residual1"].kernels) == (7 * rows * d, 1)
+    heads = gpt.n_heads // 8
+    assert ops["dropout"].bytes == 5 * heads * rows * rows
+    llama_ops = {op.name for op in block_ops(llama, Shape(1, 2048), Options(), load_gpu("h100-sxm"))["forward"]}
+    assert {"rotary", "residual1", "residual2"} <= llama_ops and "dropout" not in llama_ops

@@ -213,6 +213,10 @@ ELEMENTWISE = {
     "dropout": {"forward": ((5, 1), (5, 1)), "backward": ((5, 1), (5, 1))},
     "rmsnorm_fused": {"forward": ((4, 1), (4, 1)), "backward": ((6, 2), (6, 2))},
     "swiglu_fused": {"forward": ((6, 1), (6, 1)), "backward": ((8, 1), (8, 1))},
+    # Megatron-LM's fused bias + dropout + residual add (its JIT kernel): read the sublayer's output and the
+    # residual, write the sum and the 1-byte mask (7); backward: the dropout's (read dy and the mask, write dx: 5)
+    # and the residual stream's two gradients added (6), as "dropout" and "residual" each count them
+    "dropout_add": {"forward": ((7, 1), (7, 1)), "backward": ((11, 2), (11, 2))},
 }
 
 

@@ -107,12 +107,16 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
                    [K.ew(op, "backward", elements, gpu, opts.compile, name)]))
 
     fused = getattr(m, "fused_kernels", False)  # a fused RMSNorm and SwiGLU: compiled-like bytes, one kernel
-    norm = "rmsnorm_fused" if fused else "rmsnorm"
+    megatron = getattr(m, "megatron_fusions", False)  # Megatron-LM's GPT kernels (specs' docstring)
+    norm = "rmsnorm_fused" if fused or megatron else "rmsnorm"  # Apex's FusedLayerNorm: the same bytes
+    # Megatron's bias + dropout + residual add, one kernel: the sublayer outputs' dropouts live in the residuals
+    residual = "dropout_add" if megatron and getattr(m, "dropout", False) else "residual"
     ew("norm1", norm, rows_sp * d)
     add("wq", _linear("wq", T, d // s.tp, d, gpu, opts))
     add("wk", _linear("wk", T, m.kv_dim // s.tp, d, gpu, opts))
     add("wv", _linear("wv", T, m.kv_dim // s.tp, d, gpu, opts))
-    ew("rotary", "rotary", T * (d + m.kv_dim) // s.tp)
+    if not megatron:  # GPT's positions are learned and added once, to the embedding
+        ew("rotary", "rotary", T * (d + m.kv_dim) // s.tp)
     heads = s.micro_batch * m.n_heads // s.tp
     if s.cp > 1 and s.cp_method == "ulysses":
         heads, q_len = heads // s.cp, s.seq_len  # every position, 1/cp of the heads
@@ -122,7 +126,7 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
     add("attention", ([K.attention("forward", heads, q_len, s.seq_len, hd, True, gpu, impl, opts.compile)],
                       [K.attention("backward", heads, q_len, s.seq_len, hd, True, gpu, impl, opts.compile)]))
     add("wo", _linear("wo", T, d, d // s.tp, gpu, opts))
-    ew("residual1", "residual", rows_sp * d)
+    ew("residual1", residual, rows_sp * d)
     ew("norm2", norm, rows_sp * d)
     mlp = getattr(m, "mlp", "swiglu")
     if m.n_experts:
@@ -147,8 +151,9 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
         ew("swiglu", "swiglu_fused" if fused else "swiglu", T * m.hidden_dim // s.tp)
         add("w2", _linear("w2", T, d, m.hidden_dim // s.tp, gpu, opts))
     if getattr(m, "dropout", False):  # GPT's dropouts: on the attention scores and after each sublayer's output
-        ew("dropout", "dropout", heads * q_len * s.seq_len + 2 * rows_sp * d)
-    ew("residual2", "residual", rows_sp * d)
+        outputs = 0 if residual == "dropout_add" else 2 * rows_sp * d  # fused into the residual adds
+        ew("dropout", "dropout", heads * q_len * s.seq_len + outputs)
+    ew("residual2", residual, rows_sp * d)
     again = recomputed(opts.recompute)
     again = set(fwd) if again is None else again
     forward = [op for name in fwd for op in fwd[name]]

@@ -32,6 +32,10 @@ only the attention core, the scores, softmax, its dropout and the weighted sum, 
 w3's outputs and their product; silu is recomputed inside the kernel), as production stacks run them;
 False: labkit.model's eager modules, whose saved tensors labkit.measure.activations counts. "selective",
 torchtitan's name, means "selective-op" (`normalize_recompute`).
+`megatron_fusions=True`: the kernels Megatron-LM runs its GPT with, by its paper's own account (Narayanan et al.
+2021, sec. 4.2, 'Computation Optimizations': fused bias + GeLU and bias + dropout + add, and a fused scale,
+mask and softmax) and its code (Apex's FusedLayerNorm; learned absolute positions, added once to the
+embedding, so no rotary in the blocks): their time only (`labkit.scale.layer_ops`), not what they save.
 `sp_saves_shard=True`: sequence parallelism as Megatron-LM runs it (Korthikanti et al. 2022, sec. 4.2.2: each
 column-parallel linear saves its input's shard and all-gathers it again in backward); False: torchtitan's
 plan, whose linears save the whole all-gathered input (labkit.scale.footprint).
@@ -72,6 +76,7 @@ class ModelSpec:
     dropout: bool = False
     fused_kernels: bool = False
     sp_saves_shard: bool = False
+    megatron_fusions: bool = False
 
     def __post_init__(self):
         for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size"):
@@ -190,7 +195,8 @@ def gpt_spec(name: str, d_model: int, n_layers: int, n_heads: int) -> ModelSpec:
     """A GPT-3-shaped model as Megatron-LM trained it (Narayanan et al. 2021, sec. 5.1: vocabulary 51,200,
     sequence 2,048): MHA, GeLU MLP of width 4 d, attention scores materialized, dropout."""
     return ModelSpec(name, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads,
-                     hidden_dim=4 * d_model, vocab_size=51200, mlp="gelu", attention="materialized", dropout=True)
+                     hidden_dim=4 * d_model, vocab_size=51200, mlp="gelu", attention="materialized", dropout=True,
+                     megatron_fusions=True)
 
 
 # Megatron-LM's GPT shapes, (hidden, layers, heads): Narayanan et al. 2021 (arXiv 2104.04473) Table 1, whose
