@@ -50,7 +50,9 @@ size where its ring moves the same chunk per step (S x 8 / n): 49 of 59, median 
 +15..+17% -> +12..+15%); flat 33 of 59. Megatron-LM's GPT blocks with the kernels its paper says it ran (sec.
 4.2: bias + dropout + add fused; Apex's fused LayerNorm; learned positions, no rotary; specs.megatron_fusions):
 49 of 59, median 13%, worst 54%: its runs without a pipeline -11..-2% -> -4..+8%, its pipelined ones +3..+16% ->
-+7..+21%; every Megatron run without a pipeline or ZeRO-3 within 9%. After the table, each row
++7..+21%; every Megatron run without a pipeline or ZeRO-3 within 9%. torch's ring attention's merges and send
+buffers (kernels.ring_merges, from torch's _context_parallel/_attention.py): 50 of 59, median 13%, worst 54%
+(torchtitan's CP rows 2-4 points lower). After the table, each row
 outside 25% with its note from the data file: what was checked, and why the miss stays.
 --ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
 same model, cluster, global batch, sequence length and GPU count; 1F1B, interleaved x2, ZB under the kernel

@@ -319,3 +319,28 @@ def test_gpt_blocks_run_megatrons_fused_kernels_and_llama_blocks_do_not():
     assert ops["dropout"].bytes == 5 * heads * rows * rows
     llama_ops = {op.name for op in block_ops(llama, Shape(1, 2048), Options(), load_gpu("h100-sxm"))["forward"]}
     assert {"rotary", "residual1", "residual2"} <= llama_ops and "dropout" not in llama_ops
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses", "allgather"])
+def test_the_ring_pays_its_merges_and_send_buffers_the_other_cp_methods_do_not(method):
+    """torch's ring attention (what torchtitan's CP runs) merges each step's partial output into an fp32 running
+    output and copies K, V (and dK, dV) into send buffers: memory-bound work around the flash kernels, which grows
+    with the chunk's rows while the attention grows with their square, so it weighs most on short chunks. Its
+    bytes are kernels.ring_merges' docstring's, per element of this rank's output and K; Ulysses and the
+    all-gather run one attention call and merge nothing. Planted: the merges left out of block_ops fail here."""
+    gpu, spec = load_gpu("h100-sxm"), LLAMA3["8b"]
+    cp, s, mb, tp = 4, 8192, 1, 1
+    blk = block_ops(spec, Shape(mb, s, tp=tp, cp=cp, cp_method=method), Options(), gpu)
+    merges = [op for d in ("forward", "backward") for op in blk[d] if op.name.startswith("ring attention merges")]
+    if method != "ring":
+        assert merges == []
+        return
+    hd = spec.d_model // spec.n_heads
+    o, kv = mb * spec.n_heads * (s // cp) * hd, mb * spec.n_kv_heads * (s // cp) * hd
+    forward, backward = merges
+    assert forward.bytes == pytest.approx((cp - 1) * (8 * kv + 32.5 * o) + 6 * o, rel=1e-12)
+    assert backward.bytes == pytest.approx((cp - 1) * 8 * kv + cp * (39 * kv + 11.5 * o) + 10 * (o + 2 * kv), rel=1e-12)
+    assert forward.seconds == pytest.approx(forward.bytes / gpu.hbm_bytes_per_s, rel=1e-12)
+    # against the chunk's own attention: at 2K rows per rank the forward merges cost a sizeable share of it
+    attention = next(op for op in blk["forward"] if op.name == "attention forward")
+    assert 0.2 < forward.seconds / attention.seconds < 2

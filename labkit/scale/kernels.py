@@ -188,6 +188,34 @@ def _unfused(direction, heads, q_len, kv_len, head_dim, gpu, compile=False) -> O
               times * (qk.host_s + av.host_s) + soft.host_s)
 
 
+def ring_merges(direction: str, out_elements: float, kv_elements: float, cp: int, gpu: GPU,
+                compile: bool = False) -> Op:
+    """The elementwise work of torch's ring attention around its flash kernels, which torchtitan's CP runs
+    (torch/distributed/tensor/experimental/_context_parallel/_attention.py: `_templated_ring_attention`, its
+    backward and `_SDPAMerger`, with convert_to_f32 and enable_load_balance at their defaults, True), over this
+    rank's output (`out_elements`: b h/tp (s/cp) hd) and its K (`kv_elements`, the same for V); memory-bound,
+    not hidden by the ring's transfers (they are the same stream's work). Bytes per element, as the code reads
+    and writes them:
+      forward, each of the cp - 1 steps after the first: K and V concatenated into the send buffer (read 2,
+        write 2, each); the block's output cast to fp32 (2 + 4) and merged, out - sigmoid(lse_b - lse) x
+        (out - out_b), three fp32 passes (12 + 8 + 12): 38 on a whole step; on the load-balanced half of the
+        steps that update half the rows, half of that plus the concatenation that rebuilds the whole (8):
+        32.5 on average; then once, the output back to bf16 (4 + 2); 12 kernels a step, 2 once
+      backward, each of the cp steps: dK and dV added into their fp32 accumulators (read 4 + 2, write 4; the
+        half-row steps rebuild them by concatenation: 11.5 on average, each), the pair concatenated into the
+        fp32 send buffer (4 + 4, each), dQ likewise added (11.5); K and V concatenated (cp - 1 times, as
+        forward); once, the three fp32 accumulators zeroed (4) and cast back to bf16 (4 + 2); 6 kernels a
+        step, 6 once."""
+    o, kv = out_elements, kv_elements
+    if direction == "forward":
+        nbytes = (cp - 1) * (8 * kv + 32.5 * o) + 6 * o
+        kernels = 12 * (cp - 1) + 2
+    else:
+        nbytes = (cp - 1) * 8 * kv + cp * (2 * (11.5 + 8) * kv + 11.5 * o) + 10 * (o + 2 * kv)
+        kernels = 6 * cp + 6
+    return roofline(f"ring attention merges {direction}", "elementwise", 0.0, nbytes, kernels, gpu, compile=compile)
+
+
 def elementwise(name: str, elements: float, eager: tuple, compiled: tuple, gpu: GPU, compile: bool) -> Op:
     """A memory-bound op over `elements` values: (bytes per element, kernels) eager or compiled."""
     per_element, kernels = compiled if compile else eager
