@@ -344,3 +344,27 @@ def test_the_ring_pays_its_merges_and_send_buffers_the_other_cp_methods_do_not(m
     # against the chunk's own attention: at 2K rows per rank the forward merges cost a sizeable share of it
     attention = next(op for op in blk["forward"] if op.name == "attention forward")
     assert 0.2 < forward.seconds / attention.seconds < 2
+
+
+def test_a_model_that_repeats_its_kv_heads_sends_and_merges_them_repeated():
+    """torchtitan's Llama repeats K/V to n_heads before SDPA (specs.ModelSpec.kv_repeated), so the ring around that
+    call moves n_heads / n_kv_heads = 4 times the bytes of a GQA-native ring (8B: 32 heads, 8 K/V heads), and its
+    send buffers copy as many; the queries' side (the merges of the output) is unchanged. Planted: the flag
+    ignored by the traffic fails here."""
+    import dataclasses
+
+    from labkit.scale.cluster import load_cluster
+    from labkit.scale.traffic import axis_traffic
+
+    gqa = LLAMA3["8b"]
+    repeated = dataclasses.replace(gqa, kv_repeated=True)
+    assert (gqa.attention_kv_heads, repeated.attention_kv_heads) == (8, 32)
+    lay, cluster = Layout(dp=2, cp=4, zero="zero3", recompute="none", micro_batch=1), load_cluster("h100-sxm")
+    params = {"dense": gqa.n_params, "experts": 0}
+    ring = [axis_traffic(spec, lay, cluster, 1, 8192, params)["cp"]["bytes"] for spec in (gqa, repeated)]
+    assert ring[1] == pytest.approx(4 * ring[0], rel=1e-12)
+    gpu, shape = load_gpu("h100-sxm"), Shape(1, 8192, cp=4, cp_method="ring")
+    merge = [next(op for op in block_ops(spec, shape, Options(), gpu)["forward"] if "merges" in op.name)
+             for spec in (gqa, repeated)]
+    hd, rows = gqa.d_model // gqa.n_heads, 8192 // 4
+    assert merge[1].bytes - merge[0].bytes == pytest.approx(3 * 8 * (32 - 8) * rows * hd, rel=1e-12)

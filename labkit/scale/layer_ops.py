@@ -126,7 +126,7 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
     add("attention", ([K.attention("forward", heads, q_len, s.seq_len, hd, True, gpu, impl, opts.compile)],
                       [K.attention("backward", heads, q_len, s.seq_len, hd, True, gpu, impl, opts.compile)]))
     if s.cp > 1 and s.cp_method == "ring":  # the ring's merges of partial outputs, its send buffers (kernels.ring_merges)
-        out, kv = heads * q_len * hd, s.micro_batch * (m.n_kv_heads // s.tp) * q_len * hd
+        out, kv = heads * q_len * hd, s.micro_batch * (m.attention_kv_heads // s.tp) * q_len * hd
         fwd["attention"].append(K.ring_merges("forward", out, kv, s.cp, gpu, opts.compile))
         bwd["attention"].append(K.ring_merges("backward", out, kv, s.cp, gpu, opts.compile))
     add("wo", _linear("wo", T, d, d // s.tp, gpu, opts))

@@ -36,6 +36,9 @@ torchtitan's name, means "selective-op" (`normalize_recompute`).
 2021, sec. 4.2, 'Computation Optimizations': fused bias + GeLU and bias + dropout + add, and a fused scale,
 mask and softmax) and its code (Apex's FusedLayerNorm; learned absolute positions, added once to the
 embedding, so no rotary in the blocks): their time only (`labkit.scale.layer_ops`), not what they save.
+`kv_repeated=True`: the K/V heads repeated to n_heads before the attention call, as torchtitan's Llama did
+(torchtitan/models/llama/model.py: `repeat_kv` before `F.scaled_dot_product_attention`); its CP shards that
+call's inputs, so its ring moves and holds n_heads / tp K/V heads, not GQA's n_kv_heads / tp.
 `sp_saves_shard=True`: sequence parallelism as Megatron-LM runs it (Korthikanti et al. 2022, sec. 4.2.2: each
 column-parallel linear saves its input's shard and all-gathers it again in backward); False: torchtitan's
 plan, whose linears save the whole all-gathered input (labkit.scale.footprint).
@@ -77,6 +80,7 @@ class ModelSpec:
     fused_kernels: bool = False
     sp_saves_shard: bool = False
     megatron_fusions: bool = False
+    kv_repeated: bool = False
 
     def __post_init__(self):
         for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size"):
@@ -91,6 +95,12 @@ class ModelSpec:
                              f"{ATTENTION}, dropout={self.dropout!r} True or False")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"{self.name}: top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
+
+    @property
+    def attention_kv_heads(self) -> int:
+        """The K/V heads the attention call is given: GQA's n_kv_heads, or n_heads where the model repeats them
+        first (`kv_repeated`), which is what a context-parallel ring around that call then moves and holds."""
+        return self.n_heads if self.kv_repeated else self.n_kv_heads
 
     @property
     def kv_dim(self) -> int:

@@ -127,7 +127,7 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         local = layout.cp_local(cluster.gpus_per_node)
         head_dim = m.d_model // m.n_heads
         q = BF16 * mb * s * m.d_model / layout.tp
-        kv = BF16 * mb * s * head_dim * cp_kv_heads(layout.cp_method, m.n_kv_heads // layout.tp, layout.cp, local)
+        kv = BF16 * mb * s * head_dim * cp_kv_heads(layout.cp_method, m.attention_kv_heads // layout.tp, layout.cp, local)
         levels = {"cp": layout.level("cp", cluster.gpus_per_node), "node": "node", "network": "network"}
         entry = out.setdefault("cp", {"bytes": 0.0, "seconds": 0.0, "count": 0, "hideable_seconds": 0.0})
         passes = {"forward": 2 if layout.recompute == "full" else 1, "backward": 1}
