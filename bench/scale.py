@@ -51,7 +51,8 @@ size where its ring moves the same chunk per step (S x 8 / n): 49 of 59, median 
 4.2: bias + dropout + add fused; Apex's fused LayerNorm; learned positions, no rotary; specs.megatron_fusions):
 49 of 59, median 13%, worst 54%: its runs without a pipeline -11..-2% -> -4..+8%, its pipelined ones +3..+16% ->
 +7..+21%; every Megatron run without a pipeline or ZeRO-3 within 9%. torch's ring attention's merges and send
-buffers (kernels.ring_merges, from torch's _context_parallel/_attention.py): 50 of 59, median 13%, worst 54%
+buffers (kernels.ring_merges, from torch's _context_parallel/_attention.py; the hybrid's ring across nodes pays them
+for its cp / cp_local steps): 50 of 59, median 13%, worst 54%
 (torchtitan's CP rows 2-4 points lower); torchtitan's K/V heads repeated before its SDPA call, as its CP rows
 ran them (ModelSpec.kv_repeated): 52 of 59, median 13%, worst 54%. After the table, each row
 outside 25% with its note from the data file: what was checked, and why the miss stays.

@@ -368,3 +368,21 @@ def test_a_model_that_repeats_its_kv_heads_sends_and_merges_them_repeated():
              for spec in (gqa, repeated)]
     hd, rows = gqa.d_model // gqa.n_heads, 8192 // 4
     assert merge[1].bytes - merge[0].bytes == pytest.approx(3 * 8 * (32 - 8) * rows * hd, rel=1e-12)
+
+
+@pytest.mark.parametrize("cp_local, ring", [(4, 2), (8, 1), (1, 8)])
+def test_the_hybrids_ring_across_nodes_pays_the_same_merges_for_its_steps(cp_local, ring):
+    """The hybrid method runs Ulysses inside a node's cp_local ranks and a ring across the cp / cp_local node groups:
+    its merges are the ring's (kernels.ring_merges) for that many steps, none when one node holds the whole cp
+    group. Planted: the hybrid left out of the merges fails the first and last cases."""
+    gpu, spec = load_gpu("h100-sxm"), LLAMA3["70b"]
+    cp, s, tp = 8, 65536, 2
+    blk = block_ops(spec, Shape(1, s, tp=tp, cp=cp, cp_method="hybrid", cp_local=cp_local), Options(), gpu)
+    merges = [op for op in blk["forward"] if op.name.startswith("ring attention merges")]
+    if ring == 1:
+        assert merges == []
+        return
+    hd, rows = spec.d_model // spec.n_heads, s // cp
+    o = spec.n_heads // tp * rows * hd
+    kv = math.lcm(spec.n_kv_heads // tp, cp_local) * rows * hd
+    assert merges[0].bytes == pytest.approx((ring - 1) * (8 * kv + 32.5 * o) + 6 * o, rel=1e-12)

@@ -106,7 +106,7 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     gpu = load_gpu(cluster.gpu)
     impl = options.get("attention") or ("fa2" if "fa2" in gpu.attention else "unfused")
     shape = Shape(layout.micro_batch, seq_len, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
-                  layout.cp_method, layout.expert_tp)
+                  layout.cp_method, layout.expert_tp, layout.cp_local(cluster.gpus_per_node))
     try:  # a schedule that does not fit, an unknown recompute policy, fp8 on a GPU without it: before any arithmetic
         actions = _actions(layout.pp, layout.schedule, layout.virtual_stages, n_micro) if layout.pp > 1 else None
         opts = Options(options.get("compile", False), options.get("float8", False), impl, layout.recompute)

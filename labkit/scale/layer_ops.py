@@ -19,6 +19,7 @@ operands cast as the recipe does (tensorwise or rowwise: `kernels.float8_casts`)
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -48,6 +49,7 @@ class Shape:
     sequence_parallel: bool = True
     cp_method: str = "ring"
     expert_tp: int = 0  # the tp ranks an expert is split over (Layout.expert_tp); 0: tp
+    cp_local: int = 1  # cp ranks inside one node (Layout.cp_local): the hybrid's Ulysses group, its ring across them
 
 
 @dataclass(frozen=True)
@@ -125,10 +127,16 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
     impl = "unfused" if getattr(m, "attention", "flash") == "materialized" else opts.attention
     add("attention", ([K.attention("forward", heads, q_len, s.seq_len, hd, True, gpu, impl, opts.compile)],
                       [K.attention("backward", heads, q_len, s.seq_len, hd, True, gpu, impl, opts.compile)]))
-    if s.cp > 1 and s.cp_method == "ring":  # the ring's merges of partial outputs, its send buffers (kernels.ring_merges)
-        out, kv = heads * q_len * hd, s.micro_batch * (m.attention_kv_heads // s.tp) * q_len * hd
-        fwd["attention"].append(K.ring_merges("forward", out, kv, s.cp, gpu, opts.compile))
-        bwd["attention"].append(K.ring_merges("backward", out, kv, s.cp, gpu, opts.compile))
+    # the ring's merges of partial outputs and its send buffers (kernels.ring_merges): the ring's cp ranks, or the
+    # hybrid's ring across cp / cp_local node groups (each rank then holds heads / cp_local of l x the positions:
+    # the same elements, its K/V heads replicated to a multiple of cp_local as for its all-to-alls)
+    ring = {"ring": s.cp, "hybrid": s.cp // max(1, s.cp_local)}.get(s.cp_method, 1)
+    if ring > 1:
+        kv_heads = m.attention_kv_heads // s.tp
+        kv_heads = math.lcm(kv_heads, s.cp_local) if s.cp_method == "hybrid" else kv_heads
+        out, kv = heads * q_len * hd, s.micro_batch * kv_heads * q_len * hd
+        fwd["attention"].append(K.ring_merges("forward", out, kv, ring, gpu, opts.compile))
+        bwd["attention"].append(K.ring_merges("backward", out, kv, ring, gpu, opts.compile))
     add("wo", _linear("wo", T, d, d // s.tp, gpu, opts))
     ew("residual1", residual, rows_sp * d)
     ew("norm2", norm, rows_sp * d)
