@@ -218,13 +218,8 @@ def check_predict(gpu: bool, quick: bool) -> dict:
     import torch
 
     from labkit.data import get_batch, load_tokens
-    from labkit.model import build_model, get_config
-    from labkit.scale.cluster import load_cluster
-    from labkit.scale.cost import predict
-    from labkit.scale.gpu import load_gpu
-    from labkit.scale.layer_ops import step_kernels
-    from labkit.scale.layout import Layout
-    from labkit.scale.specs import spec_from_config
+    from labkit.model import build_model
+    from labkit.scale.validation import lab_model_on_one_gpu
     from labkit.training.loop import TrainConfig, make_optimizer, train_step
 
     name = torch.cuda.get_device_name(0)
@@ -241,18 +236,15 @@ def check_predict(gpu: bool, quick: bool) -> dict:
         row = {"measured_s": measured, "measured_tokens_per_s": b * t / measured, "profile": prof,
                "measured_us_per_kernel": 1e6 * measured / max(1, prof["kernels"])}
         if kind:
-            config = get_config(model_name, context=t)
-            p = predict(spec_from_config(config), Layout(zero="dp", recompute="none", micro_batch=b,
-                        sequence_parallel=False), load_cluster(kind), b, t, n_gpus=1, efficiency=None)
-            row.update(kind=kind, predicted_tokens_per_s=p.tokens_per_s_per_gpu,
-                       error=p.tokens_per_s_per_gpu * measured / (b * t) - 1,
-                       model=step_kernels(spec_from_config(config), load_gpu(load_cluster(kind).gpu), b, t))
+            p = lab_model_on_one_gpu(model_name, b, t, kind)
+            row.update(kind=kind, predicted_tokens_per_s=p["tokens_per_s"],
+                       error=p["tokens_per_s"] * measured / (b * t) - 1, model=p)
         rows[model_name] = row
     summary = "; ".join(
         f"{k}: measured {v['measured_tokens_per_s'] / 1e3:.0f}k tok/s, {v['profile']['kernels']} kernels, "
         f"{v['measured_us_per_kernel']:.1f} us each"
         + (f"; kernel model {v['predicted_tokens_per_s'] / 1e3:.0f}k ({100 * v['error']:+.0f}%), "
-           f"{v['model']['kernels']} kernels at {1e6 * v['model']['host_s'] / v['model']['kernels']:.1f} us" if "model" in v else "")
+           f"{v['model']['kernels']} kernels at {v['model']['eager_op_us']} us" if "model" in v else "")
         for k, v in rows.items())
     return {"status": "PASS", "summary": summary, "rows": rows}
 

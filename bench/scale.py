@@ -98,37 +98,19 @@ SMALL_MEASURED = (("tiny", 64, 128, 409.1e3, 498.2e3, 613), ("seed", 64, 256, 52
 def small_end() -> list[dict]:
     """The lab's own models on one H200: measured twice, predicted by the kernel model, a block's time by bound,
     and the kernels of one step, counted by the model (layer_ops.step_kernels) and by the profiler."""
-    from labkit.model import get_config
-    from labkit.scale.cluster import load_cluster
-    from labkit.scale.cost import predict
-    from labkit.scale.gpu import load_gpu
-    from labkit.scale.layer_ops import step_kernels
-    from labkit.scale.layout import Layout
-    from labkit.scale.specs import spec_from_config
+    from labkit.scale.validation import lab_model_on_one_gpu
 
-    cluster, rows = load_cluster("h200-sxm"), []
+    rows = []
     for name, batch, seq, measured, measured_again, profiled in SMALL_MEASURED:
-        spec = spec_from_config(get_config(name, context=seq))
-        p = predict(spec, Layout(zero="dp", recompute="none", micro_batch=batch, sequence_parallel=False), cluster,
-                    batch, seq, n_gpus=1, efficiency=None)
-        total = sum(p.bound_s.values())
-        step = batch * seq / measured_again
+        p = lab_model_on_one_gpu(name, batch, seq, "h200-sxm")
         rows.append(dict(model=name, measured=measured, measured_again=measured_again,
-                         predicted=round(p.tokens_per_s_per_gpu),
-                         error=round(p.tokens_per_s_per_gpu / measured - 1, 4),
-                         error_again=round(p.tokens_per_s_per_gpu / measured_again - 1, 4),
-                         bound={k: round(v / total, 3) for k, v in p.bound_s.items()},
-                         kernels_model=step_kernels(spec, load_gpu(cluster.gpu), batch, seq)["kernels"],
-                         kernels_profiled=profiled, us_per_kernel_measured=round(1e6 * step / profiled, 1)))
+                         predicted=round(p["tokens_per_s"]),
+                         error=round(p["tokens_per_s"] / measured - 1, 4),
+                         error_again=round(p["tokens_per_s"] / measured_again - 1, 4),
+                         bound={k: round(v, 3) for k, v in p["bound"].items()},
+                         kernels_model=p["kernels"], eager_op_us=p["eager_op_us"], kernels_profiled=profiled,
+                         us_per_kernel_measured=round(1e6 * batch * seq / measured_again / profiled, 1)))
     return rows
-
-
-def load_gpu_us() -> float:
-    """The H200 kind's eager per-kernel CPU cost (eager_op_us), as the small-end rows use it."""
-    from labkit.scale.cluster import load_cluster
-    from labkit.scale.gpu import load_gpu
-
-    return load_gpu(load_cluster("h200-sxm").gpu).eager_op_us
 
 
 def ranks(model: str) -> dict:
@@ -271,14 +253,14 @@ def main():
                   f"(2026-11-27), predicted {r['predicted']:,.0f} ({r['error']:+.0%}, {r['error_again']:+.0%}); "
                   f"a block's time by bound: {r['bound']}")
             print(f"    kernels a step: {r['kernels_model']} modelled, {r['kernels_profiled']} profiled, at "
-                  f"{r['us_per_kernel_measured']} us each measured (the model: {load_gpu_us()} us)")
+                  f"{r['us_per_kernel_measured']} us each measured (the model: {r['eager_op_us']} us)")
         rows = out["small"]
         count = [r["kernels_profiled"] / r["kernels_model"] for r in rows]
-        each = [r["us_per_kernel_measured"] / load_gpu_us() for r in rows]
+        each = [r["us_per_kernel_measured"] / r["eager_op_us"] for r in rows]
         print(f"  the profiled step launches {min(count):.2f}-{max(count):.2f}x the kernels the model counts (the model\n"
               "  counts the ops as torchtitan writes them in bf16; the lab's step runs under autocast with fp32 weights:\n"
               "  each matmul's weight cast, the fp32 gradients, cuBLAS's split-K reductions), and each costs\n"
-              f"  {min(each):.2f}-{max(each):.2f}x the cited {load_gpu_us()} us: the two "
+              f"  {min(each):.2f}-{max(each):.2f}x the cited {rows[0]['eager_op_us']} us: the two "
               "partly cancel, and the error's size moves with the host CPU from run to run")
     print(json.dumps(out))
 

@@ -105,8 +105,7 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
     norms = 2 * ((1 if m.fused_kernels else 3) * b * s * d + b * s) / sp
     mlp = (3 if m.fused_kernels else 4) * b * s * h / tp
     # k and v as attention saves them: this tp rank's K/V heads (replicated for the all-to-alls under GQA)
-    kv_held = 2 * b * s * d // a * cp_kv_heads(layout.cp_method, m.attention_kv_heads // tp, cp, cp_local) if cp > 1 \
-        else 2 * b * s * (d // a) * m.attention_kv_heads / tp
+    kv_held = 2 * b * s * (d // a) * cp_kv_heads(layout.cp_method, m.attention_kv_heads // tp, cp, cp_local)
     gathered = 2 * b * (cp - 1) * s * dkv / tp if cp > 1 and layout.cp_method == "allgather" else 0.0
     attention = (2 * b * s * d + a * b * s) / tp + kv_held + gathered + b * s * d / tp
     # torchtitan's SP all-gathers each sublayer's input (PrepareModuleInput: Shard(1) -> Replicate()) and its

@@ -19,11 +19,11 @@ operands cast as the recipe does (tensorwise or rowwise: `kernels.float8_casts`)
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from labkit.scale import kernels as K
+from labkit.scale.traffic import cp_kv_heads
 
 # forward ops each recompute policy runs again in backward (names as in `block_ops`)
 _ELEMENTWISE_FORWARD = {"norm1", "norm2", "rotary", "swiglu", "residual1", "residual2"}
@@ -129,11 +129,10 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
                       [K.attention("backward", heads, q_len, s.seq_len, hd, True, gpu, impl, opts.compile)]))
     # the ring's merges of partial outputs and its send buffers (kernels.ring_merges): the ring's cp ranks, or the
     # hybrid's ring across cp / cp_local node groups (each rank then holds heads / cp_local of l x the positions:
-    # the same elements, its K/V heads replicated to a multiple of cp_local as for its all-to-alls)
+    # the same elements), over the K/V heads as the method holds them (traffic.cp_kv_heads)
     ring = {"ring": s.cp, "hybrid": s.cp // max(1, s.cp_local)}.get(s.cp_method, 1)
     if ring > 1:
-        kv_heads = m.attention_kv_heads // s.tp
-        kv_heads = math.lcm(kv_heads, s.cp_local) if s.cp_method == "hybrid" else kv_heads
+        kv_heads = cp_kv_heads(s.cp_method, m.attention_kv_heads // s.tp, s.cp, s.cp_local)
         out, kv = heads * q_len * hd, s.micro_batch * kv_heads * q_len * hd
         fwd["attention"].append(K.ring_merges("forward", out, kv, ring, gpu, opts.compile))
         bwd["attention"].append(K.ring_merges("backward", out, kv, ring, gpu, opts.compile))

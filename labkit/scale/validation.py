@@ -99,6 +99,25 @@ def predict_row(row: dict, set_info: dict, model: str = "flat") -> dict:
                 gpu_gib=cluster.memory_gib, note=row.get("note"), prediction=p)
 
 
+def lab_model_on_one_gpu(name: str, batch: int, seq: int, cluster_name: str) -> dict:
+    """labkit.model's `name` ("tiny", "seed") trained alone on one GPU of `cluster_name`, eager, no recompute, as the
+    kernel model sees it: its tokens/s, a block's time by bound (shares of it), and one step's kernels as
+    layer_ops.step_kernels counts them, with the GPU kind's CPU cost per kernel (eager_op_us). The small end of the
+    validation: bench/scale.py --small and bench/gpu_check.py's predict row set it beside measured steps."""
+    from labkit.model import get_config
+    from labkit.scale.gpu import load_gpu
+    from labkit.scale.layer_ops import step_kernels
+    from labkit.scale.specs import spec_from_config
+
+    cluster = load_cluster(cluster_name)
+    spec, gpu = spec_from_config(get_config(name, context=seq)), load_gpu(cluster.gpu)
+    p = predict(spec, Layout(zero="dp", recompute="none", micro_batch=batch, sequence_parallel=False), cluster,
+                batch, seq, n_gpus=1, efficiency=None)
+    total = sum(p.bound_s.values())
+    return {"tokens_per_s": p.tokens_per_s_per_gpu, "bound": {k: v / total for k, v in p.bound_s.items()},
+            "kernels": step_kernels(spec, gpu, batch, seq)["kernels"], "eager_op_us": gpu.eager_op_us}
+
+
 def predict_sets(path: Path | str = RUNS_FILE, model: str = "flat") -> dict:
     """{set name: [predict_row of each row]}"""
     return {name: [predict_row(r, info, model) for r in info["rows"]] for name, info in load_sets(path).items()}
