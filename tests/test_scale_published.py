@@ -74,6 +74,18 @@ def test_sets_name_source_cluster_and_choices():
             assert lay.world_size == row["dp"] * row["pp"] * row["cp"] * row["tp"]
 
 
+def test_each_row_runs_sequence_parallelism_as_its_code_had_it():
+    """Megatron-LM 2021 had no sequence parallelism (Korthikanti et al. 2022 introduced it): its rows with tp > 1
+    run TP's all-reduces with the LayerNorms and dropouts on the whole sequence; the 2022 rows and torchtitan's
+    (its TP plan shards the sequence) keep it on. The row's field must reach the Layout (layout_of)."""
+    for name, info in SETS.items():
+        for row in info["rows"]:
+            if row["tp"] > 1:
+                assert layout_of(row).sequence_parallel is (not name.startswith("megatron-2021")), row["id"]
+    row = dict(SETS["megatron-2021-table1"]["rows"][-1], sequence_parallel=True)
+    assert layout_of(row).sequence_parallel  # the field, not the set's name, decides
+
+
 def test_published_figures_become_tokens_per_second_by_the_sources_flop_count():
     info = SETS["megatron-2021-table1"]
     row = info["rows"][-1]  # 1T: 163 TFLOP/s per GPU by eq. 3 with recomputation

@@ -189,6 +189,8 @@ class Layout:
             extra += " ep-overlap"
         if self.zero3_unit == "module":
             extra += " per-module"
+        if self.tp > 1 and not self.sequence_parallel:
+            extra += " no-sp"
         return f"{axes or 'single'} {self.zero} {self.recompute} mb{self.micro_batch}{extra}"
 
     def as_dict(self) -> dict:
