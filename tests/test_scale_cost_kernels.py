@@ -37,9 +37,11 @@ def test_single_stage_step_is_micro_batches_times_forward_and_backward_plus_dp_a
     assert p.step_s == pytest.approx(sum(p.parts_s.values()), rel=1e-12)
 
 
-def test_fsdp_hides_behind_all_compute_dp_buckets_behind_the_backward_only():
-    """The same rule, two windows: ZeRO-3 exposes max(0, t - compute) + t/L, plain DP max(0, t - backward) + t/L
-    (t: the dp traffic's seconds). A slow network (1 Gb/s) makes both windows too short to hide it."""
+def test_fsdp_hides_behind_all_compute_dp_buckets_behind_the_last_micro_batchs_backward_only():
+    """The same rule, three windows: ZeRO-3 exposes max(0, t - compute) + t/L; plain DP, whose micro-batches
+    accumulate locally, max(0, t - B_last) + t/L with B_last the last micro-batch's backward (not all of them:
+    the edge case is 2 micro-batches); Megatron-LM's local DDP (grad_reduce="after") all of t, nothing hidden
+    (t: the dp traffic's seconds). A slow network (1 Gb/s) makes every window too short to hide it."""
     shape, opts = Shape(1, 4096), Options(recompute="none")
     blk = block_ops(SPEC, shape, opts, GPU)
     ends_b = sum(seconds(end_ops(SPEC, shape, opts, GPU, w)["backward"]) for w in ("embedding", "head"))
@@ -47,11 +49,21 @@ def test_fsdp_hides_behind_all_compute_dp_buckets_behind_the_backward_only():
     del values["network_busbw_gbytes_per_s"]  # the 400 Gb/s NIC's measured figure: a 1 Gb/s NIC is priced at its line rate
     slow = load_cluster(dict(values, network_gbits_per_s=1))
     for cluster in (H100, slow):
-        for zero in ("zero3", "dp"):
-            p = predict(SPEC, Layout(dp=16, zero=zero, recompute="none"), cluster, 16, 4096, efficiency=None)
+        for zero, reduce in (("zero3", "overlap"), ("dp", "overlap"), ("zero2", "overlap"), ("dp", "after")):
+            lay = Layout(dp=16, zero=zero, recompute="none", grad_reduce=reduce)
+            p = predict(SPEC, lay, cluster, 32, 4096, efficiency=None)
             t = p.traffic["dp"]["seconds"]
-            window = p.parts_s["compute"] if zero == "zero3" else p.n_micro * (SPEC.n_layers * seconds(blk["backward"]) + ends_b)
+            assert p.n_micro == 2 and t > 0
+            if reduce == "after":
+                assert p.parts_s["exposed_dp"] == pytest.approx(t, rel=1e-12)
+                continue
+            window = p.parts_s["compute"] if zero == "zero3" else SPEC.n_layers * seconds(blk["backward"]) + ends_b
             assert p.parts_s["exposed_dp"] == pytest.approx(max(0.0, t - window) + t / SPEC.n_layers, rel=1e-12)
+
+
+def test_an_unknown_grad_reduce_is_refused_by_name():
+    with pytest.raises(LayoutError, match=r"grad_reduce='later'.*one of \('overlap', 'after'\)"):
+        predict(SPEC, Layout(dp=8, zero="dp", grad_reduce="later"), H100, 16, 4096, efficiency=None)
 
 
 def _comm(traffic, layout, async_tp=False):

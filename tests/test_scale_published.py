@@ -86,6 +86,15 @@ def test_each_row_runs_sequence_parallelism_as_its_code_had_it():
     assert layout_of(row).sequence_parallel  # the field, not the set's name, decides
 
 
+def test_megatron_rows_reduce_gradients_after_the_backward_as_its_local_ddp_did():
+    """Megatron-LM's --DDP-impl local (its default until 2023) all-reduces once forward_backward_func returns:
+    every Megatron row on plain DP says grad_reduce="after"; DeepSpeed's ZeRO-3 rows and the others overlap."""
+    for name, info in SETS.items():
+        for row in info["rows"]:
+            want = "after" if name.startswith("megatron") and row["zero"] == "dp" else "overlap"
+            assert layout_of(row).grad_reduce == want, row["id"]
+
+
 def test_published_figures_become_tokens_per_second_by_the_sources_flop_count():
     info = SETS["megatron-2021-table1"]
     row = info["rows"][-1]  # 1T: 163 TFLOP/s per GPU by eq. 3 with recomputation

@@ -21,8 +21,10 @@ model (opt-in until it meets issue 34's aims on the published set; `python bench
                schedule leaves room, else it shows up as bubble
         dp     FSDP (ZeRO-3) prefetches one layer ahead: hidden behind the step's compute except the
                first gather and the last reduction, exposed = max(0, t_dp - compute) + t_dp / L;
-               plain DP / ZeRO-1/2 reduce buckets during the backward only:
-               exposed = max(0, t_dp - backward) + t_dp / L (the last bucket, one layer's, waits)
+               plain DP / ZeRO-1/2 accumulate each micro-batch's gradient locally and reduce buckets during
+               the last micro-batch's backward B_last: exposed = max(0, t_dp - B_last) + t_dp / L (the last
+               bucket, one layer's, waits); with Layout.grad_reduce="after" (Megatron-LM's local DDP) after it:
+               exposed = t_dp. (The flat model below keeps its own rule: hidden behind the whole compute.)
     overlap    what a hidden NCCL collective (the ring's hops, EP's overlapped all-to-alls, dp) still costs:
                the compute beside it runs GPU.overlap_slowdown slower while it runs (its kernels share the
                SMs and memory), `cost_kernels.contention`: for C seconds of traffic behind a window of W,

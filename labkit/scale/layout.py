@@ -44,6 +44,10 @@ cp ranks inside a node, `cp_local`, a ring across nodes: the heads per tp rank m
 micro-batch runs as two halves whose all-to-alls hide behind the other half's experts.
 `zero3_unit`: what ZeRO-3 gathers at once: "block" (FSDP2, torchtitan: a transformer block) or
 "module" (DeepSpeed's ZeRO-3: each weight-holding submodule, labkit.scale.footprint).
+`grad_reduce`: when plain DP and ZeRO-1/2 reduce the gradients: "overlap" (buckets during the backward that
+completes them: torch DDP, FSDP2, Megatron-Core's DDP since 2023) or "after" (one all-reduce after the step's
+last backward, nothing hidden: Megatron-LM's `--DDP-impl local`, its default until 2023, whose train_step
+calls allreduce_gradients() once forward_backward_func returns). ZeRO-3 prefetches either way.
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ from labkit.scale.traffic import CP_METHODS  # noqa: F401 (re-exported: the meth
 ZERO_STAGES = ("dp", "zero1", "zero2", "zero3")
 SCHEDULES = ("1f1b", "interleaved", "zb")
 ZERO3_UNITS = ("block", "module")
+GRAD_REDUCES = ("overlap", "after")
 
 
 class LayoutError(ValueError):
@@ -83,6 +88,7 @@ class Layout:
     first_stage_embedding_only: bool = False
     last_stage_loss_only: bool = False
     zero3_unit: str = "block"
+    grad_reduce: str = "overlap"
 
     def __post_init__(self):
         if self.recompute == "selective":  # torchtitan's name for its op policy (and the lab's, before)
@@ -191,6 +197,8 @@ class Layout:
             extra += " per-module"
         if self.tp > 1 and not self.sequence_parallel:
             extra += " no-sp"
+        if self.grad_reduce == "after":
+            extra += " reduce-after"
         return f"{axes or 'single'} {self.zero} {self.recompute} mb{self.micro_batch}{extra}"
 
     def as_dict(self) -> dict:
@@ -219,6 +227,8 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
     if layout.zero3_unit not in ZERO3_UNITS or (layout.zero3_unit == "module" and layout.zero != "zero3"):
         raise LayoutError(f"zero3_unit={layout.zero3_unit!r} with zero={layout.zero!r}: it says what ZeRO-3 gathers at once, "
                           f"one of {ZERO3_UNITS}; 'module' needs zero='zero3'")
+    if layout.grad_reduce not in GRAD_REDUCES:
+        raise LayoutError(f"grad_reduce={layout.grad_reduce!r}: when the gradients are reduced, one of {GRAD_REDUCES}")
     if layout.recompute not in RECOMPUTE:
         raise LayoutError(f"recompute={layout.recompute!r} is not a policy the model knows: choose one of {RECOMPUTE} "
                           "('selective' is read as 'selective-op', torchtitan's op policy)")
