@@ -113,8 +113,9 @@ def small_end() -> list[dict]:
     return rows
 
 
-def ranks(model: str) -> dict:
-    """Each published layout's rank in its own space under `model`, at two levels (labkit.scale.ranking): the exact
+def ranks(model: str, space: str = "lab") -> dict:
+    """Each published layout's rank under `model` in `space` ("lab": every option the lab prices; "framework": the
+    options the row's code had, labkit.scale.space), at two levels (labkit.scale.ranking): the exact
     configuration, and the parallel layout (dp, pp, cp, tp, schedule kind; each at its best configuration): a
     table, the rows that miss with the model's reasons and their class (labkit.scale.misses), and {id: {...}} for
     the JSON line."""
@@ -123,7 +124,9 @@ def ranks(model: str) -> dict:
     from labkit.scale.misses import classify
     from labkit.scale.ranking import CAP, LAYOUT_CAP, rank_published
 
-    print(f"\nwhere each published layout ranks in the search over its space, {model} model "
+    where = ("the lab's whole space (every option it prices)" if space == "lab" else
+             "its framework's space (the options its code had: labkit/scale/frameworks.json)")
+    print(f"\nwhere each published layout ranks in the search over {where}, {model} model "
           f"(rank {CAP + 1} = beyond {CAP}, {LAYOUT_CAP + 1} for layouts; criterion: top 5 or within 5% of the top)")
     print("  config: the exact published configuration; layout: its dp, pp, cp, tp and schedule kind, each layout at\n"
           "  its best micro-batch, ZeRO stage, recompute, dp_replicate and cp_method (a weaker claim than the first)")
@@ -133,7 +136,7 @@ def ranks(model: str) -> dict:
     for info in load_sets().values():
         for row in info["rows"]:
             took = time.perf_counter()
-            got = rank_published(row, info, model)
+            got = rank_published(row, info, model, space=space)
             took = time.perf_counter() - took
             lay = got["layout"]
 
@@ -147,7 +150,7 @@ def ranks(model: str) -> dict:
                   f"{'yes' if lay['meets'] else 'NO ':5s} {took:5.1f}  {got['top'].layout.short() if got['top'] else '-'}; "
                   f"{best}")
             verdict = classify(got, row, info) if not got["meets"] else None
-            out[row["id"]] = dict(rank=got["rank"], gap=None if got["gap"] is None else round(got["gap"], 4),
+            out[row["id"]] = dict(space=got["space"], rank=got["rank"], gap=None if got["gap"] is None else round(got["gap"], 4),
                                   meets=got["meets"], top=got["top"].layout.short() if got["top"] else None,
                                   layout=dict(rank=lay["rank"], gap=None if lay["gap"] is None else round(lay["gap"], 4),
                                               meets=lay["meets"], best=best),
@@ -243,6 +246,7 @@ def main():
             out["memory"] = memory_table(results)
         if args.ranks:
             out[model]["ranks"] = ranks(model)
+            out[model]["ranks_framework"] = ranks(model, "framework")
         if args.picks:
             out[model]["picks"] = picks(model)
     if args.small:

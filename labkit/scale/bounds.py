@@ -85,13 +85,14 @@ def kernel_bound(model, lay: Layout, methods: list, seq: int, n_micro: int, opti
                for r, (first, last, last_kind) in enumerate(_ends(lay.pp, lay.schedule, lay.virtual_stages, n_micro)))
 
 
-def group_bounds(model, base: Layout, cluster, batch, seq, n, options) -> dict:
+def group_bounds(model, base: Layout, cluster, batch, seq, n, options, recomputes=RECOMPUTE, cp_methods=CP_METHODS) -> dict:
     """Lower bounds on the step of every layout with base's axes and schedule: {(micro_batch, recompute): seconds}
-    for the pairs check_layout accepts (labkit.scale.ranking's docstring, stage 1)."""
+    for the pairs check_layout accepts (labkit.scale.ranking's docstring, stage 1), over the space's recompute
+    policies and cp methods (labkit.scale.space)."""
     kernel = options.get("efficiency", EFFICIENCY) is None
     gpu = load_gpu(cluster.gpu) if kernel else None
     out, methods = {}, None
-    for mb, rc in itertools.product(divisors(batch // base.dp), RECOMPUTE):
+    for mb, rc in itertools.product(divisors(batch // base.dp), recomputes):
         lay = replace(base, micro_batch=mb, recompute=rc)
         try:
             n_micro = check_layout(model, lay, n, cluster.gpus_per_node, batch, seq)
@@ -99,7 +100,7 @@ def group_bounds(model, base: Layout, cluster, batch, seq, n, options) -> dict:
             continue
         if methods is None:  # the cp methods this group can run (Ulysses needs the heads to split over cp): the
             methods = []     # checks that read cp_method read only cp, tp, the heads and the node, not mb or rc
-            for method in CP_METHODS if lay.cp > 1 else ("ring",):
+            for method in cp_methods if lay.cp > 1 else ("ring",):
                 try:
                     check_layout(model, replace(lay, cp_method=method), n, cluster.gpus_per_node, batch, seq)
                     methods.append(method)

@@ -25,7 +25,8 @@ The space (the search exercise's, solutions/scale_search.py, for a dense model, 
     dp_replicate      every R whose replicas are whole nodes; cp_method: each of the four when cp > 1
     schedule          for pp > 1: 1F1B, interleaved 1F1B with 2 stages per rank, ZB under the kernel model (the
                       flat model prices ZB as 1F1B), and the published row's own (Llama 3's 8 stages per rank with
-                      embedding- and loss-only ends); sequence parallelism as the row runs it
+                      embedding- and loss-only ends); sequence parallelism and the gradients' reduction
+                      (Layout.grad_reduce) as the row runs them
 (the exercise's space, 1F1B only, plus the schedules the lab's simulator runs: labkit.scale.pipeline).
 Each layout is predicted by the row's cost model ("flat" or "kernels", with its compile / float8 / async TP) and
 ordered by labkit.scale.cost.ranked (ties within TIE = 0.5% go to the least memory). The space holds up to about
@@ -66,7 +67,8 @@ from labkit.scale.bounds import divisors, group_bounds
 from labkit.scale.cluster import load_cluster
 from labkit.scale.cost import EFFICIENCY, TIE, predict, rank_key, ranked
 from labkit.scale.footprint import peak_memory, stage_memory
-from labkit.scale.layout import CP_METHODS, ZERO_STAGES, Layout, LayoutError, check_layout
+from labkit.scale.layout import Layout, LayoutError, check_layout
+from labkit.scale.space import LAB, Space, space_of
 from labkit.scale.validation import layout_of, model_options, row_spec
 
 TOP, WITHIN = 5, 0.05
@@ -75,14 +77,16 @@ CAP = 25  # ranks are counted exactly up to here; beyond, "more than 25" (the cr
 _SEARCHED: dict = {}  # rank_published's searches, by everything they read
 
 
-def schedules_of(published: Layout, model: str = "flat") -> list[dict]:
+def schedules_of(published: Layout, model: str = "flat", space: Space = LAB) -> list[dict]:
     """The pipelining choices of the space (for pp > 1): 1F1B, interleaved 1F1B with 2 stages per rank, under the
-    kernel model ZB too (the flat model prices ZB as 1F1B: its twins would only repeat 1F1B's layouts), and the
-    published row's own when it is none of these (Llama 3's 8 stages per rank with embedding- and loss-only ends)."""
+    kernel model ZB too (the flat model prices ZB as 1F1B: its twins would only repeat 1F1B's layouts), those of
+    them the space's framework ran (labkit.scale.space), and the published row's own when it is none of these
+    (Llama 3's 8 stages per rank with embedding- and loss-only ends)."""
     plain = dict(schedule="1f1b", virtual_stages=1, first_stage_embedding_only=False, last_stage_loss_only=False)
     out = [plain, dict(plain, schedule="interleaved", virtual_stages=2)]
     if model == "kernels":
         out.append(dict(plain, schedule="zb"))
+    out = [s for s in out if s["schedule"] in space.schedules]
     own = {k: getattr(published, k) for k in plain}
     return out + ([own] if own not in out else [])
 
@@ -101,23 +105,25 @@ def layout_key(lay: Layout) -> tuple:
     return lay.dp, lay.pp, lay.cp, lay.tp, lay.schedule
 
 
-def _groups(model, cluster, batch: int, seq: int, n: int, ref: Layout, options: dict, prune: bool) -> list:
+def _groups(model, cluster, batch: int, seq: int, n: int, ref: Layout, options: dict, prune: bool, space: Space) -> list:
     """The space's groups (dp, pp, cp, tp, schedule) with their bounds per (micro_batch, recompute), in ascending
     lower bound (stage 1 of the module docstring)."""
     groups = []
     kind = "kernels" if options.get("efficiency", EFFICIENCY) is None else "flat"
-    for (dp, pp, cp, tp), sched in itertools.product(_axes(n), schedules_of(ref, kind)):
-        if batch % dp or (pp == 1 and sched["schedule"] != "1f1b"):
+    for (dp, pp, cp, tp), sched in itertools.product(_axes(n), schedules_of(ref, kind, space)):
+        if batch % dp or (pp == 1 and sched["schedule"] != "1f1b") or not space.allows_axes(pp, cp, tp):
             continue
-        base = Layout(dp=dp, pp=pp, cp=cp, tp=tp, sequence_parallel=ref.sequence_parallel, **sched)
-        bounds = group_bounds(model, base, cluster, batch, seq, n, options)
+        base = Layout(dp=dp, pp=pp, cp=cp, tp=tp, sequence_parallel=ref.sequence_parallel, grad_reduce=ref.grad_reduce,
+                      **sched)
+        bounds = group_bounds(model, base, cluster, batch, seq, n, options, space.recompute, space.cp_methods)
         if bounds:
             groups.append((min(bounds.values()) if prune else 0.0, len(groups), base, bounds))
     groups.sort(key=lambda g: g[:2])
     return groups
 
 
-def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: list, limit, visit, prune: bool) -> int:
+def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: list, limit, visit, prune: bool,
+          space: Space = LAB, zero3_unit: str = "block") -> int:
     """Predict every layout of `groups` that the bounds do not put above limit(base) (read afresh each time: it only
     shrinks; limit(None) bounds every group's), and call visit(p) for each that fits within it; returns how many
     were predicted."""
@@ -127,9 +133,9 @@ def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: l
             break
         if bound > limit(base):
             continue
-        replicas = [r for r in divisors(base.dp) if r == 1 or (n // r) % cluster.gpus_per_node == 0]
+        replicas = [r for r in divisors(base.dp) if r == 1 or (space.hsdp and (n // r) % cluster.gpus_per_node == 0)]
         for (mb, rc), method in itertools.product(sorted(bounds, key=bounds.get),
-                                                  CP_METHODS if base.cp > 1 else ("ring",)):
+                                                  space.cp_methods if base.cp > 1 else ("ring",)):
             if prune and bounds[mb, rc] > limit(base):
                 continue
             group = replace(base, micro_batch=mb, recompute=rc, cp_method=method)
@@ -143,11 +149,12 @@ def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: l
                 if held["activations"] + held["logits"] > cluster.memory_bytes:
                     continue
                 # no replica holds less than full sharding (dp_replicate = 1): the least over the ZeRO stages of it
-                if min(peak_memory(model, replace(group, zero=z), n_micro, seq, local)["total"]
-                       for z in ZERO_STAGES) > cluster.memory_bytes:
+                if min(peak_memory(model, replace(group, zero=z, zero3_unit=zero3_unit if z == "zero3" else "block"),
+                                   n_micro, seq, local)["total"] for z in space.zero) > cluster.memory_bytes:
                     continue
             first = True
-            for lay in (replace(group, zero=z, dp_replicate=r) for z in ZERO_STAGES for r in replicas):
+            for lay in (replace(group, zero=z, dp_replicate=r, zero3_unit=zero3_unit if z == "zero3" else "block")
+                        for z in space.zero for r in replicas):
                 try:
                     p = predict(model, lay, cluster, batch, seq, n, **options)
                 except LayoutError:
@@ -166,15 +173,16 @@ WIDEN = (1 + 1e-9) / (1 - TIE)  # a tie group spans TIE of its fastest layout; 1
 
 
 def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: dict, *, cap: int = CAP,
-                  prune: bool = True, layout_cap: int = LAYOUT_CAP) -> dict:
+                  prune: bool = True, layout_cap: int = LAYOUT_CAP, space: Space = LAB) -> dict:
     """The top of the space around `mine` (the published layout's Prediction, any layout of the space, or None:
     the top does not depend on it) and how many fitting layouts `ranked` puts before it: {"top" (None if nothing
     fits), "better" (exact up to `cap`; `cap` means at least that many; `cap` when mine is None), "predicted",
     and, when mine fits, "layout": the same at the level of the parallel layout (`layout_key`): {"own" (mine's
     layout at its best configuration), "better" (layouts, each at its best, that `ranked` puts before it, exact
     up to `layout_cap`)}}.
-    The space's schedules: `schedules_of` (1F1B, interleaved x2, ZB under the kernel model, and mine's);
-    sequence parallelism as mine (on when mine is None).
+    The space: `space`'s options (labkit.scale.space: LAB, every option, or a framework's); its schedules:
+    `schedules_of` (1F1B, interleaved x2, ZB under the kernel model, those `space` allows, and mine's);
+    sequence parallelism, grad_reduce and ZeRO-3's unit as mine (on, "overlap", "block" when mine is None).
     Ties (labkit.scale.cost.ranked, TIE): a layout's place depends on every layout within TIE of the fastest
     layout of its tie group, so the search keeps every fitting layout whose step is within 1 / (1 - TIE) of the
     published step (while fewer than `cap` layouts are surely ahead of it: a step shorter than the published one
@@ -184,7 +192,7 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
     bound; one above the limit is skipped. prune=False: every layout."""
     ref = mine.layout if mine is not None else Layout()
     fits = mine is not None and mine.fits
-    groups = _groups(model, cluster, batch, seq, n, ref, options, prune)
+    groups = _groups(model, cluster, batch, seq, n, ref, options, prune, space)
     own, own_key = (mine if fits else None), layout_key(ref)
 
     def better_own(p):  # mine's parallel layout at its best: the fastest, ties by `rank_key`
@@ -196,7 +204,8 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
     if fits:
         mine_groups = [g for g in groups if layout_key(g[2]) == own_key]
         predicted += _scan(model, cluster, batch, seq, n, options, mine_groups,
-                           lambda base: own.step_s * (1 + 1e-9) if prune else float("inf"), better_own, prune)
+                           lambda base: own.step_s * (1 + 1e-9) if prune else float("inf"), better_own, prune,
+                           space, ref.zero3_unit)
     best = own.step_s if fits else None
     kept, sure, best_of, sure_keys = [], 0, {}, set()
 
@@ -229,7 +238,7 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
         kept.append(p)
         sure += fits and p.step_s < mine.step_s * (1 - TIE)
 
-    predicted += _scan(model, cluster, batch, seq, n, options, groups, limit, visit, prune)
+    predicted += _scan(model, cluster, batch, seq, n, options, groups, limit, visit, prune, space, ref.zero3_unit)
     order = ranked(kept + ([mine] if fits else []))
     at = next((i for i, p in enumerate(order) if p is mine), cap)
     out = dict(top=order[0] if order else None, better=cap if sure >= cap else min(at, cap), predicted=predicted)
@@ -241,13 +250,18 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
 
 
 def rank_published(row: dict, set_info: dict, model: str = "flat", *, prune: bool = True, cap: int = CAP,
-                   layout_cap: int = LAYOUT_CAP) -> dict:
-    """Where the row's published layout ranks in its space under `model` ("flat" or "kernels"): {id, rank (None
+                   layout_cap: int = LAYOUT_CAP, space: str = "lab") -> dict:
+    """Where the row's published layout ranks under `model` ("flat" or "kernels") in `space`: "lab" (every option
+    the lab prices) or "framework" (the options its code had: labkit.scale.space.space_of). {id, space (the
+    framework's name, or "lab"), rank (None
     when the model says it does not fit; cap + 1 means beyond cap), top (the first Prediction), published (its
     Prediction), gap (published / top tokens/s/GPU - 1), meets (rank <= 5 or gap >= -5%), predicted (layouts predicted in full), layout: the criterion at the level
     of the parallel layout (`layout_key`: dp, pp, cp, tp, schedule kind), each layout at its best configuration:
     {rank (among layouts; layout_cap + 1 means beyond layout_cap), best (the published layout's best configuration,
     a Prediction), gap (its tokens/s / the top's - 1), meets}}."""
+    if space not in ("lab", "framework"):
+        raise ValueError(f"space={space!r}: 'lab' (every option) or 'framework' (the options the row's code had)")
+    name, options_space = space_of(row, set_info) if space == "framework" else ("lab", LAB)
     cluster = load_cluster(set_info["cluster"])
     spec = row_spec(row)
     if spec.n_experts:
@@ -257,20 +271,21 @@ def rank_published(row: dict, set_info: dict, model: str = "flat", *, prune: boo
     options = model_options(row, model)
     mine = predict(spec, layout, cluster, batch, seq, n, **options)
     if not mine.fits:
-        return dict(id=row["id"], rank=None, top=None, published=mine, gap=None, meets=False, predicted=0,
+        return dict(id=row["id"], space=name, rank=None, top=None, published=mine, gap=None, meets=False, predicted=0,
                     layout=dict(rank=None, best=None, gap=None, meets=False))
     # rows that differ only in what the cost model does not read (the 70B async-TP file repeats its runs) share one search
-    memo = (set_info["cluster"], spec, batch, seq, layout, tuple(sorted(options.items())), cap, prune, layout_cap)
+    memo = (set_info["cluster"], spec, batch, seq, layout, tuple(sorted(options.items())), cap, prune, layout_cap,
+            options_space)
     if memo not in _SEARCHED:
         _SEARCHED[memo] = search_around(spec, cluster, batch, seq, n, mine, options, cap=cap, prune=prune,
-                                        layout_cap=layout_cap)
+                                        layout_cap=layout_cap, space=options_space)
     found = _SEARCHED[memo]
     top, rank = found["top"], 1 + min(found["better"], cap)
     gap = mine.tokens_per_s_per_gpu / top.tokens_per_s_per_gpu - 1
     own = found["layout"]["own"]
     layout_gap = own.tokens_per_s_per_gpu / top.tokens_per_s_per_gpu - 1
     layout_rank = 1 + min(found["layout"]["better"], layout_cap)
-    return dict(id=row["id"], rank=rank, top=top, published=mine, gap=gap, meets=rank <= TOP or gap >= -WITHIN,
+    return dict(id=row["id"], space=name, rank=rank, top=top, published=mine, gap=gap, meets=rank <= TOP or gap >= -WITHIN,
                 predicted=found["predicted"],
                 layout=dict(rank=layout_rank, best=own, gap=layout_gap,
                             meets=layout_rank <= TOP or layout_gap >= -WITHIN))

@@ -1,0 +1,91 @@
+"""The options a search may choose: the lab's whole space, or what one framework's code could run (issue 34 item 5).
+
+A published run was chosen among the options its code had: Megatron-LM 2021 had no context parallelism, no ZeRO,
+no sequence parallelism and no selective recompute; DeepSpeed's ZeRO-3 rows of the same paper ran without tensor or
+pipeline parallelism. Ranking such a run against Ulysses or HSDP asks whether the model agrees with options its
+authors did not have; ranking it in its framework's space asks whether the model agrees with the choice they made.
+labkit.scale.ranking reports both (`rank_published(..., space=...)`); bench/scale.py --ranks prints both.
+
+labkit/scale/frameworks.json holds each framework's options; a set of published_runs.json names its framework
+("framework"; a row may name its own), every field optional, an option left out only where a source says the
+code lacked it (each field's reason in its "sources"):
+
+    cp_methods   the context-parallel methods it ran ([] or absent cp: cp = 1 only)
+    zero         the ZeRO stages ("dp" is plain data parallelism)
+    recompute    the recompute policies
+    schedules    the pipeline schedules for pp > 1 ("1f1b", "interleaved", "zb"; the row's own is always in)
+    tp, pp       whether it could use tensor / pipeline parallelism at all
+    hsdp         whether it could replicate sharded groups (dp_replicate > 1)
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from labkit.scale.layout import SCHEDULES, ZERO_STAGES
+from labkit.scale.specs import RECOMPUTE
+from labkit.scale.traffic import CP_METHODS
+
+
+@dataclass(frozen=True)
+class Space:
+    cp_methods: tuple = CP_METHODS
+    zero: tuple = ZERO_STAGES
+    recompute: tuple = RECOMPUTE
+    schedules: tuple = SCHEDULES
+    tp: bool = True
+    pp: bool = True
+    hsdp: bool = True
+
+    def allows_axes(self, pp: int, cp: int, tp: int) -> bool:
+        return (cp == 1 or bool(self.cp_methods)) and (tp == 1 or self.tp) and (pp == 1 or self.pp)
+
+
+LAB = Space()  # every option the lab's model prices
+FRAMEWORKS_FILE = Path(__file__).with_name("frameworks.json")
+_CHOICES = {"cp_methods": CP_METHODS, "zero": ZERO_STAGES, "recompute": RECOMPUTE, "schedules": SCHEDULES}
+_SWITCHES = ("tp", "pp", "hsdp")
+
+
+def load_frameworks(path: Path | str = FRAMEWORKS_FILE) -> dict:
+    """{name: Space} from the data file; a ValueError names the framework, the field and what it may hold."""
+    return {name: space_from(given, name) for name, given in json.loads(Path(path).read_text())["frameworks"].items()}
+
+
+def space_from(given: dict, name: str = "framework") -> Space:
+    """A Space from a framework's entry: its options, each field's reason in "sources"."""
+    if not isinstance(given, dict):
+        raise ValueError(f"{name}: must be an object of the options its code had, got {given!r}")
+    out, sources = {}, given.get("sources", {})
+    for key, value in given.items():
+        if key == "sources":
+            continue
+        if key in _CHOICES:
+            if not isinstance(value, list) or any(v not in _CHOICES[key] for v in value):
+                raise ValueError(f"{name}.{key}={value!r}: a list of some of {list(_CHOICES[key])}")
+            out[key] = tuple(v for v in _CHOICES[key] if v in value)  # the lab's order, so the search's is fixed
+        elif key in _SWITCHES:
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}.{key}={value!r}: true or false (whether its code could use it)")
+            out[key] = value
+        else:
+            raise ValueError(f"{name}.{key}: not an option of a search's space; use {sorted([*_CHOICES, *_SWITCHES])}")
+        if key not in sources:
+            raise ValueError(f"{name}.{key}: give its reason in {name}.sources.{key} (the source that says the code lacked the rest)")
+    for key in ("zero", "recompute"):
+        if key in out and not out[key]:
+            raise ValueError(f"{name}.{key}=[]: name at least one ('dp' is plain data parallelism, 'none' no recompute)")
+    return Space(**out)
+
+
+def space_of(row: dict, set_info: dict, frameworks: dict | None = None) -> tuple[str, Space]:
+    """(name, Space) of the framework a published row ran: the row's "framework", else its set's; ("lab", LAB) where
+    neither names one. A name the frameworks file lacks is a ValueError that lists the names it has."""
+    name = row.get("framework", set_info.get("framework"))
+    if name is None:
+        return "lab", LAB
+    frameworks = load_frameworks() if frameworks is None else frameworks
+    if name not in frameworks:
+        raise ValueError(f"row {row.get('id')}: framework {name!r} is not in {FRAMEWORKS_FILE.name}: one of {sorted(frameworks)}")
+    return name, frameworks[name]
