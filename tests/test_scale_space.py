@@ -10,7 +10,7 @@ import labkit.scale.ranking as ranking
 from labkit.scale.cluster import load_cluster
 from labkit.scale.ranking import rank_published, search_around
 from labkit.scale.space import FRAMEWORKS_FILE, LAB, Space, load_frameworks, space_from, space_of
-from labkit.scale.validation import load_sets, model_options, row_spec
+from labkit.scale.validation import layout_of, load_sets, model_options, row_spec
 
 SETS = load_sets()
 ROWS = {r["id"]: (r, info) for info in SETS.values() for r in info["rows"]}
@@ -80,6 +80,17 @@ def test_a_framework_space_predicts_only_what_its_code_could_run_and_equals_brut
     monkeypatch.undo()
     lab = rank_published(row, info, model, prune=False, cap=10**9, layout_cap=10**9)
     assert lab["predicted"] > every["predicted"]  # the lab's space is larger: CP, ZeRO, HSDP, ZB
+
+
+def test_a_framework_space_runs_its_layouts_as_the_rows_code_did_the_labs_as_the_lab_does():
+    """Megatron-LM 2021's 1T row ran without SP and reduced gradients after the backward: its framework's space
+    runs every layout so; the lab's space runs them with SP and overlapped buckets, whatever the row did."""
+    row, info = ROWS["meg21-t1-1t"]
+    mine = layout_of(row)
+    assert space_of(row, info)[1].traits(mine) == dict(sequence_parallel=False, grad_reduce="after", zero3_unit="block")
+    assert LAB.traits(mine) == dict(sequence_parallel=True, grad_reduce="overlap", zero3_unit="block")
+    row, info = ROWS["meg21-t2-zero3-530b-640"]
+    assert space_of(row, info)[1].traits(layout_of(row))["zero3_unit"] == "module"  # DeepSpeed's per-module gathers
 
 
 def test_space_defaults_are_the_labs_whole_space():

@@ -25,9 +25,13 @@ The space (the search exercise's, solutions/scale_search.py, for a dense model, 
     dp_replicate      every R whose replicas are whole nodes; cp_method: each of the four when cp > 1
     schedule          for pp > 1: 1F1B, interleaved 1F1B with 2 stages per rank, ZB under the kernel model (the
                       flat model prices ZB as 1F1B), and the published row's own (Llama 3's 8 stages per rank with
-                      embedding- and loss-only ends); sequence parallelism and the gradients' reduction
-                      (Layout.grad_reduce) as the row runs them
-(the exercise's space, 1F1B only, plus the schedules the lab's simulator runs: labkit.scale.pipeline).
+                      embedding- and loss-only ends); sequence parallelism on, gradients reduced during the
+                      backward, FSDP2's block-sized gathers
+(the exercise's space, 1F1B only, plus the schedules the lab's simulator runs: labkit.scale.pipeline). That is the
+lab's space (`space="lab"`); `space="framework"` narrows it to the options the row's code had (labkit.scale.space,
+labkit/scale/frameworks.json) and runs every layout as that code did (the row's sequence parallelism, gradient
+reduction and ZeRO-3 unit: `Space.traits`): the first asks what the model picks with every option, the second
+whether it agrees with the choice the run's authors made among theirs.
 Each layout is predicted by the row's cost model ("flat" or "kernels", with its compile / float8 / async TP) and
 ordered by labkit.scale.cost.ranked (ties within TIE = 0.5% go to the least memory). The space holds up to about
 600,000 layouts (Megatron's 145B on 1,536 GPUs), so it is pruned, exactly. A layout can come before the published
@@ -105,7 +109,8 @@ def layout_key(lay: Layout) -> tuple:
     return lay.dp, lay.pp, lay.cp, lay.tp, lay.schedule
 
 
-def _groups(model, cluster, batch: int, seq: int, n: int, ref: Layout, options: dict, prune: bool, space: Space) -> list:
+def _groups(model, cluster, batch: int, seq: int, n: int, ref: Layout, options: dict, prune: bool, space: Space,
+            traits: dict) -> list:
     """The space's groups (dp, pp, cp, tp, schedule) with their bounds per (micro_batch, recompute), in ascending
     lower bound (stage 1 of the module docstring)."""
     groups = []
@@ -113,8 +118,8 @@ def _groups(model, cluster, batch: int, seq: int, n: int, ref: Layout, options: 
     for (dp, pp, cp, tp), sched in itertools.product(_axes(n), schedules_of(ref, kind, space)):
         if batch % dp or (pp == 1 and sched["schedule"] != "1f1b") or not space.allows_axes(pp, cp, tp):
             continue
-        base = Layout(dp=dp, pp=pp, cp=cp, tp=tp, sequence_parallel=ref.sequence_parallel, grad_reduce=ref.grad_reduce,
-                      **sched)
+        base = Layout(dp=dp, pp=pp, cp=cp, tp=tp, sequence_parallel=traits["sequence_parallel"],
+                      grad_reduce=traits["grad_reduce"], **sched)
         bounds = group_bounds(model, base, cluster, batch, seq, n, options, space.recompute, space.cp_methods)
         if bounds:
             groups.append((min(bounds.values()) if prune else 0.0, len(groups), base, bounds))
@@ -182,7 +187,8 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
     up to `layout_cap`)}}.
     The space: `space`'s options (labkit.scale.space: LAB, every option, or a framework's); its schedules:
     `schedules_of` (1F1B, interleaved x2, ZB under the kernel model, those `space` allows, and mine's);
-    sequence parallelism, grad_reduce and ZeRO-3's unit as mine (on, "overlap", "block" when mine is None).
+    sequence parallelism, grad_reduce and ZeRO-3's unit: `Space.traits` (a framework's space: as mine; the lab's:
+    on, "overlap", "block").
     Ties (labkit.scale.cost.ranked, TIE): a layout's place depends on every layout within TIE of the fastest
     layout of its tie group, so the search keeps every fitting layout whose step is within 1 / (1 - TIE) of the
     published step (while fewer than `cap` layouts are surely ahead of it: a step shorter than the published one
@@ -192,7 +198,8 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
     bound; one above the limit is skipped. prune=False: every layout."""
     ref = mine.layout if mine is not None else Layout()
     fits = mine is not None and mine.fits
-    groups = _groups(model, cluster, batch, seq, n, ref, options, prune, space)
+    traits = space.traits(mine.layout if mine is not None else None)
+    groups = _groups(model, cluster, batch, seq, n, ref, options, prune, space, traits)
     own, own_key = (mine if fits else None), layout_key(ref)
 
     def better_own(p):  # mine's parallel layout at its best: the fastest, ties by `rank_key`
@@ -205,7 +212,7 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
         mine_groups = [g for g in groups if layout_key(g[2]) == own_key]
         predicted += _scan(model, cluster, batch, seq, n, options, mine_groups,
                            lambda base: own.step_s * (1 + 1e-9) if prune else float("inf"), better_own, prune,
-                           space, ref.zero3_unit)
+                           space, traits["zero3_unit"])
     best = own.step_s if fits else None
     kept, sure, best_of, sure_keys = [], 0, {}, set()
 
@@ -238,7 +245,7 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
         kept.append(p)
         sure += fits and p.step_s < mine.step_s * (1 - TIE)
 
-    predicted += _scan(model, cluster, batch, seq, n, options, groups, limit, visit, prune, space, ref.zero3_unit)
+    predicted += _scan(model, cluster, batch, seq, n, options, groups, limit, visit, prune, space, traits["zero3_unit"])
     order = ranked(kept + ([mine] if fits else []))
     at = next((i for i, p in enumerate(order) if p is mine), cap)
     out = dict(top=order[0] if order else None, better=cap if sure >= cap else min(at, cap), predicted=predicted)

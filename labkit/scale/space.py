@@ -37,6 +37,17 @@ class Space:
     tp: bool = True
     pp: bool = True
     hsdp: bool = True
+    carries: bool = False  # a framework's space runs every layout as the row's code did (`traits`); the lab's, its own
+
+    def traits(self, published) -> dict:
+        """How the space's layouts run what is not a choice but the code's: sequence parallelism, when plain DP /
+        ZeRO-1/2 reduce gradients, what ZeRO-3 gathers at once. A framework's space takes the published layout's
+        (Megatron-LM 2021: no SP, its local DDP's reduction after the backward); the lab's, the lab's own (SP on,
+        buckets overlapped, FSDP2's blocks), whatever the row ran."""
+        if not self.carries or published is None:
+            return dict(sequence_parallel=True, grad_reduce="overlap", zero3_unit="block")
+        return dict(sequence_parallel=published.sequence_parallel, grad_reduce=published.grad_reduce,
+                    zero3_unit=published.zero3_unit)
 
     def allows_axes(self, pp: int, cp: int, tp: int) -> bool:
         return (cp == 1 or bool(self.cp_methods)) and (tp == 1 or self.tp) and (pp == 1 or self.pp)
@@ -76,7 +87,7 @@ def space_from(given: dict, name: str = "framework") -> Space:
     for key in ("zero", "recompute"):
         if key in out and not out[key]:
             raise ValueError(f"{name}.{key}=[]: name at least one ('dp' is plain data parallelism, 'none' no recompute)")
-    return Space(**out)
+    return Space(**out, carries=True)
 
 
 def space_of(row: dict, set_info: dict, frameworks: dict | None = None) -> tuple[str, Space]:
