@@ -54,7 +54,11 @@ size where its ring moves the same chunk per step (S x 8 / n): 49 of 59, median 
 buffers (kernels.ring_merges, from torch's _context_parallel/_attention.py; the hybrid's ring across nodes pays them
 for its cp / cp_local steps): 50 of 59, median 13%, worst 54%
 (torchtitan's CP rows 2-4 points lower); torchtitan's K/V heads repeated before its SDPA call, as its CP rows
-ran them (ModelSpec.kv_repeated): 52 of 59, median 13%, worst 54%. After the table, each row
+ran them (ModelSpec.kv_repeated): 52 of 59, median 13%, worst 54%. Two facts of Megatron-LM 2021's code, which
+its rows had left at the lab's defaults (2026-11-27): no sequence parallelism (Korthikanti et al. 2022 introduced it),
+and its local DDP's one all-reduce after the step's last backward (Layout.grad_reduce="after"; every plain-DP and
+ZeRO-1/2 reduction now hides behind the last micro-batch's backward only): 52 of 59, median 10.4%, worst 54%
+(its pipelined rows +7..+21% -> -1..+12%, those without a pipeline -4..+8% -> -14..-1%). After the table, each row
 outside 25% with its note from the data file: what was checked, and why the miss stays.
 --ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
 same model, cluster, global batch, sequence length and GPU count; 1F1B, interleaved x2, ZB under the kernel
@@ -69,6 +73,9 @@ error on it, says the faster configuration would not fit) with the numbers of bo
 under 25 s), 64 s under the flat model. Kernel model: 2 of 59 meet the criterion as a configuration, 12 of 59 as a
 parallel layout (11 before the all-reduce's curve against size: torchtitan's interleaved 405B row comes within 5%);
 flat: 1 and 10. The curve makes TP 8 on A100 nodes dearer, so Megatron's rows fall 1-5 points further from the top.
+Then a second table: the same ranks in each row's framework's space (labkit.scale.space, labkit/scale/frameworks.json:
+the options its code had, every layout run as that code ran it); 2026-11-27, kernel model: the lab's space 2 of 59
+as configurations, 12 as layouts (1,219 s); the frameworks' 18 and 29 (42 s).
 --memory: also a memory table per row: published memory (torchtitan's peak reserved GiB; "ran": every other row
 ran on its GPUs, so it must fit), the predicted reserved memory (footprint's tensors + the cuBLAS workspace's
 allocator segment, labkit.scale.reserve) and its error, the whole reserve (+ CUDA context, NCCL's buffers), the
