@@ -62,6 +62,18 @@ def test_published_layout_in_top_5_or_within_5_percent(model, row):
                           f"{got['gap']:+.1%} from the top ({got['top'].layout.short()})")
 
 
+# in its framework's space (labkit.scale.space), kernel model: a few of the 18 rows that meet it there, the quick ones
+MEETS_IN_FRAMEWORK = ("meg22-530b", "meg22-1t", "meg21-t2-zero3-530b-2240", "meg21-t1-1t")
+
+
+@pytest.mark.parametrize("row", MEETS_IN_FRAMEWORK)
+def test_published_layout_in_top_5_or_within_5_percent_of_its_frameworks_space(row):
+    r, info = ROWS[row]
+    got = rank_published(r, info, "kernels", space="framework")
+    assert got["meets"], (f"{row} in {got['space']}'s space: the published layout ranks #{got['rank']}, "
+                          f"{got['gap']:+.1%} from the top ({got['top'].layout.short()})")
+
+
 def test_kernel_bound_is_below_every_step_and_holds_the_bubble():
     """The kernel model's group bound (labkit.scale.bounds.group_bounds, through the pipeline's critical path) is a
     lower bound on the step of every layout of its group, under every schedule of the space (1F1B, interleaved x2, ZB): 8B on 8 H100s, a
