@@ -150,9 +150,11 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     t_dp = traffic.get("dp", {}).get("seconds", 0.0)
     # ZeRO-3 prefetches behind the step's compute; plain DP / ZeRO-1/2 accumulate every micro-batch's gradient
     # locally (DDP's no_sync, Megatron's buffers) and reduce in the last one's backward, or after it ("after")
-    after = layout.zero != "zero3" and layout.grad_reduce == "after"
-    hide = compute if layout.zero == "zero3" else (0.0 if after else backward / n_micro)
-    exposed_dp = t_dp if after else (max(0.0, t_dp - hide) + t_dp / max(1, L) if t_dp else 0.0)
+    if layout.zero != "zero3" and layout.grad_reduce == "after":  # all of it waits, after the backward
+        hide, exposed_dp = 0.0, t_dp
+    else:  # hidden up to the window; the last bucket, one layer's, waits for its backward
+        hide = compute if layout.zero == "zero3" else backward / n_micro
+        exposed_dp = max(0.0, t_dp - hide) + t_dp / max(1, L) if t_dp else 0.0
     contention_dp = contention(t_dp, max(0.0, t_dp - hide), slowdown)
     shards = layout.dp * layout.cp if layout.zero != "dp" else 1
     params = sum(params_per_gpu(model, layout).values()) / shards

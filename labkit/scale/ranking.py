@@ -128,10 +128,15 @@ def _groups(model, cluster, batch: int, seq: int, n: int, ref: Layout, options: 
 
 
 def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: list, limit, visit, prune: bool,
-          space: Space = LAB, zero3_unit: str = "block") -> int:
+          space: Space = LAB, traits: dict | None = None) -> int:
     """Predict every layout of `groups` that the bounds do not put above limit(base) (read afresh each time: it only
     shrinks; limit(None) bounds every group's), and call visit(p) for each that fits within it; returns how many
     were predicted."""
+    unit = (traits or space.traits(None))["zero3_unit"]
+
+    def staged(lay, z, **more):  # ZeRO stage z; the space's ZeRO-3 unit where z is ZeRO-3 (check_layout's rule)
+        return replace(lay, zero=z, zero3_unit=unit if z == "zero3" else "block", **more)
+
     predicted = 0
     for bound, _, base, bounds in groups:
         if bound > limit(None):
@@ -154,12 +159,11 @@ def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: l
                 if held["activations"] + held["logits"] > cluster.memory_bytes:
                     continue
                 # no replica holds less than full sharding (dp_replicate = 1): the least over the ZeRO stages of it
-                if min(peak_memory(model, replace(group, zero=z, zero3_unit=zero3_unit if z == "zero3" else "block"),
-                                   n_micro, seq, local)["total"] for z in space.zero) > cluster.memory_bytes:
+                if min(peak_memory(model, staged(group, z), n_micro, seq, local)["total"]
+                       for z in space.zero) > cluster.memory_bytes:
                     continue
             first = True
-            for lay in (replace(group, zero=z, dp_replicate=r, zero3_unit=zero3_unit if z == "zero3" else "block")
-                        for z in space.zero for r in replicas):
+            for lay in (staged(group, z, dp_replicate=r) for z in space.zero for r in replicas):
                 try:
                     p = predict(model, lay, cluster, batch, seq, n, **options)
                 except LayoutError:
@@ -212,7 +216,7 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
         mine_groups = [g for g in groups if layout_key(g[2]) == own_key]
         predicted += _scan(model, cluster, batch, seq, n, options, mine_groups,
                            lambda base: own.step_s * (1 + 1e-9) if prune else float("inf"), better_own, prune,
-                           space, traits["zero3_unit"])
+                           space, traits)
     best = own.step_s if fits else None
     kept, sure, best_of, sure_keys = [], 0, {}, set()
 
@@ -245,7 +249,7 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
         kept.append(p)
         sure += fits and p.step_s < mine.step_s * (1 - TIE)
 
-    predicted += _scan(model, cluster, batch, seq, n, options, groups, limit, visit, prune, space, traits["zero3_unit"])
+    predicted += _scan(model, cluster, batch, seq, n, options, groups, limit, visit, prune, space, traits)
     order = ranked(kept + ([mine] if fits else []))
     at = next((i for i, p in enumerate(order) if p is mine), cap)
     out = dict(top=order[0] if order else None, better=cap if sure >= cap else min(at, cap), predicted=predicted)

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
-from labkit.scale.layout import SCHEDULES, ZERO_STAGES
+from labkit.scale.layout import SCHEDULES, ZERO_STAGES, Layout
 from labkit.scale.specs import RECOMPUTE
 from labkit.scale.traffic import CP_METHODS
 
@@ -44,10 +45,8 @@ class Space:
         ZeRO-1/2 reduce gradients, what ZeRO-3 gathers at once. A framework's space takes the published layout's
         (Megatron-LM 2021: no SP, its local DDP's reduction after the backward); the lab's, the lab's own (SP on,
         buckets overlapped, FSDP2's blocks), whatever the row ran."""
-        if not self.carries or published is None:
-            return dict(sequence_parallel=True, grad_reduce="overlap", zero3_unit="block")
-        return dict(sequence_parallel=published.sequence_parallel, grad_reduce=published.grad_reduce,
-                    zero3_unit=published.zero3_unit)
+        source = published if self.carries and published is not None else Layout()
+        return {trait: getattr(source, trait) for trait in ("sequence_parallel", "grad_reduce", "zero3_unit")}
 
     def allows_axes(self, pp: int, cp: int, tp: int) -> bool:
         return (cp == 1 or bool(self.cp_methods)) and (tp == 1 or self.tp) and (pp == 1 or self.pp)
@@ -59,6 +58,7 @@ _CHOICES = {"cp_methods": CP_METHODS, "zero": ZERO_STAGES, "recompute": RECOMPUT
 _SWITCHES = ("tp", "pp", "hsdp")
 
 
+@lru_cache(maxsize=4)  # space_of reads it once per published row: parse it once (Spaces are frozen)
 def load_frameworks(path: Path | str = FRAMEWORKS_FILE) -> dict:
     """{name: Space} from the data file; a ValueError names the framework, the field and what it may hold."""
     return {name: space_from(given, name) for name, given in json.loads(Path(path).read_text())["frameworks"].items()}
