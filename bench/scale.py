@@ -58,7 +58,12 @@ ran them (ModelSpec.kv_repeated): 52 of 59, median 13%, worst 54%. Two facts of 
 its rows had left at the lab's defaults (2026-11-27): no sequence parallelism (Korthikanti et al. 2022 introduced it),
 and its local DDP's one all-reduce after the step's last backward (Layout.grad_reduce="after"; every plain-DP and
 ZeRO-1/2 reduction now hides behind the last micro-batch's backward only): 52 of 59, median 10.4%, worst 54%
-(its pipelined rows +7..+21% -> -1..+12%, those without a pipeline -4..+8% -> -14..-1%). After the table, each row
+(its pipelined rows +7..+21% -> -1..+12%, those without a pipeline -4..+8% -> -14..-1%). FSDP2's copies around
+its collectives, read in torch's own _fsdp_collectives.py (each all-gather's copy-out and each reduce-scatter's
+copy-in run on the compute stream: 4 and 6 bytes per parameter, kernels.fsdp_copies), with ZeRO-3's calls counted
+as the footprint already assumed (traffic.zero3_calls: twice gathered and once reduced per micro-batch without a
+pipeline, once each a step inside one; 2026-11-27): 52 of 59, median 9.9%, worst 53% (torchtitan's FSDP rows of
+the 8B 2-3 points lower, the rest under 1). After the table, each row
 outside 25% with its note from the data file: what was checked, and why the miss stays.
 --ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
 same model, cluster, global batch, sequence length and GPU count; 1F1B, interleaved x2, ZB under the kernel

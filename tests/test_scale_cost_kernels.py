@@ -21,9 +21,20 @@ GPU = load_gpu("h100-sxm")
 SPEC = LLAMA3["8b"]
 
 
+def fsdp_copies_s(params: float, gathers: int, scatters: int) -> float:
+    """FSDP2's copies on the compute stream, counted from torch's _fsdp_collectives.py by hand: each all-gather's
+    copy-out (split_with_sizes_copy: read and write the bf16 parameters, 2 + 2 bytes a parameter) and each
+    reduce-scatter's copy-in (chunk_cat: read the bf16 gradients, write fp32, 2 + 4)."""
+    return (4 * gathers + 6 * scatters) * params / GPU.hbm_bytes_per_s
+
+
 def test_single_stage_step_is_micro_batches_times_forward_and_backward_plus_dp_and_optimizer():
-    """pp = tp = 1: step = m (L (F_block + B_block) + embedding + head) + exposed dp + optimizer, exactly; each pass
-    (a block's forward, its backward, the embedding's, the head's) a stretch of ops, layer_ops.seconds."""
+    """pp = tp = 1: step = m (L (F_block + B_block) + embedding + head) + FSDP's copies + exposed dp + optimizer,
+    exactly; each pass (a block's forward, its backward, the embedding's, the head's) a stretch of ops,
+    layer_ops.seconds. Without a pipeline FSDP2 gathers twice and reduce-scatters once per micro-batch (the edge
+    case is 2 micro-batches: 4 gathers and 2 scatters, in the traffic and in the copies alike); only FSDP2's
+    ZeRO-3 copies: ZeRO-2 and DeepSpeed's per-module ZeRO-3 have none."""
+    from labkit.scale.cost_kernels import params_per_gpu
     lay = Layout(dp=8, zero="zero3", recompute="selective", micro_batch=1)
     p = predict(SPEC, lay, H100, 16, 4096, efficiency=None)
     shape, opts = Shape(1, 4096), Options(recompute="selective")
@@ -31,14 +42,40 @@ def test_single_stage_step_is_micro_batches_times_forward_and_backward_plus_dp_a
     ends = sum(seconds(end_ops(SPEC, shape, opts, GPU, which)[d]) for which in ("embedding", "head")
                for d in ("forward", "backward"))
     work = p.n_micro * (SPEC.n_layers * (seconds(blk["forward"]) + seconds(blk["backward"])) + ends)
+    copies = fsdp_copies_s(sum(params_per_gpu(SPEC, lay).values()), 4, 2)
+    assert copies > 1e-3 * work  # large enough that a wrong count shows
     assert p.n_micro == 2 and p.parts_s["compute"] == pytest.approx(work, rel=1e-12)
-    assert p.step_s == pytest.approx(work + p.parts_s["exposed_dp"] + p.parts_s["contention_dp"] + p.parts_s["optimizer"],
-                                     rel=1e-12)
+    assert p.parts_s["fsdp_copies"] == pytest.approx(copies, rel=1e-12)
+    assert p.traffic["dp"]["count"] == 4 + 2
+    for other in (Layout(dp=8, zero="zero2", recompute="selective", micro_batch=1),
+                  Layout(dp=8, zero="zero3", zero3_unit="module", recompute="selective", micro_batch=1)):
+        q = predict(SPEC, other, H100, 16, 4096, efficiency=None)
+        assert q.parts_s["compute"] == pytest.approx(work, rel=1e-12) and q.parts_s["fsdp_copies"] == 0.0
+    rest = p.parts_s["exposed_dp"] + p.parts_s["contention_dp"] + p.parts_s["optimizer"]
+    assert p.step_s == pytest.approx(work + copies + rest, rel=1e-12)
     assert p.step_s == pytest.approx(sum(p.parts_s.values()), rel=1e-12)
 
 
+def test_fsdp_inside_a_pipeline_gathers_and_scatters_once_a_step_whatever_the_micro_batches():
+    """With a pipeline, torchtitan keeps each stage gathered (reshard_after_forward=False) and torch's pipelining
+    syncs gradients on the last backward only: one all-gather and one reduce-scatter a step for 2 or 8
+    micro-batches, and their copies once (the edge case: the count must not follow the micro-batches as it does
+    without a pipeline); the footprint holds the stage gathered and its fp32 gradient (6 bytes a parameter)."""
+    from labkit.scale.cost_kernels import params_per_gpu
+    from labkit.scale.footprint import stage_memory
+    for batch in (8, 32):
+        lay = Layout(dp=4, pp=2, zero="zero3", recompute="selective", micro_batch=1)
+        p = predict(SPEC, lay, H100, batch, 4096, efficiency=None)
+        assert p.n_micro == batch // 4 and p.traffic["dp"]["count"] == 1 + 1
+        held = sum(params_per_gpu(SPEC, lay).values())
+        assert p.parts_s["fsdp_copies"] == pytest.approx(fsdp_copies_s(held, 1, 1), rel=1e-12)
+        gathered = stage_memory(SPEC, lay, 1, p.n_micro, 4096)["gathered"]
+        assert gathered == pytest.approx(6 * held, rel=0.02)  # the stage's own params (the head's on the last)
+
+
 def test_fsdp_hides_behind_all_compute_dp_buckets_behind_the_last_micro_batchs_backward_only():
-    """The same rule, three windows: ZeRO-3 exposes max(0, t - compute) + t/L; plain DP, whose micro-batches
+    """The same rule, three windows: ZeRO-3 exposes max(0, t - compute) + t/L (compute: every kernel of the compute
+    stream, FSDP's copies among them); plain DP, whose micro-batches
     accumulate locally, max(0, t - B_last) + t/L with B_last the last micro-batch's backward (not all of them:
     the edge case is 2 micro-batches); Megatron-LM's local DDP (grad_reduce="after") all of t, nothing hidden
     (t: the dp traffic's seconds). A slow network (1 Gb/s) makes every window too short to hide it."""
@@ -57,7 +94,8 @@ def test_fsdp_hides_behind_all_compute_dp_buckets_behind_the_last_micro_batchs_b
             if reduce == "after":
                 assert p.parts_s["exposed_dp"] == pytest.approx(t, rel=1e-12)
                 continue
-            window = p.parts_s["compute"] if zero == "zero3" else SPEC.n_layers * seconds(blk["backward"]) + ends_b
+            window = (p.parts_s["compute"] + p.parts_s["fsdp_copies"] if zero == "zero3"  # both on the compute stream
+                      else SPEC.n_layers * seconds(blk["backward"]) + ends_b)
             assert p.parts_s["exposed_dp"] == pytest.approx(max(0.0, t - window) + t / SPEC.n_layers, rel=1e-12)
 
 

@@ -220,7 +220,8 @@ def test_ep_folded_over_tp_bytes_equal_closed_form():
     (torchtitan's [pp, dp_replicate, efsdp, ep], efsdp = dp x cp x tp / ep = 2), whole experts (etp = 1).
     Per GPU per step, L = 16 blocks, m = 4 micro-batches of one 4,096-token sequence, T / tp = 1,024 tokens:
         ep  4 L m x (ep-1)/ep x 2 top_k (T/tp) d                     (traffic.py's docstring)
-        dp  (dp cp - 1)/(dp cp) x 8 D  +  (n_e - 1)/n_e x 8 E         (ZeRO-3: 2 + 2 + 4 bytes a parameter)
+        dp  m [(dp cp - 1)/(dp cp) x 8 D  +  (n_e - 1)/n_e x 8 E]     (ZeRO-3: 2 + 2 + 4 bytes a parameter
+                                                                        each micro-batch, traffic.zero3_calls)
     with D = the dense parameters / tp and E = L x the 8 experts / ep (not / tp: whole experts), n_e = 2.
     The ep group is the innermost 8 of (dp, cp, tp) flattened: tp's 4, then 2 dp ranks 4 apart, one node.
     Planted (checked when written): the experts split over tp as well (/ (tp ep)) or reduced over the
@@ -238,7 +239,7 @@ def test_ep_folded_over_tp_bytes_equal_closed_form():
     assert p.traffic["ep"]["seconds"] == pytest.approx(4 * L * m * (7 * a + 7 / 8 * tokens / b), rel=1e-12)
     D = (L * MOE.layer_dense_params + MOE.embedding_params + MOE.head_params) / 4
     E = L * MOE.expert_params * MOE.n_experts / 8
-    assert p.traffic["dp"]["bytes"] == pytest.approx(3 / 4 * 8 * D + 1 / 2 * 8 * E, rel=1e-12)
+    assert p.traffic["dp"]["bytes"] == pytest.approx(m * (3 / 4 * 8 * D + 1 / 2 * 8 * E), rel=1e-12)
     # the memory follows the same mesh: the experts' states ZeRO-3-sharded over efsdp = 2
     mem = peak_memory(MOE, lay, n_micro=m, seq_len=4096)
     want = {key: memory_per_rank(math.ceil(D), 4, "zero3", "fp32")[key] + memory_per_rank(math.ceil(E), 2, "zero3",
@@ -257,9 +258,12 @@ def test_ep_folded_over_tp_only_where_it_must_be_and_hsdp_inside_a_replica():
     p = predict(MOE, hsdp, H100, 16, 4096)
     E = MOE.n_layers * MOE.expert_params * MOE.n_experts / 8
     D = (MOE.n_layers * MOE.layer_dense_params + MOE.embedding_params + MOE.head_params) / 2
-    # shard group: the dense over dp_shard = 4 (8 bytes), the experts over efsdp = 1 (nothing); replicas: R = 2
-    assert p.traffic["dp"]["shard_bytes"] == pytest.approx(3 / 4 * 8 * D, rel=1e-12)
-    assert p.traffic["dp"]["replica_bytes"] == pytest.approx(2 * 1 / 2 * 4 * (D / 4 + E), rel=1e-12)
+    # shard group: the dense over dp_shard = 4 (8 bytes), the experts over efsdp = 1 (nothing); replicas: R = 2;
+    # each of the m = 2 micro-batches (traffic.zero3_calls: no pipeline)
+    m = p.n_micro
+    assert m == 2
+    assert p.traffic["dp"]["shard_bytes"] == pytest.approx(m * 3 / 4 * 8 * D, rel=1e-12)
+    assert p.traffic["dp"]["replica_bytes"] == pytest.approx(m * 2 * 1 / 2 * 4 * (D / 4 + E), rel=1e-12)
 
 
 # --- HSDP where practitioners run it -----------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 from labkit.scale.cluster import load_cluster
 from labkit.scale.cost import predict
 from labkit.scale.layout import Layout
-from labkit.scale.ranking import rank_published
+from labkit.scale.ranking import ZERO_PARTS, rank_published
 from labkit.scale.specs import LLAMA3
 from labkit.scale.validation import load_sets
 
@@ -42,16 +42,15 @@ def test_pruned_ranking_equals_every_layout(model, row):
 
 @pytest.mark.parametrize("efficiency", (0.40, None))
 def test_group_floor_is_shared_by_zero_stages_and_replicas(efficiency):
-    """Stage 2's floor: step less exposed dp, its contention and the optimizer is the same for every ZeRO stage and
-    dp_replicate of a group (they change only those terms and the memory)."""
+    """Stage 2's floor: step less exposed dp, its contention, the optimizer and FSDP's copies (ranking.ZERO_PARTS) is
+    the same for every ZeRO stage and dp_replicate of a group (they change only those terms and the memory)."""
     cluster, spec = load_cluster("h100-sxm"), LLAMA3["8b"]
     floors = set()
     for zero in ("dp", "zero1", "zero2", "zero3"):
         for r in (1, 2, 4) if zero != "dp" else (1,):
             p = predict(spec, Layout(dp=4, pp=2, cp=2, tp=2, zero=zero, dp_replicate=r, micro_batch=1), cluster,
                         32, 8192, efficiency=efficiency)
-            floors.add(round(p.step_s - p.parts_s["exposed_dp"] - p.parts_s.get("contention_dp", 0.0)
-                             - p.parts_s.get("optimizer", 0.0), 12))
+            floors.add(round(p.step_s - sum(p.parts_s.get(k, 0.0) for k in ZERO_PARTS), 12))
     assert len(floors) == 1, floors
 
 

@@ -31,9 +31,11 @@ model (opt-in until it meets issue 34's aims on the published set; `python bench
                max(C, W + k min(C, W (1 + s))) in all, k = s / (1 + s); async TP's transfers use the copy engines
     pipeline   per-stage F_s + exposed tp/cp/ep + their blocks' contention, B_s likewise, through the lab's
                schedule simulator (labkit.scale.pipeline): makespan = the busiest rank's work + the bubble
-    step       makespan + exposed dp + dp's contention + the optimizer step (AdamW over this GPU's shard)
+    step       makespan + FSDP's copies + exposed dp + dp's contention + the optimizer step (AdamW over this
+               GPU's shard); FSDP2's copies (ZeRO-3 by block): each all-gather's copy-out and the reduce-scatter's
+               copy-in, memory-bound kernels on the compute stream, once a step (`kernels.fsdp_copies`)
 `parts_s` splits it: compute (the busiest rank's kernels), exposed_tp / _cp / _ep / _dp, contention (the blocks')
-and contention_dp, bubble, optimizer; `bound_s` says how much of one block's forward and backward is compute-, memory- or
+and contention_dp, bubble, fsdp_copies, optimizer; `bound_s` says how much of one block's forward and backward is compute-, memory- or
 launch-bound: each pass takes max(GPU time, CPU time to issue its kernels), and "launch" is the time
 the GPU waits for the CPU (a model this small that is mostly "launch" runs at the CPU's pace,
 kernels x eager PyTorch's measured cost per kernel; torch.compile's launches cost less).

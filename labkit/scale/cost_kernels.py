@@ -12,10 +12,10 @@ from labkit.measure.overlap import two_batch_overlap
 from labkit.scale import async_tp as atp
 from labkit.scale.gpu import load_gpu
 from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops, seconds
-from labkit.scale.kernels import optimizer_step
+from labkit.scale.kernels import fsdp_copies, optimizer_step
 from labkit.scale.layout import LayoutError
 from labkit.scale.pipeline import n_stages, pipeline_time, schedule_actions, stage_layers, stage_roles
-from labkit.scale.traffic import axis_traffic, tp_collectives
+from labkit.scale.traffic import ZERO3_GRAD_BYTES, axis_traffic, tp_collectives, zero3_calls
 
 
 def params_per_gpu(model, layout) -> dict:
@@ -147,13 +147,19 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     else:
         makespan = work
     backward = n_micro * sum(bwd[s] for s in busiest)
+    copies = 0.0
+    if layout.zero == "zero3" and layout.zero3_unit == "block":  # FSDP2's copies around its gathers and scatters:
+        # kernels on the compute stream, one per gather and scatter (zero3_calls), on this rank's critical path
+        held = sum(params_per_gpu(model, layout).values())
+        calls = zero3_calls(layout.pp, n_micro)
+        copies = seconds([fsdp_copies(held, blocks, gpu, value_bytes, ZERO3_GRAD_BYTES, *calls)])
     t_dp = traffic.get("dp", {}).get("seconds", 0.0)
     # ZeRO-3 prefetches behind the step's compute; plain DP / ZeRO-1/2 accumulate every micro-batch's gradient
     # locally (DDP's no_sync, Megatron's buffers) and reduce in the last one's backward, or after it ("after")
     if layout.zero != "zero3" and layout.grad_reduce == "after":  # all of it waits, after the backward
         hide, exposed_dp = 0.0, t_dp
     else:  # hidden up to the window; the last bucket, one layer's, waits for its backward
-        hide = compute if layout.zero == "zero3" else backward / n_micro
+        hide = compute + copies if layout.zero == "zero3" else backward / n_micro
         exposed_dp = max(0.0, t_dp - hide) + t_dp / max(1, L) if t_dp else 0.0
     contention_dp = contention(t_dp, max(0.0, t_dp - hide), slowdown)
     shards = layout.dp * layout.cp if layout.zero != "dp" else 1
@@ -164,7 +170,8 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
              "exposed_pp": 0.0, "optimizer": optimizer}
     parts["contention"] = n_micro * blocks * comm["contention"]  # the blocks' (cp ring, ep), inside the passes
     parts["contention_dp"] = contention_dp
+    parts["fsdp_copies"] = copies
     f_bound, b_bound = by_bound(blk["forward"]), by_bound(blk["backward"])  # each pass a stretch, as timed above
     bound = {k: f_bound[k] + b_bound[k] for k in f_bound}
-    return {"step_s": makespan + exposed_dp + contention_dp + optimizer, "parts_s": parts, "bound_s": bound,
+    return {"step_s": makespan + copies + exposed_dp + contention_dp + optimizer, "parts_s": parts, "bound_s": bound,
             "traffic": traffic}

@@ -20,10 +20,10 @@ from labkit.scale.layout import RECOMPUTE
 
 BAND = 0.25  # issue 34's aim for every row: |predicted / published - 1| <= 25%
 PARTS = ("compute", "exposed_tp", "exposed_cp", "exposed_ep", "exposed_pp", "exposed_dp", "contention", "contention_dp",
-         "bubble", "optimizer")
+         "bubble", "fsdp_copies", "optimizer")
 PART_COLORS = {"compute": "#4c72b0", "exposed_tp": "#dd8452", "exposed_cp": "#55a868", "exposed_ep": "#c44e52",
                "exposed_pp": "#8172b3", "exposed_dp": "#937860", "contention": "#8c8c3c", "contention_dp": "#b5b56a", "bubble": "#bbbbbb",
-               "optimizer": "#da8bc3"}
+               "fsdp_copies": "#8fbcd4", "optimizer": "#da8bc3"}
 SUM_RTOL = 1e-9  # the parts are the step's own terms, added in another order: float64 rounding only
 
 

@@ -38,7 +38,8 @@ Elementwise ops (norms, rotary, SwiGLU, residuals, loss, embedding, optimizer) a
 their bytes, per element, are counted below for eager PyTorch as torchtitan writes them (RMSNorm as
 x.float(), pow, mean, rsqrt, mul, type_as, x weight; rotary as complex multiplication) and for
 torch.compile, modelled as fusion: every elementwise op between two GEMMs becomes one kernel that
-reads its inputs and writes its outputs once (no intermediate tensors, no extra launches).
+reads its inputs and writes its outputs once (no intermediate tensors, no extra launches). FSDP2's copies
+around its collectives (`fsdp_copies`) and the optimizer step are memory-bound too, once a step.
 """
 from __future__ import annotations
 
@@ -290,3 +291,19 @@ def optimizer_step(params: float, tensors: int, gpu: GPU, compile: bool = False)
     aten/src/ATen/native/cuda/MultiTensorApply.cuh) or per 320 x 65,536 elements, whichever is more."""
     launches = 9 * max(math.ceil(tensors / 36), math.ceil(params / (320 * 65536)))
     return roofline("optimizer", "optimizer", 0.0, 100.0 * params, launches, gpu, compile=compile)
+
+
+def fsdp_copies(params: float, units: int, gpu: GPU, value_bytes: int, grad_bytes: int, gathers: int,
+                scatters: int) -> Op:
+    """FSDP2's copies on the compute stream around its collectives, per step, for the `params` parameters this
+    GPU holds unsharded, gathered in `units` groups (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
+      each all-gather's copy-out, `foreach_all_gather_copy_out`: split_with_sizes_copy from the gathered
+        buffer into the parameters, on the current stream once it has waited for the all-gather's event:
+        reads and writes value_bytes P, `gathers` times a step;
+      each reduce-scatter's copy-in, `foreach_reduce` -> `foreach_reduce_scatter_copy_in`: chunk_cat of the
+        unsharded gradients into one buffer of the reduce dtype, on the current stream (the reduce-scatter
+        stream waits for it): reads value_bytes P, writes grad_bytes P, `scatters` times.
+    Memory-bound, one kernel per unit and call, launched by FSDP's hooks (eager). The all-gather's copy-in runs
+    on its own stream (all_gather_copy_in_stream) beside the compute, and is not counted here."""
+    nbytes = (gathers * 2 * value_bytes + scatters * (value_bytes + grad_bytes)) * params
+    return roofline("fsdp copies", "elementwise", 0.0, nbytes, (gathers + scatters) * units, gpu)

@@ -35,7 +35,7 @@ from labkit.scale.ranking import WITHIN
 CHOICES = ("recompute", "micro_batch", "zero", "dp_replicate", "cp_method", "virtual_stages",
            "first_stage_embedding_only", "last_stage_loss_only")
 TERMS = ("compute", "bubble", "exposed_tp", "exposed_cp", "exposed_ep", "exposed_pp", "exposed_dp", "contention",
-         "contention_dp", "optimizer")
+         "contention_dp", "fsdp_copies", "optimizer")
 
 
 def changed(a, b) -> str:

@@ -77,6 +77,8 @@ from labkit.scale.validation import layout_of, model_options, row_spec
 
 TOP, WITHIN = 5, 0.05
 LAYOUT_CAP = 10  # the layout level's ranks, exactly up to here (its criterion needs the top 5; its gap is always exact)
+# the step's parts that a group's ZeRO stage and dp_replicate change (with the memory); the rest is the group's floor
+ZERO_PARTS = ("exposed_dp", "contention_dp", "optimizer", "fsdp_copies")
 CAP = 25  # ranks are counted exactly up to here; beyond, "more than 25" (the criterion needs the top 5)  # issue 34: "in the search's top 5, or within 5% of the top prediction"
 _SEARCHED: dict = {}  # rank_published's searches, by everything they read
 
@@ -171,7 +173,7 @@ def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: l
                 predicted += 1
                 if first and prune:  # the step less what ZeRO and dp_replicate change: a floor for the group
                     first = False
-                    if p.step_s - sum(p.parts_s.get(k, 0.0) for k in ("exposed_dp", "contention_dp", "optimizer")) > limit(base):
+                    if p.step_s - sum(p.parts_s.get(k, 0.0) for k in ZERO_PARTS) > limit(base):
                         break
                 if p.fits and p.step_s <= limit(base):
                     visit(p)

@@ -91,6 +91,23 @@ def tp_collectives(recompute: str, sequence_parallel: bool = True) -> dict:
     return {"forward": 2, "backward": 2, "recomputed": reduces, "all_reduce": 4 + reduces}
 
 
+ZERO3_GRAD_BYTES = 4  # ZeRO-3 reduces its gradients in fp32 (torchtitan's mixed_precision_reduce, FSDP2's reduce_dtype)
+
+
+def zero3_calls(pp: int, n_micro: int) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of each ZeRO-3 unit's parameters in one step, as FSDP2 runs them; the same
+    two cases as labkit.scale.footprint's, and one count for the traffic and the copies around each call
+    (labkit.scale.kernels.fsdp_copies):
+      without a pipeline, every micro-batch gathers twice (its forward; its backward, as reshard_after_forward
+        freed them) and reduce-scatters its gradient (FSDP2 syncs every backward unless told otherwise: the
+        footprint holds no unsharded gradient): 2 m and m;
+      inside a pipeline, once each: torchtitan keeps the stage gathered (reshard_after_forward=False, 'to avoid
+        per-microbatch all-gathers, which can be expensive and non-overlapped', its parallelize_llama), and
+        torch.distributed.pipelining turns off gradient sync and resharding for every backward but the last
+        (stage.py, backward_maybe_with_nosync): the footprint's stage gathered and its fp32 gradient accumulated."""
+    return (1, 1) if pp > 1 else (2 * n_micro, n_micro)
+
+
 def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_gpu: dict,
                  value_bytes: int = BF16) -> dict:
     """{axis: {"bytes": sent per GPU per step, "seconds": alpha-beta time, "count": collectives}}.
@@ -147,20 +164,23 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         v = layout.virtual_stages if layout.schedule == "interleaved" else 1
         add("pp", "send", act / (layout.tp if layout.sequence_parallel else 1), 2, 2 * n_micro * v)
     if layout.dp_replicate > 1:
-        _add_hsdp(out, layout, cluster, params_per_gpu, BF16, blocks=L)
+        _add_hsdp(out, layout, cluster, params_per_gpu, BF16, blocks=L, calls=zero3_calls(layout.pp, n_micro))
         return out
     n_dp = layout.dp * layout.cp
     for axis_params, ranks in ((params_per_gpu["dense"], n_dp), (params_per_gpu["experts"], layout.efsdp)):
         if layout.zero == "zero3":  # FSDP gathers and scatters block by block: busbw at one block's size
-            add("dp", "all_gather", BF16 * axis_params, ranks, 2, message=BF16 * axis_params / L)
-            add("dp", "reduce_scatter", 4 * axis_params, ranks, 1, message=4 * axis_params / L)
+            gathers, scatters = zero3_calls(layout.pp, n_micro)
+            add("dp", "all_gather", BF16 * axis_params, ranks, gathers, message=BF16 * axis_params / L)
+            grads = ZERO3_GRAD_BYTES * axis_params
+            add("dp", "reduce_scatter", grads, ranks, scatters, message=grads / L)
         else:
             add("dp", "all_reduce", BF16 * axis_params, ranks, 1)
     return out
 
 
 def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: str = "zero3",
-                 shard_stride: int = 1, value_bytes: int = BF16, grad_bytes: int = 4, blocks: int = 1) -> dict:
+                 shard_stride: int = 1, value_bytes: int = BF16, grad_bytes: int = ZERO3_GRAD_BYTES,
+                 blocks: int = 1, calls: tuple[int, int] = zero3_calls(1, 1)) -> dict:
     """HSDP's data-parallel traffic by link level: {"shard": {...}, "replica": {...}}, each
     {"bytes": sent per GPU per step, "seconds": alpha-beta time, "count": collectives, "level": link}.
 
@@ -169,9 +189,12 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
     S ranks `shard_stride` apart (the product of the axes inside dp_shard: tp, cp), on NVLink when
     S x shard_stride <= gpus_per_node, else the network; replica group: across nodes, the network
     (unless the whole dp group fits in a node). Per step, per GPU:
-        zero="zero3" (FSDP2's HSDP): shard  all-gather value_bytes P twice (forward, backward)
-                                            + reduce-scatter grad_bytes P: (S-1)/S x (2 value + grad) P
-                                     replica all-reduce of grad_bytes P / S: 2 (R-1)/R x grad_bytes P/S
+        zero="zero3" (FSDP2's HSDP): shard  all-gather value_bytes P g times + reduce-scatter grad_bytes P
+                                            r times: (S-1)/S x (g value + r grad) P
+                                     replica all-reduce of grad_bytes P / S after each reduce-scatter:
+                                            r x 2 (R-1)/R x grad_bytes P/S
+                                     (g, r) = `calls`: zero3_calls(pp, micro-batches); one micro-batch
+                                     without a pipeline: (2, 1), the forward's and the backward's gathers
         otherwise (ZeRO-1/2 in the node, HSDPOptimizer): shard  reduce-scatter + all-gather of
                                      value_bytes P: 2 (S-1)/S x value P; replica 2 (R-1)/R x value P/S
     The two levels of the ZeRO-1/2 form add up to a flat all-reduce's 2 (W-1)/W x value P.
@@ -193,12 +216,10 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
             out[name]["count"] += count
 
     reduced = grad_bytes if zero == "zero3" else value_bytes
-    if zero == "zero3":
-        add("shard", "all_gather", value_bytes * params, shard, 2)
-    else:
-        add("shard", "all_gather", value_bytes * params, shard, 1)
-    add("shard", "reduce_scatter", reduced * params, shard, 1)
-    add("replica", "all_reduce", reduced * params / shard, replicate, 1)
+    gathers, scatters = calls if zero == "zero3" else (1, 1)
+    add("shard", "all_gather", value_bytes * params, shard, gathers)
+    add("shard", "reduce_scatter", reduced * params, shard, scatters)
+    add("replica", "all_reduce", reduced * params / shard, replicate, scatters)  # FSDP2: after each reduce-scatter
     return out
 
 
@@ -240,7 +261,8 @@ def cp_attention_bytes(method: str, cp: int, q_bytes: float, kv_bytes: float, lo
     return out
 
 
-def _add_hsdp(out: dict, layout, cluster, params_per_gpu: dict, value_bytes: int, blocks: int = 1) -> None:
+def _add_hsdp(out: dict, layout, cluster, params_per_gpu: dict, value_bytes: int, blocks: int = 1,
+              calls: tuple[int, int] = zero3_calls(1, 1)) -> None:
     """axis_traffic's "dp" entry under HSDP: `hsdp_traffic` of the dense parameters over S = dp_shard x cp and
     of the experts over S = `Layout.efsdp`, R = dp_replicate replicas; its bytes by level in "shard_bytes", "replica_bytes"."""
     span = layout.dp_shard * layout.pp * layout.cp * layout.tp if layout.dp_shard > 1 else layout.cp * layout.tp
@@ -251,7 +273,7 @@ def _add_hsdp(out: dict, layout, cluster, params_per_gpu: dict, value_bytes: int
         if params == 0:
             continue
         levels = hsdp_traffic(params, layout.dp_replicate, ranks, cluster, zero=layout.zero,
-                              shard_stride=span / ranks, value_bytes=value_bytes, blocks=blocks)
+                              shard_stride=span / ranks, value_bytes=value_bytes, blocks=blocks, calls=calls)
         for name, level in levels.items():
             entry["bytes"] += level["bytes"]
             entry["seconds"] += level["seconds"]
