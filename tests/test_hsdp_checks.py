@@ -269,6 +269,27 @@ def test_cost_model_hsdp_zero3_levels_and_bytes():
     assert one["replica"]["bytes"] == 0 and one["replica"]["level"] == "node"
 
 
+def test_cost_model_hsdp_counts_each_micro_batchs_reductions():
+    """Several micro-batches without a pipeline (traffic.zero3_calls, zero2_calls): ZeRO-3 gathers twice and
+    reduce-scatters once per micro-batch, ZeRO-2 reduce-scatters per micro-batch and gathers once; each
+    reduce-scatter's shard all-reduced across the replicas (FSDP2's HSDP). The edge case: m = 3, where a
+    once-a-step count would be off by 3 in the reductions; inside a pipeline both count once (ZeRO-2 as ZeRO-1)."""
+    from labkit.scale.cluster import load_cluster
+    from labkit.scale.traffic import hsdp_traffic, zero2_calls, zero3_calls
+
+    h100 = load_cluster("h100-sxm")
+    P, R, S, m = 8e9, 16, 8, 3
+    z3 = hsdp_traffic(P, R, S, h100, calls=zero3_calls(1, m))
+    assert z3["shard"]["bytes"] == pytest.approx((S - 1) / S * (2 * m * 2 + m * 4) * P, rel=1e-12)
+    assert z3["replica"]["bytes"] == pytest.approx(m * 2 * (R - 1) / R * 4 * P / S, rel=1e-12)
+    z2 = hsdp_traffic(P, R, S, h100, zero="zero2", calls=zero2_calls(1, m))
+    assert z2["shard"]["bytes"] == pytest.approx((S - 1) / S * (1 + m) * 2 * P, rel=1e-12)
+    assert z2["replica"]["bytes"] == pytest.approx(m * 2 * (R - 1) / R * 2 * P / S, rel=1e-12)
+    assert zero3_calls(4, m) == (1, 1) and zero2_calls(4, m) is None
+    piped = hsdp_traffic(P, R, S, h100, zero="zero2", calls=zero2_calls(4, m))
+    assert piped == hsdp_traffic(P, R, S, h100, zero="zero1")
+
+
 def test_hsdp_optimizer_refuses_what_it_cannot_shard(planted):
     for out in planted:
         assert "one parameter group, got 2" in out["two_groups"], out["two_groups"]

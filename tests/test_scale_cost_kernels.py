@@ -74,11 +74,12 @@ def test_fsdp_inside_a_pipeline_gathers_and_scatters_once_a_step_whatever_the_mi
 
 
 def test_fsdp_hides_behind_all_compute_dp_buckets_behind_the_last_micro_batchs_backward_only():
-    """The same rule, three windows: ZeRO-3 exposes max(0, t - compute) + t/L (compute: every kernel of the compute
-    stream, FSDP's copies among them); plain DP, whose micro-batches
-    accumulate locally, max(0, t - B_last) + t/L with B_last the last micro-batch's backward (not all of them:
-    the edge case is 2 micro-batches); Megatron-LM's local DDP (grad_reduce="after") all of t, nothing hidden
-    (t: the dp traffic's seconds). A slow network (1 Gb/s) makes every window too short to hide it."""
+    """The same rule, four windows: ZeRO-3 exposes max(0, t - compute) + t/L (compute: every kernel of the compute
+    stream, FSDP's copies among them); plain DP and ZeRO-1, whose micro-batches accumulate locally,
+    max(0, t - B_last) + t/L with B_last the last micro-batch's backward (not all of them: the edge case is 2
+    micro-batches); ZeRO-2 without a pipeline, which reduce-scatters each micro-batch's gradient in its backward
+    (2 reduce-scatters, 1 all-gather), behind all of them; Megatron-LM's local DDP (grad_reduce="after") all of t,
+    nothing hidden (t: the dp traffic's seconds). A slow network (1 Gb/s) makes every window too short to hide it."""
     shape, opts = Shape(1, 4096), Options(recompute="none")
     blk = block_ops(SPEC, shape, opts, GPU)
     ends_b = sum(seconds(end_ops(SPEC, shape, opts, GPU, w)["backward"]) for w in ("embedding", "head"))
@@ -86,7 +87,8 @@ def test_fsdp_hides_behind_all_compute_dp_buckets_behind_the_last_micro_batchs_b
     del values["network_busbw_gbytes_per_s"]  # the 400 Gb/s NIC's measured figure: a 1 Gb/s NIC is priced at its line rate
     slow = load_cluster(dict(values, network_gbits_per_s=1))
     for cluster in (H100, slow):
-        for zero, reduce in (("zero3", "overlap"), ("dp", "overlap"), ("zero2", "overlap"), ("dp", "after")):
+        for zero, reduce in (("zero3", "overlap"), ("dp", "overlap"), ("zero1", "overlap"), ("zero2", "overlap"),
+                             ("dp", "after")):
             lay = Layout(dp=16, zero=zero, recompute="none", grad_reduce=reduce)
             p = predict(SPEC, lay, cluster, 32, 4096, efficiency=None)
             t = p.traffic["dp"]["seconds"]
@@ -94,8 +96,10 @@ def test_fsdp_hides_behind_all_compute_dp_buckets_behind_the_last_micro_batchs_b
             if reduce == "after":
                 assert p.parts_s["exposed_dp"] == pytest.approx(t, rel=1e-12)
                 continue
-            window = (p.parts_s["compute"] + p.parts_s["fsdp_copies"] if zero == "zero3"  # both on the compute stream
-                      else SPEC.n_layers * seconds(blk["backward"]) + ends_b)
+            last = SPEC.n_layers * seconds(blk["backward"]) + ends_b
+            window = {"zero3": p.parts_s["compute"] + p.parts_s["fsdp_copies"],  # both on the compute stream
+                      "zero2": p.n_micro * last}.get(zero, last)
+            assert p.traffic["dp"]["count"] == {"zero3": 4 + 2, "zero2": 2 + 1}.get(zero, 1)
             assert p.parts_s["exposed_dp"] == pytest.approx(max(0.0, t - window) + t / SPEC.n_layers, rel=1e-12)
 
 

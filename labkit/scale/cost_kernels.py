@@ -15,7 +15,7 @@ from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops,
 from labkit.scale.kernels import fsdp_copies, optimizer_step
 from labkit.scale.layout import LayoutError
 from labkit.scale.pipeline import n_stages, pipeline_time, schedule_actions, stage_layers, stage_roles
-from labkit.scale.traffic import ZERO3_GRAD_BYTES, axis_traffic, tp_collectives, zero3_calls
+from labkit.scale.traffic import ZERO3_GRAD_BYTES, axis_traffic, tp_collectives, zero2_calls, zero3_calls
 
 
 def params_per_gpu(model, layout) -> dict:
@@ -154,12 +154,14 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
         calls = zero3_calls(layout.pp, n_micro)
         copies = seconds([fsdp_copies(held, blocks, gpu, value_bytes, ZERO3_GRAD_BYTES, *calls)])
     t_dp = traffic.get("dp", {}).get("seconds", 0.0)
-    # ZeRO-3 prefetches behind the step's compute; plain DP / ZeRO-1/2 accumulate every micro-batch's gradient
-    # locally (DDP's no_sync, Megatron's buffers) and reduce in the last one's backward, or after it ("after")
+    # ZeRO-3 prefetches behind the step's compute; ZeRO-2 without a pipeline reduces each micro-batch's gradient in
+    # its backward (zero2_calls); plain DP / ZeRO-1 (and ZeRO-2 in a pipeline) accumulate every micro-batch's
+    # gradient locally (DDP's no_sync, Megatron's buffers) and reduce in the last one's backward, or after it
     if layout.zero != "zero3" and layout.grad_reduce == "after":  # all of it waits, after the backward
         hide, exposed_dp = 0.0, t_dp
     else:  # hidden up to the window; the last bucket, one layer's, waits for its backward
-        hide = compute + copies if layout.zero == "zero3" else backward / n_micro
+        by_micro = layout.zero == "zero2" and zero2_calls(layout.pp, n_micro)
+        hide = compute + copies if layout.zero == "zero3" else backward if by_micro else backward / n_micro
         exposed_dp = max(0.0, t_dp - hide) + t_dp / max(1, L) if t_dp else 0.0
     contention_dp = contention(t_dp, max(0.0, t_dp - hide), slowdown)
     shards = layout.dp * layout.cp if layout.zero != "dp" else 1

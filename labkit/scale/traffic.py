@@ -108,6 +108,16 @@ def zero3_calls(pp: int, n_micro: int) -> tuple[int, int]:
     return (1, 1) if pp > 1 else (2 * n_micro, n_micro)
 
 
+def zero2_calls(pp: int, n_micro: int) -> tuple[int, int] | None:
+    """(all-gathers, reduce-scatters) of ZeRO-2's parameters and gradients in one step where they differ from one
+    all-reduce's worth, else None. Its footprint holds the gradient sharded, so without a pipeline each micro-batch's
+    backward reduce-scatters its gradient as it comes (notebook 09's in-backward buckets, DeepSpeed's stage 2, FSDP2
+    with reshard_after_forward=False), and the updated parameters are gathered once, after the optimizer: 1 and m.
+    Inside a pipeline (None) it reduces once a step, as plain DP and ZeRO-1 do (labkit.compose's ZeRO-2 accumulates
+    the micro-batches first); the footprint does not count that accumulated gradient."""
+    return None if pp > 1 else (1, n_micro)
+
+
 def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_gpu: dict,
                  value_bytes: int = BF16) -> dict:
     """{axis: {"bytes": sent per GPU per step, "seconds": alpha-beta time, "count": collectives}}.
@@ -164,7 +174,8 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         v = layout.virtual_stages if layout.schedule == "interleaved" else 1
         add("pp", "send", act / (layout.tp if layout.sequence_parallel else 1), 2, 2 * n_micro * v)
     if layout.dp_replicate > 1:
-        _add_hsdp(out, layout, cluster, params_per_gpu, BF16, blocks=L, calls=zero3_calls(layout.pp, n_micro))
+        calls = zero3_calls(layout.pp, n_micro) if layout.zero == "zero3" else zero2_calls(layout.pp, n_micro)
+        _add_hsdp(out, layout, cluster, params_per_gpu, BF16, blocks=L, calls=calls)
         return out
     n_dp = layout.dp * layout.cp
     for axis_params, ranks in ((params_per_gpu["dense"], n_dp), (params_per_gpu["experts"], layout.efsdp)):
@@ -173,6 +184,10 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
             add("dp", "all_gather", BF16 * axis_params, ranks, gathers, message=BF16 * axis_params / L)
             grads = ZERO3_GRAD_BYTES * axis_params
             add("dp", "reduce_scatter", grads, ranks, scatters, message=grads / L)
+        elif layout.zero == "zero2" and zero2_calls(layout.pp, n_micro):  # ZeRO-2 by micro-batch, no pipeline
+            gathers, scatters = zero2_calls(layout.pp, n_micro)
+            add("dp", "reduce_scatter", BF16 * axis_params, ranks, scatters)
+            add("dp", "all_gather", BF16 * axis_params, ranks, gathers)
         else:
             add("dp", "all_reduce", BF16 * axis_params, ranks, 1)
     return out
@@ -180,7 +195,7 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
 
 def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: str = "zero3",
                  shard_stride: int = 1, value_bytes: int = BF16, grad_bytes: int = ZERO3_GRAD_BYTES,
-                 blocks: int = 1, calls: tuple[int, int] = zero3_calls(1, 1)) -> dict:
+                 blocks: int = 1, calls: tuple[int, int] | None = None) -> dict:
     """HSDP's data-parallel traffic by link level: {"shard": {...}, "replica": {...}}, each
     {"bytes": sent per GPU per step, "seconds": alpha-beta time, "count": collectives, "level": link}.
 
@@ -193,10 +208,12 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
                                             r times: (S-1)/S x (g value + r grad) P
                                      replica all-reduce of grad_bytes P / S after each reduce-scatter:
                                             r x 2 (R-1)/R x grad_bytes P/S
-                                     (g, r) = `calls`: zero3_calls(pp, micro-batches); one micro-batch
-                                     without a pipeline: (2, 1), the forward's and the backward's gathers
+                                     (g, r) = `calls`: zero3_calls(pp, micro-batches); None: one micro-batch
+                                     without a pipeline, (2, 1), the forward's and the backward's gathers
         otherwise (ZeRO-1/2 in the node, HSDPOptimizer): shard  reduce-scatter + all-gather of
-                                     value_bytes P: 2 (S-1)/S x value P; replica 2 (R-1)/R x value P/S
+                                     value_bytes P: 2 (S-1)/S x value P; replica 2 (R-1)/R x value P/S;
+                                     ZeRO-2 by micro-batch (`calls` = zero2_calls: (1, m)) reduce-scatters
+                                     and all-reduces m times, gathers once
     The two levels of the ZeRO-1/2 form add up to a flat all-reduce's 2 (W-1)/W x value P.
     blocks: under ZeRO-3 FSDP gathers, scatters and all-reduces block by block, so each call's bus bandwidth is
     read at 1/blocks of the bytes (`Cluster.link`'s size); the bytes and the count are the step's.
@@ -216,7 +233,8 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
             out[name]["count"] += count
 
     reduced = grad_bytes if zero == "zero3" else value_bytes
-    gathers, scatters = calls if zero == "zero3" else (1, 1)
+    gathers, scatters = (calls or zero3_calls(1, 1)) if zero == "zero3" else (calls or (1, 1)) if zero == "zero2" \
+        else (1, 1)
     add("shard", "all_gather", value_bytes * params, shard, gathers)
     add("shard", "reduce_scatter", reduced * params, shard, scatters)
     add("replica", "all_reduce", reduced * params / shard, replicate, scatters)  # FSDP2: after each reduce-scatter
@@ -262,7 +280,7 @@ def cp_attention_bytes(method: str, cp: int, q_bytes: float, kv_bytes: float, lo
 
 
 def _add_hsdp(out: dict, layout, cluster, params_per_gpu: dict, value_bytes: int, blocks: int = 1,
-              calls: tuple[int, int] = zero3_calls(1, 1)) -> None:
+              calls: tuple[int, int] | None = None) -> None:
     """axis_traffic's "dp" entry under HSDP: `hsdp_traffic` of the dense parameters over S = dp_shard x cp and
     of the experts over S = `Layout.efsdp`, R = dp_replicate replicas; its bytes by level in "shard_bytes", "replica_bytes"."""
     span = layout.dp_shard * layout.pp * layout.cp * layout.tp if layout.dp_shard > 1 else layout.cp * layout.tp
