@@ -63,7 +63,9 @@ its collectives, read in torch's own _fsdp_collectives.py (each all-gather's cop
 copy-in run on the compute stream: 4 and 6 bytes per parameter, kernels.fsdp_copies), with ZeRO-3's calls counted
 as the footprint already assumed (traffic.zero3_calls: twice gathered and once reduced per micro-batch without a
 pipeline, once each a step inside one; 2026-11-27): 52 of 59, median 9.9%, worst 53% (torchtitan's FSDP rows of
-the 8B 2-3 points lower, the rest under 1). After the table, each row
+the 8B 2-3 points lower, the rest under 1). Async TP's closing sum of each decomposed reduce-scatter (torch's
+fused_matmul_reduce_scatter sums the stacked partials on the compute stream; async_tp.SCATTERS): 52 of 59, median
+9.9%, worst 50% (every async-TP row 2-4 points lower). After the table, each row
 outside 25% with its note from the data file: what was checked, and why the miss stays.
 --ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
 same model, cluster, global batch, sequence length and GPU count; 1F1B, interleaved x2, ZB under the kernel

@@ -60,6 +60,39 @@ def test_async_tp_pairs_each_collective_with_the_gemms_it_feeds():
     assert got_f > 0  # fp8 GEMMs at tp 8 are shorter than their chunks' transfers: part of TP shows
 
 
+@pytest.mark.parametrize("recompute, backward", [("none", 2), ("selective-op", 2), ("full", 4)])
+def test_each_async_reduce_scatter_closes_with_its_sum(recompute, backward):
+    """torch's fused_matmul_reduce_scatter sums the stacked partials after its pipelined loop: reduce_s once per
+    reduce-scatter, 2 in each pass (wo, w2; the w1/w3 and the wq/wk/wv input gradients), 2 more in a fully
+    recomputing backward (its forward's wo and w2 again) and none for the op policy's re-run all-gathers."""
+    spec, tp = LLAMA3["8b"], 8
+    opts = Options(recompute=recompute)
+    blk = block_ops(spec, Shape(2, 8192, tp=tp), opts, H500)
+    chunk = block_ops(spec, Shape(2, 8192 // tp, tp=tp), opts, H500)
+    f0, b0 = atp.exposed(blk, chunk, 1e-3, tp, recompute)
+    f1, b1 = atp.exposed(blk, chunk, 1e-3, tp, recompute, reduce_s=0.25)
+    assert (f1 - f0, b1 - b0) == pytest.approx((2 * 0.25, backward * 0.25), rel=1e-12)
+
+
+def test_async_tp_sum_in_predict_reads_the_stacked_partials():
+    """predict's reduce_s for 8B at tp 8 on 2 x 8K tokens: the bf16 stacked partials (T x d) read and T / tp x d
+    written at the kind's HBM rate, 2 per pass with no recompute: exposed TP grows by exactly 4 L m of it over the
+    same step without the sum (async_tp.exposed with reduce_s = 0, patched in)."""
+    import labkit.scale.cost_kernels as ck
+    lay = Layout(dp=8, tp=8, zero="zero3", recompute="none", micro_batch=2)
+    with_sum = predict(LLAMA3["8b"], lay, TETON, 32, 8192, efficiency=None, async_tp=True)
+    real = ck.atp.exposed
+    try:
+        ck.atp.exposed = lambda *a: real(*a[:5])
+        without = predict(LLAMA3["8b"], lay, TETON, 32, 8192, efficiency=None, async_tp=True)
+    finally:
+        ck.atp.exposed = real
+    T, d = 2 * 8192, LLAMA3["8b"].d_model
+    reduce_s = 2 * T * d * (1 + 1 / 8) / H500.hbm_bytes_per_s
+    grown = with_sum.parts_s["exposed_tp"] - without.parts_s["exposed_tp"]
+    assert grown == pytest.approx(4 * LLAMA3["8b"].n_layers * with_sum.n_micro * reduce_s, rel=1e-9)
+
+
 def test_async_tp_in_predict_lies_between_all_hidden_and_all_exposed():
     lay = Layout(dp=32, tp=8, zero="zero3", recompute="full", micro_batch=16)
     kw = dict(efficiency=None, compile=True, float8=True)

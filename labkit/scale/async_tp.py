@@ -28,14 +28,22 @@ A recomputing backward runs again the forward's collectives its policy does not 
 (`labkit.scale.traffic.tp_collectives`), each behind the recomputed matmuls it feeds (`RECOMPUTE_GROUPS`):
 full recompute the forward's four groups; torchtitan's op policy its two all-gathers, which feed only
 wk and w3 there (wq, wv and w1 are saved: every other matmul).
-Not modelled: the copy engines (the post's NVLink transfers use them, not SMs, so no SM contention is
-charged) and their share of HBM bandwidth, for which no kernel-level figure was found.
+Each decomposed reduce-scatter ends in a kernel the NCCL one does not have: torch's
+fused_matmul_reduce_scatter (torch/distributed/_symmetric_memory/__init__.py) writes every rank's partial
+product of its chunk into a stacked buffer (`_pipelined_produce_and_all2all`), then sums them with one
+reduction kernel (`reduce_fn(stacked_partials, ...)`: reads T x n, writes T / tp x n), after the pipelined
+loop, on the compute stream: `reduce_s`, exposed once per reduce-scatter (`SCATTERS`: the groups whose
+collective is a reduce-scatter; the all-gathers' local copy into the symmetric buffer is T / tp rows, not
+counted). Not modelled: the copy engines (the post's NVLink transfers use them, not SMs, so no SM contention
+is charged) and their share of HBM bandwidth, for which no kernel-level figure was found.
 """
 from __future__ import annotations
 
 FORWARD_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w1", "w3"), ("w2",))
 BACKWARD_GROUPS = (("w2 dgrad",), ("w1 dgrad", "w3 dgrad"), ("wo dgrad",), ("wq dgrad", "wk dgrad", "wv dgrad"))
 RECOMPUTE_GROUPS = {"full": FORWARD_GROUPS, "selective-op": (("wk",), ("w3",))}
+# the groups whose matmuls feed a reduce-scatter (the others are fed by an all-gather)
+SCATTERS = {("wo",), ("w2",), ("w1 dgrad", "w3 dgrad"), ("wq dgrad", "wk dgrad", "wv dgrad")}
 
 
 def decomposed(full_s: float, chunk_s: float, collective_s: float, tp: int) -> float:
@@ -50,15 +58,16 @@ def _gemm_seconds(ops, names) -> float:
     return sum(op.seconds for op in ops if op.kind == "gemm" and op.name in names)
 
 
-def exposed(blk: dict, chunk_blk: dict, collective_s: float, tp: int, recompute: str = "none") -> tuple[float, float]:
+def exposed(blk: dict, chunk_blk: dict, collective_s: float, tp: int, recompute: str = "none",
+            reduce_s: float = 0.0) -> tuple[float, float]:
     """(forward, backward) exposed seconds of one block's TP collectives under async TP, for one micro-batch.
     blk: `layer_ops.block_ops` at the block's shape; chunk_blk: the same on T / tp rows (one chunk);
     collective_s: one collective's time (the block's TP time / its count, `traffic.tp_collectives`);
     recompute: the policy, whose re-run collectives (`RECOMPUTE_GROUPS`) hide behind the recomputed forward's
-    matmuls (their times are the forward's)."""
+    matmuls (their times are the forward's); reduce_s: one reduce-scatter's closing sum, added for each."""
     def groups(direction, names):
         return sum(decomposed(_gemm_seconds(blk[direction], g), _gemm_seconds(chunk_blk[direction], g),
-                              collective_s, tp) for g in names)
+                              collective_s, tp) + (reduce_s if g in SCATTERS and tp > 1 else 0.0) for g in names)
 
     forward = groups("forward", FORWARD_GROUPS)
     backward = groups("backward", BACKWARD_GROUPS) + groups("forward", RECOMPUTE_GROUPS.get(recompute, ()))

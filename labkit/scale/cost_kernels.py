@@ -12,7 +12,7 @@ from labkit.measure.overlap import two_batch_overlap
 from labkit.scale import async_tp as atp
 from labkit.scale.gpu import load_gpu
 from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops, seconds
-from labkit.scale.kernels import fsdp_copies, optimizer_step
+from labkit.scale.kernels import fsdp_copies, optimizer_step, roofline
 from labkit.scale.layout import LayoutError
 from labkit.scale.pipeline import n_stages, pipeline_time, schedule_actions, stage_layers, stage_roles
 from labkit.scale.traffic import ZERO3_GRAD_BYTES, axis_traffic, tp_collectives, zero2_calls, zero3_calls
@@ -74,11 +74,11 @@ def contention(traffic_s: float, exposed_s: float, slowdown: float) -> float:
 
 
 def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool, chunk_blk: dict | None = None,
-                slowdown: float = 0.0) -> dict:
+                slowdown: float = 0.0, reduce_s: float = 0.0) -> dict:
     """Exposed seconds of one block's tp, cp and ep traffic for one micro-batch, forward and backward, and
     "contention": what the hidden part costs the compute beside it (`contention`), split evenly over the passes.
     async_tp: each TP collective decomposed into tp chunks behind the matmuls it feeds (labkit.scale.async_tp),
-    chunk_blk: the block's ops on one chunk of T / tp rows."""
+    chunk_blk: the block's ops on one chunk of T / tp rows; reduce_s: async TP's closing sum of one reduce-scatter."""
     def share(axis, key="seconds"):
         return traffic.get(axis, {}).get(key, 0.0) / per_block
 
@@ -86,7 +86,7 @@ def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool, chunk_bl
     one = share("tp") / (n["forward"] + n["backward"] + n["recomputed"])  # one collective: all alike in a block
     tp_f, tp_b = one * n["forward"], one * (n["backward"] + n["recomputed"])
     if async_tp and share("tp"):  # each collective in tp chunks, beside the matmuls it feeds
-        tp_f, tp_b = atp.exposed(blk, chunk_blk, one, layout.tp, layout.recompute)
+        tp_f, tp_b = atp.exposed(blk, chunk_blk, one, layout.tp, layout.recompute, reduce_s)
     attn = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.kind == "attention")
     ring = share("cp", "hideable_seconds")
     cp = max(0.0, ring - attn) + share("cp") - ring
@@ -120,8 +120,12 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     # one chunk: T / tp rows (at least one row per cp rank, so that a tiny layout's chunk is not empty)
     chunk_seq = max(shape.cp, shape.seq_len // layout.tp)
     chunk = block_ops(model, replace(shape, seq_len=chunk_seq), opts, gpu) if async_tp else None
+    # async TP's sum closing each reduce-scatter: the stacked partials, T x d (bf16), read; T / tp x d written
+    rows = layout.micro_batch * seq_len // layout.cp
+    stacked = value_bytes * rows * model.d_model
+    reduce_s = roofline("async-tp sum", "elementwise", 0.0, stacked * (1 + 1 / layout.tp), 1, gpu).seconds if async_tp else 0.0
     slowdown = gpu.overlap_slowdown
-    comm = _block_comm(blk, traffic, layout, L * n_micro, async_tp, chunk, slowdown)
+    comm = _block_comm(blk, traffic, layout, L * n_micro, async_tp, chunk, slowdown, reduce_s)
     layers, roles = stage_layers(layout, model.n_layers), stage_roles(layout, model.n_layers)
     f_block, b_block = seconds(blk["forward"]), seconds(blk["backward"])
     fwd, bwd, kern = [], [], []
