@@ -61,7 +61,7 @@ ZeRO-1/2 reduction now hides behind the last micro-batch's backward only): 52 of
 (its pipelined rows +7..+21% -> -1..+12%, those without a pipeline -4..+8% -> -14..-1%). FSDP2's copies around
 its collectives, read in torch's own _fsdp_collectives.py (each all-gather's copy-out and each reduce-scatter's
 copy-in run on the compute stream: 4 and 6 bytes per parameter, kernels.fsdp_copies), with ZeRO-3's calls counted
-as the footprint already assumed (traffic.zero3_calls: twice gathered and once reduced per micro-batch without a
+as the footprint already assumed (zero_calls.zero3_calls: twice gathered and once reduced per micro-batch without a
 pipeline, once each a step inside one; 2026-11-27): 52 of 59, median 9.9%, worst 53% (torchtitan's FSDP rows of
 the 8B 2-3 points lower, the rest under 1). Async TP's closing sum of each decomposed reduce-scatter (torch's
 fused_matmul_reduce_scatter sums the stacked partials on the compute stream; async_tp.SCATTERS): 52 of 59, median

@@ -270,12 +270,13 @@ def test_cost_model_hsdp_zero3_levels_and_bytes():
 
 
 def test_cost_model_hsdp_counts_each_micro_batchs_reductions():
-    """Several micro-batches without a pipeline (traffic.zero3_calls, zero2_calls): ZeRO-3 gathers twice and
+    """Several micro-batches without a pipeline (zero_calls.zero3_calls, zero2_calls): ZeRO-3 gathers twice and
     reduce-scatters once per micro-batch, ZeRO-2 reduce-scatters per micro-batch and gathers once; each
     reduce-scatter's shard all-reduced across the replicas (FSDP2's HSDP). The edge case: m = 3, where a
     once-a-step count would be off by 3 in the reductions; inside a pipeline both count once (ZeRO-2 as ZeRO-1)."""
     from labkit.scale.cluster import load_cluster
-    from labkit.scale.traffic import hsdp_traffic, zero2_calls, zero3_calls
+    from labkit.scale.traffic import hsdp_traffic
+    from labkit.scale.zero_calls import zero2_calls, zero3_calls
 
     h100 = load_cluster("h100-sxm")
     P, R, S, m = 8e9, 16, 8, 3

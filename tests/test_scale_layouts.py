@@ -221,7 +221,7 @@ def test_ep_folded_over_tp_bytes_equal_closed_form():
     Per GPU per step, L = 16 blocks, m = 4 micro-batches of one 4,096-token sequence, T / tp = 1,024 tokens:
         ep  4 L m x (ep-1)/ep x 2 top_k (T/tp) d                     (traffic.py's docstring)
         dp  m [(dp cp - 1)/(dp cp) x 8 D  +  (n_e - 1)/n_e x 8 E]     (ZeRO-3: 2 + 2 + 4 bytes a parameter
-                                                                        each micro-batch, traffic.zero3_calls)
+                                                                        each micro-batch, zero_calls.zero3_calls)
     with D = the dense parameters / tp and E = L x the 8 experts / ep (not / tp: whole experts), n_e = 2.
     The ep group is the innermost 8 of (dp, cp, tp) flattened: tp's 4, then 2 dp ranks 4 apart, one node.
     Planted (checked when written): the experts split over tp as well (/ (tp ep)) or reduced over the
@@ -259,7 +259,7 @@ def test_ep_folded_over_tp_only_where_it_must_be_and_hsdp_inside_a_replica():
     E = MOE.n_layers * MOE.expert_params * MOE.n_experts / 8
     D = (MOE.n_layers * MOE.layer_dense_params + MOE.embedding_params + MOE.head_params) / 2
     # shard group: the dense over dp_shard = 4 (8 bytes), the experts over efsdp = 1 (nothing); replicas: R = 2;
-    # each of the m = 2 micro-batches (traffic.zero3_calls: no pipeline)
+    # each of the m = 2 micro-batches (zero_calls.zero3_calls: no pipeline)
     m = p.n_micro
     assert m == 2
     assert p.traffic["dp"]["shard_bytes"] == pytest.approx(m * 3 / 4 * 8 * D, rel=1e-12)

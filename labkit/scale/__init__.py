@@ -17,6 +17,7 @@ Modules, one job each:
     reserve    what a GPU holds beyond those tensors (allocator.json, sourced): the cuBLAS workspace in its
                allocator segment, the CUDA context, NCCL's buffers; a layout fits with it
     traffic    bytes per axis per step, closed forms, and their alpha-beta time
+    zero_calls how many gathers and reduce-scatters each ZeRO stage runs per step (per micro-batch or once)
     cost       step time = compute + exposed traffic + bubble -> tokens/s/GPU, MFU; efficiency=None:
                built up from kernels (gpu, kernels, layer_ops, collectives, pipeline, cost_kernels:
                every op by a roofline with cited figures, one overlap rule per mechanism, pipelines

@@ -15,7 +15,8 @@ from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops,
 from labkit.scale.kernels import fsdp_copies, optimizer_step, roofline
 from labkit.scale.layout import LayoutError
 from labkit.scale.pipeline import n_stages, pipeline_time, schedule_actions, stage_layers, stage_roles
-from labkit.scale.traffic import ZERO3_GRAD_BYTES, axis_traffic, tp_collectives, zero2_calls, zero3_calls
+from labkit.scale.traffic import axis_traffic, tp_collectives
+from labkit.scale.zero_calls import ZERO3_GRAD_BYTES, zero2_calls, zero3_calls
 
 
 def params_per_gpu(model, layout) -> dict:
@@ -123,7 +124,8 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     # async TP's sum closing each reduce-scatter: the stacked partials, T x d (bf16), read; T / tp x d written
     rows = layout.micro_batch * seq_len // layout.cp
     stacked = value_bytes * rows * model.d_model
-    reduce_s = roofline("async-tp sum", "elementwise", 0.0, stacked * (1 + 1 / layout.tp), 1, gpu).seconds if async_tp else 0.0
+    summed = stacked * (1 + 1 / layout.tp)
+    reduce_s = roofline("async-tp sum", "elementwise", 0.0, summed, 1, gpu).seconds if async_tp else 0.0
     slowdown = gpu.overlap_slowdown
     comm = _block_comm(blk, traffic, layout, L * n_micro, async_tp, chunk, slowdown, reduce_s)
     layers, roles = stage_layers(layout, model.n_layers), stage_roles(layout, model.n_layers)

@@ -38,10 +38,12 @@ Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch =
          v times with an interleaved schedule of v virtual stages per rank (each micro-batch goes
          round the ranks v times: "the amount of communication also increases by v", Narayanan
          et al. 2021, arXiv 2104.04473, section 2.2.2)
-    dp   plain DP / ZeRO-1 / ZeRO-2: the gradients (the states' gradient bytes), reduced once
-         per step (all-reduce; ZeRO-1/2: reduce-scatter + all-gather of the parameters, the same
-         bytes). ZeRO-3: all-gather bf16 parameters in forward and again in backward, reduce-scatter
-         fp32 gradients (FSDP2 as torchtitan: 2 + 2 + 4 bytes per parameter)
+    dp   plain DP / ZeRO-1 (and ZeRO-2 in a pipeline): the gradients (the states' gradient bytes),
+         reduced once per step (all-reduce; ZeRO-1/2: reduce-scatter + all-gather of the parameters,
+         the same bytes). ZeRO-2 without a pipeline: a reduce-scatter of the bf16 gradients per
+         micro-batch, one all-gather of the parameters. ZeRO-3: all-gather bf16 parameters in forward
+         and again in backward, reduce-scatter fp32 gradients (FSDP2 as torchtitan: 2 + 2 + 4 bytes
+         per parameter), per micro-batch without a pipeline, once inside one (labkit.scale.zero_calls)
     hsdp `hsdp_traffic`: dp split into R replicas x S shards (torchtitan's dp_replicate x dp_shard);
          the dp terms above inside the shard group, plus an all-reduce of the 1/S gradient shard
          (fp32 under ZeRO-3) across the replicas: 2 (R-1)/R x 4 P/S, on the network. In
@@ -51,6 +53,8 @@ Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch =
 from __future__ import annotations
 
 import math
+
+from labkit.scale.zero_calls import ZERO3_GRAD_BYTES, zero2_calls, zero3_calls
 
 BF16 = 2
 
@@ -89,33 +93,6 @@ def tp_collectives(recompute: str, sequence_parallel: bool = True) -> dict:
         return {"forward": 4, "backward": 4, "recomputed": gathers + scatters,
                 "all_gather": 4 + gathers, "reduce_scatter": 4 + scatters}
     return {"forward": 2, "backward": 2, "recomputed": reduces, "all_reduce": 4 + reduces}
-
-
-ZERO3_GRAD_BYTES = 4  # ZeRO-3 reduces its gradients in fp32 (torchtitan's mixed_precision_reduce, FSDP2's reduce_dtype)
-
-
-def zero3_calls(pp: int, n_micro: int) -> tuple[int, int]:
-    """(all-gathers, reduce-scatters) of each ZeRO-3 unit's parameters in one step, as FSDP2 runs them; the same
-    two cases as labkit.scale.footprint's, and one count for the traffic and the copies around each call
-    (labkit.scale.kernels.fsdp_copies):
-      without a pipeline, every micro-batch gathers twice (its forward; its backward, as reshard_after_forward
-        freed them) and reduce-scatters its gradient (FSDP2 syncs every backward unless told otherwise: the
-        footprint holds no unsharded gradient): 2 m and m;
-      inside a pipeline, once each: torchtitan keeps the stage gathered (reshard_after_forward=False, 'to avoid
-        per-microbatch all-gathers, which can be expensive and non-overlapped', its parallelize_llama), and
-        torch.distributed.pipelining turns off gradient sync and resharding for every backward but the last
-        (stage.py, backward_maybe_with_nosync): the footprint's stage gathered and its fp32 gradient accumulated."""
-    return (1, 1) if pp > 1 else (2 * n_micro, n_micro)
-
-
-def zero2_calls(pp: int, n_micro: int) -> tuple[int, int] | None:
-    """(all-gathers, reduce-scatters) of ZeRO-2's parameters and gradients in one step where they differ from one
-    all-reduce's worth, else None. Its footprint holds the gradient sharded, so without a pipeline each micro-batch's
-    backward reduce-scatters its gradient as it comes (notebook 09's in-backward buckets, DeepSpeed's stage 2, FSDP2
-    with reshard_after_forward=False), and the updated parameters are gathered once, after the optimizer: 1 and m.
-    Inside a pipeline (None) it reduces once a step, as plain DP and ZeRO-1 do (labkit.compose's ZeRO-2 accumulates
-    the micro-batches first); the footprint does not count that accumulated gradient."""
-    return None if pp > 1 else (1, n_micro)
 
 
 def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_gpu: dict,
