@@ -39,7 +39,8 @@ their bytes, per element, are counted below for eager PyTorch as torchtitan writ
 x.float(), pow, mean, rsqrt, mul, type_as, x weight; rotary as complex multiplication) and for
 torch.compile, modelled as fusion: every elementwise op between two GEMMs becomes one kernel that
 reads its inputs and writes its outputs once (no intermediate tensors, no extra launches). FSDP2's copies
-around its collectives (`fsdp_copies`) and the optimizer step are memory-bound too, once a step.
+around its collectives (`fsdp_copies`, one per gather and reduce-scatter) and the optimizer step (once a step)
+are memory-bound too.
 """
 from __future__ import annotations
 
