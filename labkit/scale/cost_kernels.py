@@ -16,7 +16,7 @@ from labkit.scale.kernels import fsdp_copies, optimizer_step, roofline
 from labkit.scale.layout import LayoutError
 from labkit.scale.pipeline import n_stages, pipeline_time, schedule_actions, stage_layers, stage_roles
 from labkit.scale.traffic import axis_traffic, tp_collectives
-from labkit.scale.zero_calls import ZERO3_GRAD_BYTES, zero2_calls, zero3_calls
+from labkit.scale.zero_calls import ZERO3_GRAD_BYTES, dp_calls
 
 
 def params_per_gpu(model, layout) -> dict:
@@ -155,18 +155,18 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     backward = n_micro * sum(bwd[s] for s in busiest)
     copies = 0.0
     if layout.zero == "zero3" and layout.zero3_unit == "block":  # FSDP2's copies around its gathers and scatters:
-        # kernels on the compute stream, one per gather and scatter (zero3_calls), on this rank's critical path
+        # kernels on the compute stream, one per gather and scatter (dp_calls), on this rank's critical path
         held = sum(params_per_gpu(model, layout).values())
-        calls = zero3_calls(layout.pp, n_micro)
+        calls = dp_calls("zero3", layout.pp, n_micro)
         copies = seconds([fsdp_copies(held, blocks, gpu, value_bytes, ZERO3_GRAD_BYTES, *calls)])
     t_dp = traffic.get("dp", {}).get("seconds", 0.0)
     # ZeRO-3 prefetches behind the step's compute; ZeRO-2 without a pipeline reduces each micro-batch's gradient in
-    # its backward (zero2_calls); plain DP / ZeRO-1 (and ZeRO-2 in a pipeline) accumulate every micro-batch's
+    # its backward (dp_calls); plain DP / ZeRO-1 (and ZeRO-2 in a pipeline) accumulate every micro-batch's
     # gradient locally (DDP's no_sync, Megatron's buffers) and reduce in the last one's backward, or after it
     if layout.zero != "zero3" and layout.grad_reduce == "after":  # all of it waits, after the backward
         hide, exposed_dp = 0.0, t_dp
     else:  # hidden up to the window; the last bucket, one layer's, waits for its backward
-        by_micro = layout.zero == "zero2" and zero2_calls(layout.pp, n_micro)
+        by_micro = layout.zero == "zero2" and dp_calls("zero2", layout.pp, n_micro)
         hide = compute + copies if layout.zero == "zero3" else backward if by_micro else backward / n_micro
         exposed_dp = max(0.0, t_dp - hide) + t_dp / max(1, L) if t_dp else 0.0
     contention_dp = contention(t_dp, max(0.0, t_dp - hide), slowdown)

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 
-from labkit.scale.zero_calls import ZERO3_GRAD_BYTES, zero2_calls, zero3_calls
+from labkit.scale.zero_calls import ZERO3_GRAD_BYTES, dp_calls, zero3_calls
 
 BF16 = 2
 
@@ -150,19 +150,19 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
     if layout.pp > 1:
         v = layout.virtual_stages if layout.schedule == "interleaved" else 1
         add("pp", "send", act / (layout.tp if layout.sequence_parallel else 1), 2, 2 * n_micro * v)
+    calls = dp_calls(layout.zero, layout.pp, n_micro)
     if layout.dp_replicate > 1:
-        calls = zero3_calls(layout.pp, n_micro) if layout.zero == "zero3" else zero2_calls(layout.pp, n_micro)
         _add_hsdp(out, layout, cluster, params_per_gpu, BF16, blocks=L, calls=calls)
         return out
     n_dp = layout.dp * layout.cp
     for axis_params, ranks in ((params_per_gpu["dense"], n_dp), (params_per_gpu["experts"], layout.efsdp)):
         if layout.zero == "zero3":  # FSDP gathers and scatters block by block: busbw at one block's size
-            gathers, scatters = zero3_calls(layout.pp, n_micro)
+            gathers, scatters = calls
             add("dp", "all_gather", BF16 * axis_params, ranks, gathers, message=BF16 * axis_params / L)
             grads = ZERO3_GRAD_BYTES * axis_params
             add("dp", "reduce_scatter", grads, ranks, scatters, message=grads / L)
-        elif layout.zero == "zero2" and zero2_calls(layout.pp, n_micro):  # ZeRO-2 by micro-batch, no pipeline
-            gathers, scatters = zero2_calls(layout.pp, n_micro)
+        elif calls:  # ZeRO-2 by micro-batch, no pipeline
+            gathers, scatters = calls
             add("dp", "reduce_scatter", BF16 * axis_params, ranks, scatters)
             add("dp", "all_gather", BF16 * axis_params, ranks, gathers)
         else:
@@ -185,12 +185,12 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
                                             r times: (S-1)/S x (g value + r grad) P
                                      replica all-reduce of grad_bytes P / S after each reduce-scatter:
                                             r x 2 (R-1)/R x grad_bytes P/S
-                                     (g, r) = `calls`: zero3_calls(pp, micro-batches); None: one micro-batch
+                                     (g, r) = `calls`: zero_calls.dp_calls; None: one micro-batch
                                      without a pipeline, (2, 1), the forward's and the backward's gathers
         otherwise (ZeRO-1/2 in the node, HSDPOptimizer): shard  reduce-scatter + all-gather of
                                      value_bytes P: 2 (S-1)/S x value P; replica 2 (R-1)/R x value P/S;
-                                     ZeRO-2 by micro-batch (`calls` = zero2_calls: (1, m)) reduce-scatters
-                                     and all-reduces m times, gathers once
+                                     ZeRO-2 by micro-batch (`calls` = dp_calls: (1, m)) reduce-scatters
+                                     and all-reduces m times, gathers once; ZeRO-1 takes no `calls`
     The two levels of the ZeRO-1/2 form add up to a flat all-reduce's 2 (W-1)/W x value P.
     blocks: under ZeRO-3 FSDP gathers, scatters and all-reduces block by block, so each call's bus bandwidth is
     read at 1/blocks of the bytes (`Cluster.link`'s size); the bytes and the count are the step's.
@@ -210,8 +210,7 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
             out[name]["count"] += count
 
     reduced = grad_bytes if zero == "zero3" else value_bytes
-    gathers, scatters = (calls or zero3_calls(1, 1)) if zero == "zero3" else (calls or (1, 1)) if zero == "zero2" \
-        else (1, 1)
+    gathers, scatters = calls or (zero3_calls(1, 1) if zero == "zero3" else (1, 1))
     add("shard", "all_gather", value_bytes * params, shard, gathers)
     add("shard", "reduce_scatter", reduced * params, shard, scatters)
     add("replica", "all_reduce", reduced * params / shard, replicate, scatters)  # FSDP2: after each reduce-scatter

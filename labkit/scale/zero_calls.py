@@ -32,3 +32,9 @@ def zero2_calls(pp: int, n_micro: int) -> tuple[int, int] | None:
     Inside a pipeline (None) it reduces once a step, as plain DP and ZeRO-1 do (labkit.compose's ZeRO-2 accumulates
     the micro-batches first); the footprint does not count that accumulated gradient."""
     return None if pp > 1 else (1, n_micro)
+
+
+def dp_calls(zero: str, pp: int, n_micro: int) -> tuple[int, int] | None:
+    """(all-gathers, reduce-scatters) a step of ZeRO stage `zero` (`zero3_calls`, `zero2_calls`), or None where
+    the stage reduces once a step, an all-reduce's worth (plain DP, ZeRO-1, ZeRO-2 inside a pipeline)."""
+    return zero3_calls(pp, n_micro) if zero == "zero3" else zero2_calls(pp, n_micro) if zero == "zero2" else None
