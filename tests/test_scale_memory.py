@@ -168,3 +168,81 @@ def test_deepspeed_zero3_gathers_a_submodule_not_a_block():
     assert predict(m, lay, cluster, global_batch=2560, seq_len=2048).fits
     assert not predict(m, block, cluster, global_batch=2560, seq_len=2048).fits
 
+
+
+def _backward_rise(module, x, *args) -> int:
+    """Bytes `module`'s backward holds at its peak above what forward left alive (its saved tensors, its output
+    and the gradient flowing in), the parameters' gradients left out: labkit.measure.activations.LiveBytes."""
+    import torch
+    from labkit.measure.activations import LiveBytes
+
+    with LiveBytes(module) as live:
+        y = module(x, *args)
+        grad = torch.ones_like(y)
+        start = live.mark()
+        y.backward(grad)
+    return live.rise(start, ignore=[p.grad for p in module.parameters()])
+
+
+def _gelu_mlp(d, hidden):
+    import torch.nn as nn
+    return nn.Sequential(nn.Linear(d, hidden, bias=False), nn.GELU(), nn.Linear(hidden, d, bias=False))
+
+
+# (d, hidden): each moment of mlp_backward_elements is the peak in at least one shape
+@pytest.mark.parametrize("gated,d,hidden", [(True, 64, 256), (True, 64, 96), (True, 128, 32), (True, 128, 48),
+                                            (False, 64, 256), (False, 256, 64), (False, 256, 32)])
+def test_mlp_backward_peak_equals_live_bytes(gated, d, hidden):
+    """Edge case: which moment peaks. SwiGLU's gate (2 b s H) where H is wide, its input gradients (3 b s d - 4 b s H)
+    where H is narrow, as TP makes it (H / tp); GELU's alike. Measured op by op in fp32 on a CPU: exact."""
+    import torch
+    from labkit.model.llama import ModelConfig, SwiGLU
+    from labkit.scale.footprint import mlp_backward_elements
+
+    torch.manual_seed(0)
+    b, s = 2, 16
+    mlp = SwiGLU(ModelConfig(d_model=d, n_heads=4, hidden_dim=hidden, context=s)) if gated else _gelu_mlp(d, hidden)
+    x = torch.randn(b, s, d, requires_grad=True)
+    assert _backward_rise(mlp, x) == 4 * mlp_backward_elements(b, s, d, hidden, gated=gated)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_block_backward_peak_is_its_mlp_at_llama_widths(recompute):
+    """Edge case: a whole labkit.model block (norms, attention, SwiGLU at LLaMA's H = 8 d / 3) with and without
+    recomputation: its backward peaks in the MLP, mlp_backward_elements above what it saved, and with recompute
+    above the block's rebuilt activations (block_activation_elements, less its input, which the checkpoint keeps)."""
+    import torch
+    from labkit.measure.activations import LiveBytes, block_activation_elements
+    from labkit.model.llama import Block, ModelConfig, Rotary, run_block
+    from labkit.scale.footprint import mlp_backward_elements
+
+    torch.manual_seed(0)
+    b, s, cfg = 2, 32, ModelConfig(d_model=64, n_heads=4, context=32, n_layers=1)
+    block, rope = Block(cfg), Rotary(cfg.head_dim, s, cfg.rope_theta)
+    x = torch.randn(b, s, cfg.d_model, requires_grad=True)
+    with LiveBytes(block, rope) as live:
+        y = run_block(block, x, rope, recompute=recompute)
+        grad = torch.ones_like(y)
+        start = live.mark()
+        y.backward(grad)
+    rise = live.rise(start, ignore=[p.grad for p in block.parameters()])
+    mlp = mlp_backward_elements(b, s, cfg.d_model, cfg.hidden_dim)
+    rebuilt = block_activation_elements(b, s, cfg.d_model, cfg.n_heads, cfg.hidden_dim) - b * s * cfg.d_model
+    assert rise == 4 * (mlp + (rebuilt if recompute else 0))
+
+
+def test_stage_memory_counts_one_block_backward():
+    """Edge case: TP with SP and CP: the gradient flowing in is a tp-th of the rank's b s / cp tokens' width, the MLP's
+    moment is at H / tp (Llama 8B at tp 8: its input gradients; without TP: its gate); a pipeline rank that holds no block (an embedding-only stage) holds no block's backward."""
+    from labkit.scale.footprint import BF16
+
+    m = LLAMA3["8b"]
+    got = stage_memory(m, Layout(dp=2, cp=2, tp=8, micro_batch=2), 0, 1, 8192)["backward"]
+    tokens = 2 * 8192 // 2
+    assert got == BF16 * (tokens * m.d_model / 8 + tokens * (3 * m.d_model - 4 * m.hidden_dim // 8))
+    assert 3 * m.d_model - 4 * m.hidden_dim / 8 > 2 * m.hidden_dim / 8  # at tp 8 the 8B's input gradients peak
+    assert stage_memory(m, Layout(dp=4, cp=2, micro_batch=2), 0, 1, 8192)["backward"] == \
+        BF16 * tokens * (m.d_model + 2 * m.hidden_dim)  # without TP, its gate
+    lay = Layout(pp=4, first_stage_embedding_only=True)
+    assert lay.rank_layers(m.n_layers)[0] == 0
+    assert stage_memory(m, lay, 0, 4, 8192)["backward"] == 0

@@ -1,9 +1,13 @@
 """Activation memory: what autograd keeps for backward, counted, and the formula it follows (notebook 11).
 
-    from labkit.measure.activations import SavedTensors, block_activation_elements
+    from labkit.measure.activations import LiveBytes, SavedTensors, block_activation_elements
     with SavedTensors(model) as saved:          # parameters and buffers are not activations
         loss = model(x, y)
     saved.nbytes                                # bytes held for backward, each storage once
+    with LiveBytes(model) as live:              # every tensor alive, op by op
+        loss = model(x, y); start = live.mark()
+        loss.backward()
+    live.rise(start, ignore=[p.grad for p in model.parameters()])   # the backward's peak above its start
 
 Counting uses `torch.autograd.graph.saved_tensors_hooks`: every tensor an operation saves for
 backward passes through the pack hook, and we add up the distinct storages (a view, a
@@ -29,8 +33,13 @@ dropout, and torch's CPU attention is a flash kernel that never stores the s x s
 """
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 class SavedTensors:
@@ -68,6 +77,65 @@ class SavedTensors:
     @property
     def count(self) -> int:
         return len(self._seen)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Context manager recording the bytes of every tensor alive inside it, after each op.
+
+    What `SavedTensors` cannot see: the gradients and temporaries a backward creates and frees, which
+    set its peak (labkit.scale.footprint.mlp_backward_elements). Each op's new storages are added when
+    the op returns them and subtracted when Python frees them (a weakref finalizer on the storage), so
+    the count is exact and deterministic on a CPU. ``LiveBytes(*modules)`` leaves the modules'
+    parameters and buffers out; ``mark()`` is a point in the record; ``rise(start, ignore)`` the most
+    bytes alive after any op since ``start`` above those alive at it, leaving out the storages of
+    ``ignore`` (the parameters' ``.grad``: model state, not activations).
+    """
+
+    def __init__(self, *modules):
+        super().__init__()
+        self._exclude = {t.untyped_storage().data_ptr() for m in modules
+                         for t in list(m.parameters()) + list(m.buffers())}
+        self._live: dict[int, tuple[int, int]] = {}  # address -> (allocation id, bytes)
+        self._ids = itertools.count()
+        self.events: list[tuple[int | None, int]] = []  # (id, +bytes or -bytes); (None, 0) after each op
+
+    def _free(self, uid: int, key: int) -> None:
+        if self._live.get(key, (None,))[0] == uid:
+            self.events.append((uid, -self._live.pop(key)[1]))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in self._exclude or key in self._live or key in inputs or not storage.nbytes():
+                continue  # a parameter, a view or in-place result of an input, one already counted, or empty
+            uid = next(self._ids)
+            self._live[key] = (uid, storage.nbytes())
+            self.events.append((uid, storage.nbytes()))
+            weakref.finalize(storage, self._free, uid, key)
+        self.events.append((None, 0))
+        return out
+
+    def mark(self) -> int:
+        return len(self.events)
+
+    def rise(self, start: int = 0, ignore=()) -> int:
+        """Peak bytes alive after an op since `start`, minus the bytes alive at `start`."""
+        keys = {t.untyped_storage().data_ptr() for t in ignore if t is not None}
+        skip = {self._live[k][0] for k in keys if k in self._live}
+        alive, at_start, peak = 0, 0, 0
+        for i, (uid, delta) in enumerate(self.events):
+            if i == start:
+                at_start = peak = alive
+            if uid is not None and uid not in skip:
+                alive += delta
+            elif uid is None and i >= start:
+                peak = max(peak, alive)
+        return peak - at_start
 
 
 def block_activation_elements(b: int, s: int, d: int, a: int, hidden: int, flash: bool = True) -> int:

@@ -20,6 +20,9 @@
     activations    bytes a block saves for backward for one micro-batch (bf16), x the blocks
                    of the stage, x the micro-batches in flight (1F1B: stage i holds pp - i;
                    stage 0 the most), see `block_activation_bytes`.
+    backward       the peak of one block's backward beyond the activations it saved or rebuilt: the gradient
+                   flowing in (b s d / sp) and the MLP's gradients at their peak (`mlp_backward_elements`),
+                   bf16, on every stage that holds a block.
     logits         on the last stage, the loss of one micro-batch: the fp32 log-softmax output
                    saved for backward, its gradient and the gradient of its input: 12 bytes per
                    logit, / (tp x cp) (torchtitan computes the loss vocabulary-parallel); Llama-shaped
@@ -143,6 +146,23 @@ def deepspeed_gathered_bytes(model, layout) -> float:
     return 6 * largest + 2 * DS_REDUCE_BUCKET
 
 
+def mlp_backward_elements(b: int, s: int, d: int, hidden: int, tp: int = 1, gated: bool = True) -> int:
+    """Elements an MLP's backward holds at its peak beyond what it saved and the gradient flowing in, b s tokens,
+    width d, hidden width H' = hidden / tp, measured op by op on labkit.model's SwiGLU and on a GELU MLP
+    (labkit.measure.activations.LiveBytes, tests/test_scale_memory.py). Two moments can be the peak:
+        the gate     the second matmul's input gradient (b s H'), then SwiGLU's two input gradients (2 b s H'),
+                     once the second matmul's saved input is freed: 2 b s H' (GELU: its one, b s H')
+        the input    the first matmuls' input gradients and their sum, each the whole width d (TP: of the gathered
+                     input, before SP's reduce-scatter), once the gate's gradients and saved tensors are freed:
+                     3 b s d - 4 b s H' (GELU: one gradient, b s d - b s H')
+    Llama's widths (H = 3.5 d) peak at the gate up to tp 4 and at the input from tp 8. Not counted: elementwise
+    temporaries of unfused norms, which can peak higher where H' is small (eager RMSNorm: about 2 b s d), and
+    compiled code that sums the input gradients in place (b s d less)."""
+    hp = -(-hidden // tp)
+    per_token = max(2 * hp, 3 * d - 4 * hp) if gated else max(hp, d - hp)
+    return b * s * per_token
+
+
 def stage_params(model, layout, first: bool, last: bool, layers: int | None = None) -> tuple[int, int]:
     """(dense, expert) parameters one GPU of a pipeline rank holds before ZeRO: its blocks (`layers`;
     None: the busiest rank's), the embedding if first, the head if last, / tp; experts / (expert_tp x ep)."""
@@ -191,6 +211,10 @@ def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int, cp_local
         # Narayanan et al. 2021: interleaving holds (1 + (p - 1)/(p v)) x 1F1B's activations
         in_flight = in_flight * (1 + (pp - 1) / (pp * layout.virtual_stages))
     out["activations"] = in_flight * layers * act["saved"] + (act["rebuilt"] if layers else 0.0)
+    b, s, sp = layout.micro_batch, seq_len // layout.cp, layout.tp if layout.sequence_parallel else 1
+    hidden = m.hidden_dim * (m.top_k if m.n_experts else 1)
+    mlp = mlp_backward_elements(b, s, m.d_model, hidden, layout.tp, gated=m.mlp == "swiglu")
+    out["backward"] = BF16 * (b * s * m.d_model / sp + mlp) if layers else 0.0
     tokens = layout.micro_batch * seq_len
     # the loss, and the head's saved input: the final norm's output, whole (all-gathered under SP), bf16
     head_input = BF16 * tokens * m.d_model / layout.cp if m.attention != "materialized" else 0.0
