@@ -89,7 +89,10 @@ run); the frameworks' 19 and 28 (39 s); flat: 1 and 11, the frameworks' 16 and 2
 ran on its GPUs, so it must fit), the predicted reserved memory (footprint's tensors + the cuBLAS workspace's
 allocator segment, labkit.scale.reserve) and its error, the whole reserve (+ CUDA context, NCCL's buffers), the
 peak plus the reserve against the GPU's memory, and whether it fits; a summary: rows within 15%, rows that ran
-but do not fit. Memory does not depend on the cost model (flat or kernels): printed once.
+but do not fit. Memory does not depend on the cost model (flat or kernels): printed once. 16 of 18 within 15% until
+2026-11-28, when one block's backward was counted (the gradient flowing in and the MLP's gradients at their peak,
+labkit.scale.footprint.mlp_backward_elements, equal to what labkit.measure.activations.LiveBytes measures op by op on
+the lab's own block): 17 of 18 (70B at TP 8 -16% -> -12%; 405B at 256K -17% -> -15.2%).
 --picks: the search's pick for issue 34's three questions (Llama 3 8B on 64 H100s, 70B on 256, 405B on
 1,024; a global batch of 512 x 8,192 tokens): labkit.scale.ranking.pick.
 No process, no GPU: arithmetic, a few seconds (without --ranks). --quick is accepted (and changes nothing)
