@@ -84,7 +84,8 @@ Then a second table: the same ranks in each row's framework's space (labkit.scal
 the options its code had, every layout run as that code ran it); 2026-11-27, kernel model: the lab's space 2 of 59
 as configurations, 12 as layouts (1,219 s); the frameworks' 18 and 29 (42 s). 2026-11-28, with FSDP's copies,
 ZeRO-2's and ZeRO-3's calls per micro-batch and async TP's sums: the lab's space 2 and 13 (1,726 s beside a test
-run); the frameworks' 19 and 28 (39 s); flat: 1 and 11, the frameworks' 16 and 29.
+run); the frameworks' 19 and 28 (39 s); flat: 1 and 11, the frameworks' 16 and 29. With one block's backward
+in the footprint (later that day), unchanged: 2 and 13 (1,203 s, alone on the cores), the frameworks' 19 and 28 (38 s).
 --memory: also a memory table per row: published memory (torchtitan's peak reserved GiB; "ran": every other row
 ran on its GPUs, so it must fit), the predicted reserved memory (footprint's tensors + the cuBLAS workspace's
 allocator segment, labkit.scale.reserve) and its error, the whole reserve (+ CUDA context, NCCL's buffers), the
