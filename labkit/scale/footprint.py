@@ -28,6 +28,10 @@
                    logit, / (tp x cp) (torchtitan computes the loss vocabulary-parallel); Llama-shaped
                    models also the head's saved input, b s d / cp in bf16 (torchtitan all-gathers it
                    under SP: ColwiseParallel(input_layouts=Shard(1))).
+The total adds every part at its own peak, though the loss's logits are freed before the blocks' backward begins:
+an upper bound on the tensors alive at once, by min(logits, rebuilt + backward). Against torch's peak reserved
+figures it is the closer one (torchtitan's 18 published rows: 17 within 15% summed, 15 with the two moments
+apart, 2026-11-28): the allocator keeps the loss's freed segments, and its fragmentation is not modelled.
 Not counted here: what the GPU holds beyond these tensors, labkit.scale.reserve (the cuBLAS workspace in its
 allocator segment, the CUDA context, NCCL's buffers; `predict` says a layout fits only with it), the allocator's
 fragmentation (published "reserved" figures include it; a run near the limit sets expandable segments to
