@@ -2,102 +2,122 @@
 
     python bench/scale.py [--quick] [--model flat|kernels|both] [--small] [--ranks] [--picks] [--memory]
 
-Predicts, from each run's published setup only (model, layout, batch, sequence, recompute, GPU
-and network), the throughput per GPU and the peak memory of every row of
-labkit/scale/published_runs.json: torchtitan's two H100 benchmark files (Dec 2024, async TP June
-2025), Megatron-LM 2021 Tables 1 and 2 (Table 2: PTD against DeepSpeed's ZeRO-3, 175B and 530B on 384-2,240
-A100s), Megatron-LM 2022's MFU table, Llama 3's Table 4. Each set states
-in the file how every unpublished input was chosen ("choices"), before predicting; the rows
-validate, nothing is fitted to them (labkit.scale.validation). Prints one line per row with its
-throughput and memory error (predicted / published - 1) and whether the model says it fits, a
-summary per set, then, as its last line, one JSON object: per set and overall, n, rows within
-25%, the median and worst |throughput error|, the worst |memory error|.
---model: the flat model (compute at a fixed fraction of the peak, the default of
-labkit.scale.cost.predict), the kernel model (every op by a roofline from kernel-level figures,
-`predict(..., efficiency=None)`), or both, one after the other (the default: the "before" and
-"after" of issue 34), each set's summary in the JSON under its model's name.
---small: also the lab's own models on one H200, measured by bench/single_device.py
-(/work/shared/gpu-2026-11-26/single_bf16.txt) and by bench/gpu_check.sh's predict row (2026-11-27), against
-the kernel model, with what bounds a block and the kernels of one step, modelled and profiled.
-The kernel model's hardware inputs come from the cluster files, each chosen from the source's own
-description of its machines, not from the rows: torchtitan's hosts run their H100s at 500 W (its
-'Hardware' section), so h100-grand-teton uses the GPU kind h100-sxm-500w (FBGEMM's GEMM measured
-on an 'H100 500W', the FlashAttention tables scaled by the same clock ratio; its HBM2e at the 2.4 TB/s
-torchtitan's async TP file gives for these hosts, at the 0.92 of it torchao measured for pointwise kernels
-on them); Llama 3's run at 700 W (h100-sxm); every kind's eager cost per kernel is one measured profile
-(sam2 issue #768), the same for all. Async TP rows run labkit.scale.async_tp's decomposition (each TP
-collective in tp chunks behind its matmuls, the chunks' GEMMs timed like every GEMM: no constant of its
-own); float8 rows run their table's recipe (tensorwise, torchao's default, or rowwise where the table
-says so), rowwise with FBGEMM's measured rowwise GEMM (1125.51 TFLOP/s at 8192^3 on an 'H100 500W') and
-torchao's own count of each recipe's cast kernels. These inputs were fixed from their sources before
-the rows were predicted again. TP's collectives per block follow the recompute policy
-(labkit.scale.traffic.tp_collectives): torchtitan's op policy saves reduce-scatter outputs and not
-all-gathers (its save list), so its backward all-gathers twice more (stated from that source before the rows
-were predicted; kernel model 32 -> 33 of 47 within 25%, worst 72% -> 66%). Table 2's twelve rows (2026-11-27,
-their choices stated in the file first): kernel model 10 of 12 within 25% (PTD +15% to +17%, ZeRO-3 +5% to
-+49%), flat 6 of 12; all 59 rows, kernel model 42 within 25%, median 17%, worst 66%. The contention rule
-(GPU.overlap_slowdown): 43, median 16%, worst 64%. Each collective kind at its own measured bus bandwidth
-against its size (the cluster's busbw_by_kind: on H100 nodes nccl-tests' reduce-scatter curve, 311-362 GB/s, for
-the all-gathers and reduce-scatters, where the all-reduce's NVLink-SHARP 460 GB/s had priced them; sources in the
-cluster file, read before the rows were predicted again): 47 of 59, median 15%, worst 54%. GEMMs on the 700 W kinds
-at the sustained, power-saturated rate (GPU.msmf_tflops: 708.5 TFLOP/s measured on the H200, the H100's die at the same
-700 W, where the burst MAMF is 841.9; the attention tables scaled by MSMF / MAMF alike): 49 of 59, median 15%, worst
-54% (Llama 3's rows +29% -> +11..+17%); flat 36 of 59. The all-reduce's bus bandwidth against its size on A100 and
-H100/H200 nodes (nccl-tests' sweeps from 32 KiB to 16 GiB, stas00/ml-engineering; within a measured curve no latency
-is added) and each NIC's measured figure across nodes (NCCL's maintainers: 24 GB/s per 200 Gb/s HDR NIC, 46 per
-400 Gb/s NDR NIC, where the line rate had been used), a group smaller than the node reading the node's curve at the
-size where its ring moves the same chunk per step (S x 8 / n): 49 of 59, median 12%, worst 54% (Table 2's PTD rows
-+15..+17% -> +12..+15%); flat 33 of 59. Megatron-LM's GPT blocks with the kernels its paper says it ran (sec.
-4.2: bias + dropout + add fused; Apex's fused LayerNorm; learned positions, no rotary; specs.megatron_fusions):
-49 of 59, median 13%, worst 54%: its runs without a pipeline -11..-2% -> -4..+8%, its pipelined ones +3..+16% ->
-+7..+21%; every Megatron run without a pipeline or ZeRO-3 within 9%. torch's ring attention's merges and send
-buffers (kernels.ring_merges, from torch's _context_parallel/_attention.py; the hybrid's ring across nodes pays them
-for its cp / cp_local steps): 50 of 59, median 13%, worst 54%
-(torchtitan's CP rows 2-4 points lower); torchtitan's K/V heads repeated before its SDPA call, as its CP rows
-ran them (ModelSpec.kv_repeated): 52 of 59, median 13%, worst 54%. Two facts of Megatron-LM 2021's code, which
-its rows had left at the lab's defaults (2026-11-27): no sequence parallelism (Korthikanti et al. 2022 introduced it),
-and its local DDP's one all-reduce after the step's last backward (Layout.grad_reduce="after"; every plain-DP and
-ZeRO-1/2 reduction now hides behind the last micro-batch's backward only): 52 of 59, median 10.4%, worst 54%
-(its pipelined rows +7..+21% -> -1..+12%, those without a pipeline -4..+8% -> -14..-1%). FSDP2's copies around
-its collectives, read in torch's own _fsdp_collectives.py (each all-gather's copy-out and each reduce-scatter's
-copy-in run on the compute stream: 4 and 6 bytes per parameter, kernels.fsdp_copies), with ZeRO-3's calls counted
-as the footprint already assumed (zero_calls.zero3_calls: twice gathered and once reduced per micro-batch without a
-pipeline, once each a step inside one; 2026-11-27): 52 of 59, median 9.9%, worst 53% (torchtitan's FSDP rows of
-the 8B 2-3 points lower, the rest under 1). Async TP's closing sum of each decomposed reduce-scatter (torch's
-fused_matmul_reduce_scatter sums the stacked partials on the compute stream; async_tp.SCATTERS): 52 of 59, median
-9.9%, worst 50% (every async-TP row 2-4 points lower). After the table, each row
-outside 25% with its note from the data file: what was checked, and why the miss stays.
---ranks: also where each published layout ranks in the search over its own space (labkit.scale.ranking:
-same model, cluster, global batch, sequence length and GPU count; 1F1B, interleaved x2, ZB under the kernel
-model, and the row's own schedule; ties within 0.5% go to the least memory), at two levels: the exact published
-configuration (issue 34's criterion as written: top 5, or within 5% of the top) and its parallel layout (dp, pp,
-cp, tp, schedule kind) at its best micro-batch, ZeRO stage, recompute, dp_replicate and cp_method (a weaker claim,
-printed beside the first, never instead of it); for each, the rank and the gap to the top; the seconds each row
-took; and for each row that misses as a configuration, its class (labkit.scale.misses: a choice inside its layout,
-"config", or the layout itself, "layout"; "-memory" where the row's published memory, against the model's own
-error on it, says the faster configuration would not fit) with the numbers of both steps. On 2 shared CPU cores
-(2026-11-27, 59 rows, beside other work): 750 s under the kernel model (Llama 3's 8K-GPU row 254 s, most rows
-under 25 s), 64 s under the flat model. Kernel model: 2 of 59 meet the criterion as a configuration, 12 of 59 as a
-parallel layout (11 before the all-reduce's curve against size: torchtitan's interleaved 405B row comes within 5%);
-flat: 1 and 10. The curve makes TP 8 on A100 nodes dearer, so Megatron's rows fall 1-5 points further from the top.
-Then a second table: the same ranks in each row's framework's space (labkit.scale.space, labkit/scale/frameworks.json:
-the options its code had, every layout run as that code ran it); 2026-11-27, kernel model: the lab's space 2 of 59
-as configurations, 12 as layouts (1,219 s); the frameworks' 18 and 29 (42 s). 2026-11-28, with FSDP's copies,
-ZeRO-2's and ZeRO-3's calls per micro-batch and async TP's sums: the lab's space 2 and 13 (1,726 s beside a test
-run); the frameworks' 19 and 28 (39 s); flat: 1 and 11, the frameworks' 16 and 29. With one block's backward
-in the footprint (later that day), unchanged: 2 and 13 (1,203 s, alone on the cores), the frameworks' 19 and 28 (38 s).
---memory: also a memory table per row: published memory (torchtitan's peak reserved GiB; "ran": every other row
-ran on its GPUs, so it must fit), the predicted reserved memory (footprint's tensors + the cuBLAS workspace's
-allocator segment, labkit.scale.reserve) and its error, the whole reserve (+ CUDA context, NCCL's buffers), the
-peak plus the reserve against the GPU's memory, and whether it fits; a summary: rows within 15%, rows that ran
-but do not fit. Memory does not depend on the cost model (flat or kernels): printed once. 16 of 18 within 15% until
-2026-11-28, when one block's backward was counted (the gradient flowing in and the MLP's gradients at their peak,
-labkit.scale.footprint.mlp_backward_elements, equal to what labkit.measure.activations.LiveBytes measures op by op on
-the lab's own block): 17 of 18 (70B at TP 8 -16% -> -12%; 405B at 256K -17% -> -15.2%).
---picks: the search's pick for issue 34's three questions (Llama 3 8B on 64 H100s, 70B on 256, 405B on
-1,024; a global batch of 512 x 8,192 tokens): labkit.scale.ranking.pick.
-No process, no GPU: arithmetic, a few seconds (without --ranks). --quick is accepted (and changes nothing)
-so that every bench takes the same flags.
+What it does. From each run's published setup only (model, layout, batch, sequence, recompute, GPU and network)
+it predicts the throughput per GPU and the peak memory of every row of labkit/scale/published_runs.json:
+torchtitan's two H100 benchmark files (Dec 2024; async TP, June 2025), Megatron-LM 2021 Tables 1 and 2 (Table 2:
+PTD against DeepSpeed's ZeRO-3, 175B and 530B on 384-2,240 A100s), Megatron-LM 2022's MFU table and Llama 3's
+Table 4. Each set states in the file how every unpublished input was chosen ("choices"), before predicting; the
+rows validate, nothing is fitted to them (labkit.scale.validation).
+
+What it prints. One line per row: its throughput and memory error (predicted / published - 1) and whether the model
+says it fits; a summary per set; each row outside 25% with its note from the data file (what was checked, and why
+the miss stays); as its last line one JSON object: per set and overall, n, rows within 25%, the median and worst
+|throughput error|, the worst |memory error|. No process, no GPU: arithmetic, a few seconds (without --ranks).
+
+Flags
+    --model   the flat model (compute at a fixed fraction of the peak, labkit.scale.cost.predict's default), the
+              kernel model (every op by a roofline from kernel-level figures, `predict(..., efficiency=None)`), or
+              both, one after the other (the default: issue 34's "before" and "after"), each set's summary in the
+              JSON under its model's name.
+    --small   also the lab's own models on one H200, measured by bench/single_device.py
+              (/work/shared/gpu-2026-11-26/single_bf16.txt) and by bench/gpu_check.sh's predict row (2026-11-27),
+              against the kernel model, with what bounds a block and the kernels of one step, modelled and profiled.
+    --ranks   also where each published layout ranks in the search over its own space (labkit.scale.ranking: same
+              model, cluster, global batch, sequence length and GPU count; 1F1B, interleaved x2, ZB under the
+              kernel model, and the row's own schedule; ties within 0.5% go to the least memory), at two levels:
+              the exact published configuration (issue 34's criterion as written: top 5, or within 5% of the top)
+              and its parallel layout (dp, pp, cp, tp, schedule kind) at its best micro-batch, ZeRO stage,
+              recompute, dp_replicate and cp_method (a weaker claim, printed beside the first, never instead of
+              it); for each, the rank, the gap to the top and the seconds the row took; for each row that misses
+              as a configuration, its class (labkit.scale.misses: a choice inside its layout, "config", or the
+              layout itself, "layout"; "-memory" where the row's published memory, against the model's own error
+              on it, says the faster configuration would not fit) with the numbers of both steps. Then the same
+              ranks in each row's framework's space (labkit.scale.space, labkit/scale/frameworks.json: the options
+              its code had, every layout run as that code ran it).
+    --picks   the search's pick for issue 34's three questions (Llama 3 8B on 64 H100s, 70B on 256, 405B on
+              1,024; a global batch of 512 x 8,192 tokens): labkit.scale.ranking.pick.
+    --memory  also a memory table per row: published memory (torchtitan's peak reserved GiB; "ran": every other row
+              ran on its GPUs, so it must fit), the predicted reserved memory (footprint's tensors + the cuBLAS
+              workspace's allocator segment, labkit.scale.reserve) and its error, the whole reserve (+ CUDA
+              context, NCCL's buffers), the peak plus the reserve against the GPU's memory, and whether it fits;
+              a summary: rows within 15%, rows that ran but do not fit. Memory does not depend on the cost model
+              (flat or kernels): printed once.
+    --quick   accepted, and changes nothing, so that every bench takes the same flags.
+
+The kernel model's inputs, each fixed from its source before the rows were predicted again
+    hardware  from the cluster files, chosen from the source's own description of its machines, not from the
+              rows: torchtitan's hosts run their H100s at 500 W (its 'Hardware' section), so h100-grand-teton
+              uses the GPU kind h100-sxm-500w (FBGEMM's GEMM measured on an 'H100 500W', the FlashAttention
+              tables scaled by the same clock ratio; its HBM2e at the 2.4 TB/s torchtitan's async TP file gives
+              for these hosts, at the 0.92 of it torchao measured for pointwise kernels on them); Llama 3's run
+              at 700 W (h100-sxm); every kind's eager cost per kernel is one measured profile (sam2 issue #768).
+    async TP  labkit.scale.async_tp's decomposition: each TP collective in tp chunks behind its matmuls, the
+              chunks' GEMMs timed like every GEMM (no constant of its own).
+    float8    each table's recipe (tensorwise, torchao's default, or rowwise where the table says so), rowwise
+              with FBGEMM's measured rowwise GEMM (1125.51 TFLOP/s at 8192^3 on an 'H100 500W') and torchao's
+              own count of each recipe's cast kernels.
+    TP        collectives per block by recompute policy (labkit.scale.traffic.tp_collectives): torchtitan's op
+              policy saves reduce-scatter outputs and not all-gathers (its save list), so its backward
+              all-gathers twice more.
+
+History of the kernel model's validation (rows within 25%, median and worst |error|; each change read in a source
+before its effect was computed)
+    on the first 47 rows   the op policy's TP all-gathers: 32 -> 33 within 25%, worst 72% -> 66%
+    2026-11-27  Table 2's twelve rows (their choices stated in the file first): 10 of 12 (PTD +15% to +17%,
+                ZeRO-3 +5% to +49%), flat 6 of 12; all 59 rows: 42, 17%, 66%
+                the contention rule (GPU.overlap_slowdown): 43, 16%, 64%
+                each collective kind at its own measured bus bandwidth against its size (the cluster's
+                busbw_by_kind: on H100 nodes nccl-tests' reduce-scatter curve, 311-362 GB/s, for all-gathers
+                and reduce-scatters, where the all-reduce's NVLink-SHARP 460 GB/s had priced them): 47, 15%, 54%
+                GEMMs on the 700 W kinds at the sustained, power-saturated rate (GPU.msmf_tflops: 708.5 TFLOP/s
+                measured on the H200, the H100's die at the same 700 W, where the burst MAMF is 841.9; the
+                attention tables scaled by MSMF / MAMF alike): 49, 15%, 54% (Llama 3's rows +29% -> +11..+17%);
+                flat 36 of 59
+                the all-reduce's bus bandwidth against its size on A100 and H100/H200 nodes (nccl-tests' sweeps
+                from 32 KiB to 16 GiB, stas00/ml-engineering; within a measured curve no latency is added), each
+                NIC's measured figure across nodes (NCCL's maintainers: 24 GB/s per 200 Gb/s HDR NIC, 46 per
+                400 Gb/s NDR NIC, where the line rate had been used), a group smaller than the node reading the
+                node's curve at the size where its ring moves the same chunk per step (S x 8 / n): 49, 12%, 54%
+                (Table 2's PTD rows +15..+17% -> +12..+15%); flat 33 of 59
+                Megatron-LM's GPT blocks with the kernels its paper says it ran (sec. 4.2: bias + dropout + add
+                fused; Apex's fused LayerNorm; learned positions, no rotary; specs.megatron_fusions): 49, 13%,
+                54% (its runs without a pipeline -11..-2% -> -4..+8%, its pipelined ones +3..+16% -> +7..+21%)
+                torch's ring attention's merges and send buffers (kernels.ring_merges, from torch's
+                _context_parallel/_attention.py; the hybrid's ring across nodes pays them for its cp / cp_local
+                steps): 50, 13%, 54% (torchtitan's CP rows 2-4 points lower)
+                torchtitan's K/V heads repeated before its SDPA call, as its CP rows ran them
+                (ModelSpec.kv_repeated): 52, 13%, 54%
+                two facts of Megatron-LM 2021's code its rows had left at the lab's defaults: no sequence
+                parallelism (Korthikanti et al. 2022 introduced it), and its local DDP's one all-reduce after the
+                step's last backward (Layout.grad_reduce="after"; every plain-DP and ZeRO-1/2 reduction hides
+                behind the last micro-batch's backward only): 52, 10.4%, 54% (its pipelined rows +7..+21% ->
+                -1..+12%, those without a pipeline -4..+8% -> -14..-1%)
+                FSDP2's copies around its collectives, read in torch's _fsdp_collectives.py (each all-gather's
+                copy-out and each reduce-scatter's copy-in on the compute stream: 4 and 6 bytes per parameter,
+                kernels.fsdp_copies), with ZeRO-3's calls counted as the footprint already assumed
+                (zero_calls.zero3_calls: twice gathered and once reduced per micro-batch without a pipeline, once
+                each a step inside one): 52, 9.9%, 53% (torchtitan's 8B FSDP rows 2-3 points lower)
+    2026-11-28  async TP's closing sum of each decomposed reduce-scatter (torch's fused_matmul_reduce_scatter sums
+                the stacked partials on the compute stream; async_tp.SCATTERS): 52, 9.9%, 50% (every async-TP
+                row 2-4 points lower)
+
+History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
+    2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row
+                254 s, most rows under 25 s; 11 layouts before the all-reduce's curve against size, which brings
+                torchtitan's interleaved 405B row within 5% and makes TP 8 on A100 nodes dearer: Megatron's rows
+                1-5 points further from the top); flat model: 1 and 10 (64 s). With the frameworks' spaces: the
+                lab's 2 and 12 (1,219 s), the frameworks' 18 and 29 (42 s)
+    2026-11-28  with FSDP's copies, ZeRO-2's and ZeRO-3's calls per micro-batch and async TP's sums: the lab's 2
+                and 13 (1,726 s beside a test run), the frameworks' 19 and 28 (39 s); flat: 1 and 11, the
+                frameworks' 16 and 29. With one block's backward in the footprint: unchanged, 2 and 13 (1,203 s
+                alone on the cores), the frameworks' 19 and 28 (38 s)
+
+History of --memory (rows within 15% of the 18 that publish it)
+    until 2026-11-28  16
+    2026-11-28  one block's backward counted (the gradient flowing in and the MLP's gradients at their peak,
+                labkit.scale.footprint.mlp_backward_elements, equal to what labkit.measure.activations.LiveBytes
+                measures op by op on the lab's own block): 17 (70B at TP 8 -16% -> -12%; 405B at 256K -17% ->
+                -15.2%)
 """
 import argparse
 import json
