@@ -100,6 +100,9 @@ before its effect was computed)
     2026-11-28  async TP's closing sum of each decomposed reduce-scatter (torch's fused_matmul_reduce_scatter sums
                 the stacked partials on the compute stream; async_tp.SCATTERS): 52, 9.9%, 50% (every async-TP
                 row 2-4 points lower)
+                torchtitan's CP rows as they ran: the ring's K/V by one all-gather that only its first step hides
+                (9dec370's --experimental.context_parallel_rotate_method, default 'allgather'; Layout.kv_rotation):
+                52, 9.9%, 50% (Table 6's CP 8 row, cp across nodes, +24.0% -> +21.5%; the rest unchanged)
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row

@@ -128,6 +128,17 @@ def test_cp_ring_hidden_only_where_attention_outlasts_its_transfer():
     assert long != planted_always_hidden
 
 
+def test_cp_all_gather_rotation_hidden_only_behind_the_first_step():
+    """Edge case: kv_rotation="allgather": the K/V all-gather ("first_step_seconds") hides behind 1/cp of the block's
+    attention, the ring's first step, not all of it: half the attention's time, on 4 cp ranks, exposes a quarter.
+    Planted mistake: the hop-by-hop rule would hide it whole (0)."""
+    lay = Layout(cp=4, kv_rotation="allgather")
+    blk, _ = _comm({}, lay)
+    attn = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.kind == "attention")
+    got = _comm({"cp": {"seconds": 0.5 * attn, "hideable_seconds": 0.0, "first_step_seconds": 0.5 * attn}}, lay)[1]
+    assert got["cp"] == pytest.approx(0.5 * attn - attn / 4, rel=1e-12) and got["cp"] != 0.0
+
+
 def test_the_rings_hidden_hops_slow_the_attention_beside_them():
     """A ring hidden behind attention costs k x its time (k = s / (1 + s)); one longer than the slowed attention
     costs only its exposed part; plain TP, all exposed, costs nothing more."""

@@ -73,6 +73,45 @@ def test_cp_layer_traffic_adds_up_to_the_measured_closed_form(method, cp, local)
         assert sent - 2 * kv * 3 * (cp - 1) == 2 * kv  # the old count missed exactly one K,V pair
 
 
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_ring_by_one_all_gather_moves_the_ring_s_bytes_and_hides_behind_its_first_step(cp):
+    """Edge case: torch's default K/V rotation (kv_rotation="allgather"): each direction's K/V in one all-gather,
+    marked "first" (only the ring's first step hides it), dK/dV still hop by hop (hideable); the bytes are the
+    ring's, cp_attention_bytes. step_time hides it behind attention / cp only. Planted: hidden behind all of
+    attention, as the hop-by-hop ring, it would expose 0.5 s less below."""
+    q, kv = 3.0, 5.0
+    parts = cp_layer_traffic("ring", cp, q, kv, rotation="allgather")
+    sent = sum(p[1] for d in ("forward", "backward") for p in parts[d])
+    assert sent == pytest.approx(sum(cp_attention_bytes("ring", cp, q, kv).values()), rel=1e-15)
+    assert [(p[4], p[5]) for p in parts["forward"]] == [("first", "all_gather")]
+    assert [(p[4], p[5]) for p in parts["backward"]] == [("first", "all_gather"), (True, "send")]
+    assert parts["backward"][1][1] == 2 * kv * cp  # dK, dV: cp hops, home included
+    _, got = step_time(10.0, 2.0, {"cp": 3.0}, Layout(cp=4), n_micro=1, layers_per_rank=4, cp_hideable_s=1.0,
+                       cp_first_s=1.0)
+    assert got["exposed_cp"] == 0.0 + (1.0 - 2.0 / 4) + 1.0  # the hops hidden; the gather behind 1/4; the rest
+    with pytest.raises(ValueError, match="rotation='ring'.*p2p, allgather"):
+        cp_layer_traffic("ring", cp, q, kv, rotation="ring")
+
+
+def test_kv_rotation_is_named_in_the_layout_and_checked():
+    assert Layout(cp=8, kv_rotation="allgather").short().endswith(" kv-allgather")
+    assert Layout(cp=8, cp_method="ulysses", kv_rotation="allgather").short().endswith("cp-ulysses")  # ring only
+    with pytest.raises(LayoutError, match=r"kv_rotation='hops'.*\('p2p', 'allgather'\)"):
+        check_layout(LLAMA3["8b"], Layout(cp=2, kv_rotation="hops"), 2, 8, 2, 8192)
+
+
+def test_axis_traffic_prices_the_gather_at_its_own_bus_bandwidth_and_keeps_the_bytes():
+    """Edge case: the same layout, its ring's K/V hop by hop or by one all-gather: the same bytes; the gather's
+    seconds in "first_step_seconds", only dK/dV's in "hideable_seconds"; across nodes the gather is exposed where
+    it outlasts the first step. Planted: the rotation ignored, first_step_seconds stays 0."""
+    spec, seq, lay = LLAMA3["8b"], 131072, Layout(cp=16, tp=2)
+    hop = predict(spec, lay, H100, 1, seq).traffic["cp"]
+    gather = predict(spec, Layout(cp=16, tp=2, kv_rotation="allgather"), H100, 1, seq).traffic["cp"]
+    assert gather["bytes"] == pytest.approx(hop["bytes"], rel=1e-12) and hop["first_step_seconds"] == 0
+    assert gather["first_step_seconds"] > 0
+    assert gather["hideable_seconds"] + gather["first_step_seconds"] == pytest.approx(gather["seconds"], rel=1e-12)
+
+
 def layer_bytes(model, layout, seq, mb=1):
     """axis_traffic's cp bytes per layer and micro-batch, written out: q = T d / tp, kv = T d_kv / tp values
     (bf16), T = mb s / cp; Ulysses' K/V heads replicated to lcm(n_kv / tp, cp)."""

@@ -87,8 +87,12 @@ def test_a_framework_space_runs_its_layouts_as_the_rows_code_did_the_labs_as_the
     runs every layout so; the lab's space runs them with SP and overlapped buckets, whatever the row did."""
     row, info = ROWS["meg21-t1-1t"]
     mine = layout_of(row)
-    assert space_of(row, info)[1].traits(mine) == dict(sequence_parallel=False, grad_reduce="after", zero3_unit="block")
-    assert LAB.traits(mine) == dict(sequence_parallel=True, grad_reduce="overlap", zero3_unit="block")
+    assert space_of(row, info)[1].traits(mine) == dict(sequence_parallel=False, grad_reduce="after", zero3_unit="block",
+                                                       kv_rotation="p2p")
+    assert LAB.traits(mine) == dict(sequence_parallel=True, grad_reduce="overlap", zero3_unit="block", kv_rotation="p2p")
+    row6, info6 = ROWS["tt24-t6-18"]  # torchtitan's CP rows rotate the ring's K/V by one all-gather (its default)
+    assert space_of(row6, info6)[1].traits(layout_of(row6))["kv_rotation"] == "allgather"
+    assert LAB.traits(layout_of(row6))["kv_rotation"] == "p2p"
     row, info = ROWS["meg21-t2-zero3-530b-640"]
     assert space_of(row, info)[1].traits(layout_of(row))["zero3_unit"] == "module"  # DeepSpeed's per-module gathers
 

@@ -135,19 +135,21 @@ _params_per_gpu = params_per_gpu  # the name before the kernel model
 
 def step_time(compute_s: float, attention_s: float, traffic_s: dict, layout: Layout, n_micro: int,
               layers_per_rank: int, overlap: bool = True, *, cp_hideable_s: float | None = None,
-              experts_s: float = 0.0) -> tuple[float, dict]:
+              cp_first_s: float = 0.0, experts_s: float = 0.0) -> tuple[float, dict]:
     """(step seconds, parts) from one GPU's compute time, its attention's share, and each axis's
     traffic time: the overlap rules and the bubble of the module's docstring. `predict` feeds it
     the closed forms; a measured step (labkit.scale.simulate) feeds it its own FLOPs and bytes.
     overlap=False: every axis's traffic is exposed in full (the lab's own steps communicate after
     their compute, as notebooks 04-13 write them). cp_hideable_s: the part of cp's time that can
-    overlap attention (None: all of it, the ring); experts_s: the experts' compute time per step
+    overlap attention (None: all of it, the ring); cp_first_s: the part that only the ring's first step, 1 / cp of
+    attention, can hide (its K/V by one all-gather, Layout.kv_rotation); experts_s: the experts' compute time per step
     (forward and backward), what hides the all-to-alls under layout.ep_overlap."""
     secs = {axis: traffic_s.get(axis, 0.0) for axis in ("dp", "cp", "tp", "ep", "pp")}
     ring = secs["cp"] if cp_hideable_s is None else cp_hideable_s
     exposed = dict(secs) if not overlap else {
         "dp": max(0.0, secs["dp"] - compute_s) + secs["dp"] / layers_per_rank,
-        "cp": max(0.0, ring - attention_s) + secs["cp"] - ring,
+        "cp": max(0.0, ring - attention_s) + max(0.0, cp_first_s - attention_s / layout.cp)
+        + max(0.0, secs["cp"] - ring - cp_first_s),
         "tp": secs["tp"], "ep": secs["ep"], "pp": secs["pp"],
     }
     if overlap and layout.ep_overlap and secs["ep"]:
@@ -189,7 +191,7 @@ def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_g
     experts = 6 * model.top_k * model.expert_params * L * layout.pp * tokens / n_gpus / rate if model.n_experts else 0.0
     step, parts = step_time(flops / rate, attention, {a: v["seconds"] for a, v in traffic.items()}, layout,
                             n_micro, L, overlap, cp_hideable_s=traffic.get("cp", {}).get("hideable_seconds"),
-                            experts_s=experts)
+                            cp_first_s=traffic.get("cp", {}).get("first_step_seconds", 0.0), experts_s=experts)
     memory = peak_memory(model, layout, n_micro, seq_len, cp_local=layout.cp_local(cluster.gpus_per_node))
     extra = reserve(layout, getattr(cluster, "gpu", ""))  # fits: the tensors' peak + this within the GPU's memory
     return Prediction(

@@ -89,15 +89,17 @@ def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool, chunk_bl
     if async_tp and share("tp"):  # each collective in tp chunks, beside the matmuls it feeds
         tp_f, tp_b = atp.exposed(blk, chunk_blk, one, layout.tp, layout.recompute, reduce_s)
     attn = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.kind == "attention")
-    ring = share("cp", "hideable_seconds")
-    cp = max(0.0, ring - attn) + share("cp") - ring
+    ring, first = share("cp", "hideable_seconds"), share("cp", "first_step_seconds")
+    # the ring's hops hide behind every step's attention; its K/V all-gather (kv_rotation) behind the first step's only
+    first_window = attn / layout.cp if layout.cp > 1 else 0.0
+    cp = max(0.0, ring - attn) + max(0.0, first - first_window) + max(0.0, share("cp") - ring - first)
     ep = share("ep")
     if layout.ep_overlap and ep:
         experts = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.name.split()[0] in ("w1", "w2", "w3"))
         ep = two_batch_exposed(ep, experts, 1, 1)
     # NCCL's kernels beside the compute: the ring's hops, EP's overlapped all-to-alls (plain TP is all exposed;
     # async TP's transfers run on the copy engines, not the SMs)
-    slow = contention(ring, max(0.0, ring - attn), slowdown)
+    slow = contention(ring, max(0.0, ring - attn), slowdown) + contention(first, max(0.0, first - first_window), slowdown)
     slow += contention(share("ep"), ep, slowdown) if layout.ep_overlap else 0.0
     return {"tp": tp_f + tp_b, "cp": cp, "ep": ep, "contention": slow, "forward": tp_f + cp / 2 + ep / 2 + slow / 2,
             "backward": tp_b + cp / 2 + ep / 2 + slow / 2}

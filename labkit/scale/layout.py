@@ -48,6 +48,10 @@ micro-batch runs as two halves whose all-to-alls hide behind the other half's ex
 completes them: torch DDP, FSDP2, Megatron-Core's DDP since 2023) or "after" (one all-reduce after the step's
 last backward, nothing hidden: Megatron-LM's `--DDP-impl local`, its default until 2023, whose train_step
 calls allreduce_gradients() once forward_backward_func returns). ZeRO-3 prefetches either way.
+`kv_rotation`: how the ring's K/V reach every cp rank (cp_method="ring" only; labkit.scale.traffic.KV_ROTATIONS):
+"p2p" (the lab's ring: one hop per step, each hidden behind a step's attention) or "allgather" (torch's
+context_parallel by default, torchtitan's `context_parallel_rotate_method`: one all-gather launched at the first
+step and waited for at the second, hidden only behind that step; dK/dV still hop).
 """
 from __future__ import annotations
 
@@ -57,7 +61,7 @@ from dataclasses import asdict, dataclass
 from labkit.mesh import AXES
 
 from labkit.scale.specs import RECOMPUTE
-from labkit.scale.traffic import CP_METHODS  # noqa: F401 (re-exported: the methods a Layout may name)
+from labkit.scale.traffic import CP_METHODS, KV_ROTATIONS  # noqa: F401 (re-exported: what a Layout may name)
 
 ZERO_STAGES = ("dp", "zero1", "zero2", "zero3")
 SCHEDULES = ("1f1b", "interleaved", "zb")
@@ -89,6 +93,7 @@ class Layout:
     last_stage_loss_only: bool = False
     zero3_unit: str = "block"
     grad_reduce: str = "overlap"
+    kv_rotation: str = "p2p"
 
     def __post_init__(self):
         if self.recompute == "selective":  # torchtitan's name for its op policy (and the lab's, before)
@@ -189,6 +194,8 @@ class Layout:
             extra += f" hsdp{self.dp_replicate}x{self.dp_shard}"
         if self.cp > 1 and self.cp_method != "ring":
             extra += f" cp-{self.cp_method}"
+        elif self.cp > 1 and self.kv_rotation != "p2p":
+            extra += f" kv-{self.kv_rotation}"
         if self.ep_over_tp:
             extra += " ep-over-tp"
         if self.ep > 1 and self.ep_overlap:
@@ -229,6 +236,8 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
                           f"one of {ZERO3_UNITS}; 'module' needs zero='zero3'")
     if layout.grad_reduce not in GRAD_REDUCES:
         raise LayoutError(f"grad_reduce={layout.grad_reduce!r}: when the gradients are reduced, one of {GRAD_REDUCES}")
+    if layout.kv_rotation not in KV_ROTATIONS:
+        raise LayoutError(f"kv_rotation={layout.kv_rotation!r}: how the ring's K/V move, one of {KV_ROTATIONS}")
     if layout.recompute not in RECOMPUTE:
         raise LayoutError(f"recompute={layout.recompute!r} is not a policy the model knows: choose one of {RECOMPUTE} "
                           "('selective' is read as 'selective-op', torchtitan's op policy)")

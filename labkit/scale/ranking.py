@@ -30,7 +30,7 @@ The space (the search exercise's, solutions/scale_search.py, for a dense model, 
 (the exercise's space, 1F1B only, plus the schedules the lab's simulator runs: labkit.scale.pipeline). That is the
 lab's space (`space="lab"`); `space="framework"` narrows it to the options the row's code had (labkit.scale.space,
 labkit/scale/frameworks.json) and runs every layout as that code did (the row's sequence parallelism, gradient
-reduction and ZeRO-3 unit: `Space.traits`): the first asks what the model picks with every option, the second
+reduction, ZeRO-3 unit and ring's K/V rotation: `Space.traits`): the first asks what the model picks with every option, the second
 whether it agrees with the choice the run's authors made among theirs.
 Each layout is predicted by the row's cost model ("flat" or "kernels", with its compile / float8 / async TP) and
 ordered by labkit.scale.cost.ranked (ties within TIE = 0.5% go to the least memory). The space holds up to about
@@ -121,7 +121,7 @@ def _groups(model, cluster, batch: int, seq: int, n: int, ref: Layout, options: 
         if batch % dp or (pp == 1 and sched["schedule"] != "1f1b") or not space.allows_axes(pp, cp, tp):
             continue
         base = Layout(dp=dp, pp=pp, cp=cp, tp=tp, sequence_parallel=traits["sequence_parallel"],
-                      grad_reduce=traits["grad_reduce"], **sched)
+                      grad_reduce=traits["grad_reduce"], kv_rotation=traits["kv_rotation"], **sched)
         bounds = group_bounds(model, base, cluster, batch, seq, n, options, space.recompute, space.cp_methods)
         if bounds:
             groups.append((min(bounds.values()) if prune else 0.0, len(groups), base, bounds))
@@ -193,8 +193,8 @@ def search_around(model, cluster, batch: int, seq: int, n: int, mine, options: d
     up to `layout_cap`)}}.
     The space: `space`'s options (labkit.scale.space: LAB, every option, or a framework's); its schedules:
     `schedules_of` (1F1B, interleaved x2, ZB under the kernel model, those `space` allows, and mine's);
-    sequence parallelism, grad_reduce and ZeRO-3's unit: `Space.traits` (a framework's space: as mine; the lab's:
-    on, "overlap", "block").
+    sequence parallelism, grad_reduce, ZeRO-3's unit and the ring's K/V rotation: `Space.traits` (a framework's
+    space: as mine; the lab's: on, "overlap", "block", "p2p").
     Ties (labkit.scale.cost.ranked, TIE): a layout's place depends on every layout within TIE of the fastest
     layout of its tie group, so the search keeps every fitting layout whose step is within 1 / (1 - TIE) of the
     published step (while fewer than `cap` layouts are surely ahead of it: a step shorter than the published one

@@ -42,11 +42,11 @@ class Space:
 
     def traits(self, published) -> dict:
         """How the space's layouts run what is not a choice but the code's: sequence parallelism, when plain DP /
-        ZeRO-1/2 reduce gradients, what ZeRO-3 gathers at once. A framework's space takes the published layout's
+        ZeRO-1/2 reduce gradients, what ZeRO-3 gathers at once, how the ring's K/V move. A framework's space takes the published layout's
         (Megatron-LM 2021: no SP, its local DDP's reduction after the backward); the lab's, the lab's own (SP on,
         buckets overlapped, FSDP2's blocks), whatever the row ran."""
         source = published if self.carries and published is not None else Layout()
-        return {trait: getattr(source, trait) for trait in ("sequence_parallel", "grad_reduce", "zero3_unit")}
+        return {trait: getattr(source, trait) for trait in ("sequence_parallel", "grad_reduce", "zero3_unit", "kv_rotation")}
 
     def allows_axes(self, pp: int, cp: int, tp: int) -> bool:
         return (cp == 1 or bool(self.cp_methods)) and (tp == 1 or self.tp) and (pp == 1 or self.pp)

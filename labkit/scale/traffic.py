@@ -133,16 +133,20 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         q = BF16 * mb * s * m.d_model / layout.tp
         kv = BF16 * mb * s * head_dim * cp_kv_heads(layout.cp_method, m.attention_kv_heads // layout.tp, layout.cp, local)
         levels = {"cp": layout.level("cp", cluster.gpus_per_node), "node": "node", "network": "network"}
-        entry = out.setdefault("cp", {"bytes": 0.0, "seconds": 0.0, "count": 0, "hideable_seconds": 0.0})
+        entry = out.setdefault("cp", {"bytes": 0.0, "seconds": 0.0, "count": 0, "hideable_seconds": 0.0,
+                                      "first_step_seconds": 0.0})
         passes = {"forward": 2 if layout.recompute == "full" else 1, "backward": 1}
-        for direction, parts in cp_layer_traffic(layout.cp_method, layout.cp, q, kv, local).items():
+        layer = cp_layer_traffic(layout.cp_method, layout.cp, q, kv, local, layout.kv_rotation)
+        for direction, parts in layer.items():
             for where, sent, steps, calls, hideable, kind, message, ranks in parts:
                 alpha, beta = cluster.link(levels[where], kind, message, ranks)
                 times = L * n_micro * passes[direction]
+                secs = (steps * alpha + sent / beta) * times
                 entry["bytes"] += sent * times
-                entry["seconds"] += (steps * alpha + sent / beta) * times
+                entry["seconds"] += secs
                 entry["count"] += calls * times
-                entry["hideable_seconds"] += (steps * alpha + sent / beta) * times if hideable else 0.0
+                entry["hideable_seconds"] += secs if hideable is True else 0.0
+                entry["first_step_seconds"] += secs if hideable == "first" else 0.0
     if m.n_experts:
         tokens = BF16 * m.top_k * mb * s * m.d_model / (layout.tp if layout.sequence_parallel else 1)
         halves = 2 if layout.ep_overlap else 1  # two half micro-batches: half the bytes each, twice the calls
@@ -218,6 +222,9 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
 
 
 CP_METHODS = ("ring", "allgather", "ulysses", "hybrid")
+# how the ring's K/V reach every rank (Layout.kv_rotation): hop by hop (the lab's ring) or torch's context_parallel
+# default, one all-gather launched at the ring's first step and waited for at its second (_AllGatherRotater)
+KV_ROTATIONS = ("p2p", "allgather")
 
 
 def cp_attention_bytes(method: str, cp: int, q_bytes: float, kv_bytes: float, local: int = 1) -> dict:
@@ -284,19 +291,24 @@ def cp_kv_heads(method: str, kv_heads: int, cp: int, local: int = 1) -> int:
     return math.lcm(kv_heads, ranks)
 
 
-def cp_layer_traffic(method: str, cp: int, q_bytes: float, kv_bytes: float, local: int = 1) -> dict:
+def cp_layer_traffic(method: str, cp: int, q_bytes: float, kv_bytes: float, local: int = 1,
+                     rotation: str = "p2p") -> dict:
     """One attention layer's context-parallel traffic for one micro-batch, by direction:
     {"forward": [...], "backward": [...]}, items (where, bytes sent, alpha steps, calls, hideable, kind,
     message, ranks): kind, message (one call's whole tensor, nccl-tests' S) and ranks choose its bus bandwidth
     (`Cluster.link`).
 
     where: "cp" (the cp group's own level), "node" (the hybrid's all-to-alls among the cp ranks of a
-    node) or "network" (its ring across the o = cp / local nodes). hideable: the ring's K/V blocks,
-    which flow while attention computes on the previous block (Liu et al. 2023); the all-gather, the
-    all-to-alls and the dK/dV reduce-scatter are on the critical path ("the all-gather communication
+    node) or "network" (its ring across the o = cp / local nodes). hideable: True for the ring's K/V blocks,
+    which flow while attention computes on the previous block (Liu et al. 2023); "first" for the ring's K/V
+    all-gather under rotation="allgather" (torch's _templated_ring_attention launches it before its first step
+    and waits for it before its second: only that step, 1/cp of the attention, hides it); False for the
+    all-gather, the all-to-alls and the dK/dV reduce-scatter, on the critical path ("the all-gather communication
     latency is exposed in the critical path", Dubey et al. 2024, arXiv 2407.21783, section 3.3.2).
     Per direction (c = cp, l = local, kv = one of K, V; the two directions add up to `cp_attention_bytes`):
-        ring       forward c-1 hops of K,V (2 kv each); backward 2c-1 (K,V c-1, dK,dV c: home included)
+        ring       forward c-1 hops of K,V (2 kv each); backward 2c-1 (K,V c-1, dK,dV c: home included);
+                   rotation="allgather": the K,V hops of each direction are one all-gather (2 kv (c-1), c-1
+                   steps), the same bytes; dK,dV still hop
         allgather  forward one all-gather (wire 2 kv (c-1), c-1 steps); backward one reduce-scatter, the same
         ulysses    forward 4 all-to-alls (q, k, v in, out back: 2 (q + kv) (c-1)/c, c-1 steps each);
                    backward 4 (dout in; dq, dk, dv back), the same
@@ -304,6 +316,8 @@ def cp_layer_traffic(method: str, cp: int, q_bytes: float, kv_bytes: float, loca
     """
     if method not in CP_METHODS:
         raise ValueError(f"method={method!r} is not a context-parallel method: choose one of {', '.join(CP_METHODS)}")
+    if rotation not in KV_ROTATIONS:
+        raise ValueError(f"rotation={rotation!r}: how the ring's K/V move, one of {', '.join(KV_ROTATIONS)}")
 
     def ring(n, where):  # (forward, backward) of a ring of n: hops of one K,V pair, each one alpha
         if n <= 1:
@@ -315,7 +329,10 @@ def cp_layer_traffic(method: str, cp: int, q_bytes: float, kv_bytes: float, loca
         return [] if n <= 1 else [(where, 2 * (q_bytes + kv_bytes) * (n - 1) / n, 4 * (n - 1), 4, False,
                                    "all_to_all", (q_bytes + kv_bytes) / 2, n)]
 
-    if method == "ring":
+    if method == "ring" and rotation == "allgather" and cp > 1:
+        gather = ("cp", 2 * kv_bytes * (cp - 1), cp - 1, 1, "first", "all_gather", 2 * kv_bytes * cp, cp)
+        forward, backward = [gather], [gather, ("cp", 2 * kv_bytes * cp, cp, cp, True, "send", 2 * kv_bytes, 2)]
+    elif method == "ring":
         forward, backward = ring(cp, "cp")
     elif method == "allgather":  # K,V gathered (S = 2 kv cp) forward, dK,dV reduce-scattered backward
         forward = [("cp", 2 * kv_bytes * (cp - 1), cp - 1, 1, False, "all_gather", 2 * kv_bytes * cp, cp)] if cp > 1 else []

@@ -35,7 +35,7 @@ from labkit.scale.specs import MODELS
 RUNS_FILE = Path(__file__).with_name("published_runs.json")
 LAYOUT_FIELDS = ("dp", "pp", "cp", "tp", "zero", "recompute", "micro_batch", "schedule", "virtual_stages",
                  "first_stage_embedding_only", "last_stage_loss_only", "cp_method", "zero3_unit", "sequence_parallel",
-                 "grad_reduce")
+                 "grad_reduce", "kv_rotation")
 
 
 def load_sets(path: Path | str = RUNS_FILE) -> dict:
