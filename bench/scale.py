@@ -113,7 +113,8 @@ History of --ranks (configurations, then layouts, meeting the criterion; seconds
     2026-11-28  with FSDP's copies, ZeRO-2's and ZeRO-3's calls per micro-batch and async TP's sums: the lab's 2
                 and 13 (1,726 s beside a test run), the frameworks' 19 and 28 (39 s); flat: 1 and 11, the
                 frameworks' 16 and 29. With one block's backward in the footprint: unchanged, 2 and 13 (1,203 s
-                alone on the cores), the frameworks' 19 and 28 (38 s)
+                alone on the cores), the frameworks' 19 and 28 (38 s). With torchtitan's K/V rotation (kv_rotation,
+                a trait of its space): unchanged, 2 and 13 (1,966 s beside the test suite), 19 and 28 (40 s)
 
 History of --memory (rows within 15% of the 18 that publish it)
     until 2026-11-28  16
