@@ -170,14 +170,14 @@ def test_deepspeed_zero3_gathers_a_submodule_not_a_block():
 
 
 
-def _backward_rise(module, x, *args) -> int:
-    """Bytes `module`'s backward holds at its peak above what forward left alive (its saved tensors, its output
+def _backward_rise(module, forward) -> int:
+    """Bytes `module`'s backward holds at its peak above what `forward()` left alive (its saved tensors, its output
     and the gradient flowing in), the parameters' gradients left out: labkit.measure.activations.LiveBytes."""
     import torch
     from labkit.measure.activations import LiveBytes
 
     with LiveBytes(module) as live:
-        y = module(x, *args)
+        y = forward()
         grad = torch.ones_like(y)
         start = live.mark()
         y.backward(grad)
@@ -203,7 +203,7 @@ def test_mlp_backward_peak_equals_live_bytes(gated, d, hidden):
     b, s = 2, 16
     mlp = SwiGLU(ModelConfig(d_model=d, n_heads=4, hidden_dim=hidden, context=s)) if gated else _gelu_mlp(d, hidden)
     x = torch.randn(b, s, d, requires_grad=True)
-    assert _backward_rise(mlp, x) == 4 * mlp_backward_elements(b, s, d, hidden, gated=gated)
+    assert _backward_rise(mlp, lambda: mlp(x)) == 4 * mlp_backward_elements(b, s, d, hidden, gated=gated)
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -212,7 +212,7 @@ def test_block_backward_peak_is_its_mlp_at_llama_widths(recompute):
     recomputation: its backward peaks in the MLP, mlp_backward_elements above what it saved, and with recompute
     above the block's rebuilt activations (block_activation_elements, less its input, which the checkpoint keeps)."""
     import torch
-    from labkit.measure.activations import LiveBytes, block_activation_elements
+    from labkit.measure.activations import block_activation_elements
     from labkit.model.llama import Block, ModelConfig, Rotary, run_block
     from labkit.scale.footprint import mlp_backward_elements
 
@@ -220,12 +220,7 @@ def test_block_backward_peak_is_its_mlp_at_llama_widths(recompute):
     b, s, cfg = 2, 32, ModelConfig(d_model=64, n_heads=4, context=32, n_layers=1)
     block, rope = Block(cfg), Rotary(cfg.head_dim, s, cfg.rope_theta)
     x = torch.randn(b, s, cfg.d_model, requires_grad=True)
-    with LiveBytes(block, rope) as live:
-        y = run_block(block, x, rope, recompute=recompute)
-        grad = torch.ones_like(y)
-        start = live.mark()
-        y.backward(grad)
-    rise = live.rise(start, ignore=[p.grad for p in block.parameters()])
+    rise = _backward_rise(block, lambda: run_block(block, x, rope, recompute=recompute))
     mlp = mlp_backward_elements(b, s, cfg.d_model, cfg.hidden_dim)
     rebuilt = block_activation_elements(b, s, cfg.d_model, cfg.n_heads, cfg.hidden_dim) - b * s * cfg.d_model
     assert rise == 4 * (mlp + (rebuilt if recompute else 0))
