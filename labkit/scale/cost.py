@@ -60,7 +60,7 @@ from labkit.scale.cost_kernels import kernel_step, params_per_gpu, two_batch_exp
 from labkit.scale.footprint import peak_memory
 from labkit.scale.layout import Layout, check_layout
 from labkit.scale.reserve import reserve
-from labkit.scale.traffic import axis_traffic
+from labkit.scale.traffic import axis_traffic, cp_exposed
 
 EFFICIENCY = 0.40  # predict's default: the flat model (efficiency=None: the kernel model)
 FLAT_EFFICIENCY = EFFICIENCY
@@ -148,8 +148,7 @@ def step_time(compute_s: float, attention_s: float, traffic_s: dict, layout: Lay
     ring = secs["cp"] if cp_hideable_s is None else cp_hideable_s
     exposed = dict(secs) if not overlap else {
         "dp": max(0.0, secs["dp"] - compute_s) + secs["dp"] / layers_per_rank,
-        "cp": max(0.0, ring - attention_s) + max(0.0, cp_first_s - attention_s / layout.cp)
-        + max(0.0, secs["cp"] - ring - cp_first_s),
+        "cp": cp_exposed(secs["cp"], ring, cp_first_s, attention_s, layout.cp),
         "tp": secs["tp"], "ep": secs["ep"], "pp": secs["pp"],
     }
     if overlap and layout.ep_overlap and secs["ep"]:

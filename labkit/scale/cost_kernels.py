@@ -15,7 +15,7 @@ from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops,
 from labkit.scale.kernels import fsdp_copies, optimizer_step, roofline
 from labkit.scale.layout import LayoutError
 from labkit.scale.pipeline import n_stages, pipeline_time, schedule_actions, stage_layers, stage_roles
-from labkit.scale.traffic import axis_traffic, tp_collectives
+from labkit.scale.traffic import axis_traffic, cp_exposed, tp_collectives
 from labkit.scale.zero_calls import ZERO3_GRAD_BYTES, dp_calls
 
 
@@ -90,9 +90,8 @@ def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool, chunk_bl
         tp_f, tp_b = atp.exposed(blk, chunk_blk, one, layout.tp, layout.recompute, reduce_s)
     attn = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.kind == "attention")
     ring, first = share("cp", "hideable_seconds"), share("cp", "first_step_seconds")
-    # the ring's hops hide behind every step's attention; its K/V all-gather (kv_rotation) behind the first step's only
-    first_window = attn / layout.cp if layout.cp > 1 else 0.0
-    cp = max(0.0, ring - attn) + max(0.0, first - first_window) + max(0.0, share("cp") - ring - first)
+    cp = cp_exposed(share("cp"), ring, first, attn, layout.cp)
+    first_window = attn / layout.cp if layout.cp > 1 else 0.0  # what hides the K/V all-gather (kv_rotation)
     ep = share("ep")
     if layout.ep_overlap and ep:
         experts = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.name.split()[0] in ("w1", "w2", "w3"))

@@ -291,6 +291,15 @@ def cp_kv_heads(method: str, kv_heads: int, cp: int, local: int = 1) -> int:
     return math.lcm(kv_heads, ranks)
 
 
+def cp_exposed(total_s: float, hideable_s: float, first_step_s: float, attention_s: float, cp: int) -> float:
+    """Seconds of cp's traffic left on the critical path, by `cp_layer_traffic`'s hideable marks: the ring's hops
+    hide behind all of attention, its K/V all-gather ("first") behind the first step's, attention / cp; the rest
+    is paid whole. Both cost models use it (labkit.scale.cost.step_time, labkit.scale.cost_kernels)."""
+    first_window = attention_s / cp if cp > 1 else 0.0
+    return (max(0.0, hideable_s - attention_s) + max(0.0, first_step_s - first_window)
+            + max(0.0, total_s - hideable_s - first_step_s))
+
+
 def cp_layer_traffic(method: str, cp: int, q_bytes: float, kv_bytes: float, local: int = 1,
                      rotation: str = "p2p") -> dict:
     """One attention layer's context-parallel traffic for one micro-batch, by direction:
