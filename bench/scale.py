@@ -54,8 +54,10 @@ The kernel model's inputs, each fixed from its source before the rows were predi
     async TP  labkit.scale.async_tp's decomposition: each TP collective in tp chunks behind its matmuls, the
               chunks' GEMMs timed like every GEMM (no constant of its own).
     float8    each table's recipe (tensorwise, torchao's default, or rowwise where the table says so), rowwise
-              with FBGEMM's measured rowwise GEMM (1125.51 TFLOP/s at 8192^3 on an 'H100 500W') and torchao's
-              own count of each recipe's cast kernels.
+              with FBGEMM's measured rowwise GEMM (1125.51 TFLOP/s at 8192^3 on an 'H100 500W'); torchao's
+              own count of each recipe's cast bytes and kernels, the rowwise casts at the rate torchao's
+              measured rowwise table leaves them (labkit.scale.float8: LayerNorm -> Linear -> Sigmoid on a 6^3
+              grid of M, K, N, the model's own GEMMs and neighbours taken out).
     TP        collectives per block by recompute policy (labkit.scale.traffic.tp_collectives): torchtitan's op
               policy saves reduce-scatter outputs and not all-gathers (its save list), so its backward
               all-gathers twice more.
@@ -103,6 +105,9 @@ before its effect was computed)
                 torchtitan's CP rows as they ran: the ring's K/V by one all-gather that only its first step hides
                 (9dec370's --experimental.context_parallel_rotate_method, default 'allgather'; Layout.kv_rotation):
                 52, 9.9%, 50% (Table 6's CP 8 row, cp across nodes, +24.0% -> +21.5%; the rest unchanged)
+                the rowwise float8 casts at the rate torchao's own rowwise table measured (pytorch/ao fdddb2cf,
+                the table torchtitan issue #1207 read to explain these rows; labkit.scale.float8, read before
+                computing its effect): 55, 8.9%, 43% (the four rowwise rows +22..+50% -> -9..+1%; no other row moved)
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row

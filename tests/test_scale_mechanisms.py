@@ -7,6 +7,7 @@ import json
 import pytest
 
 from labkit.scale import async_tp as atp
+from labkit.scale import float8 as F8
 from labkit.scale import kernels as K
 from labkit.scale.cluster import load_cluster
 from labkit.scale.cost import predict
@@ -118,25 +119,25 @@ def test_float8_casts_are_torchaos_count_per_recipe():
     dY's in the backward, the weight's split 5 | 3 (tensorwise) and 3 | 7 (rowwise)."""
     r, k, n = 4096, 1024, 512
     for recipe, (a, w, wf, kern, kern_f) in {"tensorwise": (6, 8, 5, 10, 6), "rowwise": (8, 10, 3, 7, 3)}.items():
-        f, b = K.float8_casts("x", recipe, r, k, n, H500, True)
+        f, b = F8.float8_casts("x", recipe, r, k, n, H500, True)
         assert f.bytes + b.bytes == a * r * k + w * k * n + a * r * n
         assert f.bytes == a * r * k + wf * k * n and f.kernels + b.kernels == kern and f.kernels == kern_f
     with pytest.raises(ValueError, match="not a recipe"):
-        K.float8_casts("x", "blockwise", r, k, n, H500, True)
+        F8.float8_casts("x", "blockwise", r, k, n, H500, True)
     with pytest.raises(LayoutError, match="not a recipe"):
         predict(LLAMA3["8b"], Layout(dp=8), TETON, 8, 8192, efficiency=None, float8="blockwise")
 
 
 def test_rowwise_block_runs_rowwise_gemms_and_casts_and_a_longer_step():
     """A block under float8="rowwise" times its linears with the rowwise GEMM and the rowwise casts (True is
-    tensorwise, torchao's default); the step is longer than tensorwise's."""
+    tensorwise, torchao's default); the step is longer than tensorwise's (tests/test_scale_float8.py: how much)."""
     spec, T = LLAMA3["8b"], 12 * 8192
     blk = {f: block_ops(spec, Shape(12, 8192, tp=8), Options(compile=True, float8=f), H500) for f in (True, "rowwise")}
     for f, dtype, recipe in ((True, "fp8", "tensorwise"), ("rowwise", "fp8_rowwise", "rowwise")):
         wq = [op for op in blk[f]["forward"] if op.name == "wq"][0]
         cast = [op for op in blk[f]["forward"] if op.name == "wq cast"][0]
         assert wq.seconds == K.gemm("wq", T, spec.d_model // 8, spec.d_model, H500, dtype).seconds
-        assert cast == K.float8_casts("wq", recipe, T, spec.d_model, spec.d_model // 8, H500, True)[0]
+        assert cast == F8.float8_casts("wq", recipe, T, spec.d_model, spec.d_model // 8, H500, True)[0]
     lay = Layout(dp=8, tp=8, zero="zero3", recompute="selective-op", micro_batch=12)
     tw, rw = (predict(spec, lay, TETON, 96, 8192, efficiency=None, compile=True, float8=f) for f in (True, "rowwise"))
     assert rw.step_s > tw.step_s

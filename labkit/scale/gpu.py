@@ -25,6 +25,10 @@ units, and a "sources" object giving, for each, the measurement it comes from (U
     fp8_rowwise_tflops TFLOP/s optional: a measured fp8 GEMM with rowwise scales (torchao's "rowwise" float8
                                recipe runs CUTLASS's rowwise-scaled kernel, not cuBLAS's tensorwise one), at
     fp8_rowwise_shape [m,n,k]  this shape; absent: rowwise GEMMs run at the tensorwise (bf16-derived) rate
+    fp8_rowwise_linear {"m", "k", "n": [ints], "speedup": [[x] per (m, k), over n]}: optional, torchao's
+                      measured speedup of a rowwise float8 linear over bf16 (LayerNorm -> Linear -> Sigmoid,
+                      forward and backward, compiled) on a grid of forward shapes: what times the rowwise
+                      casts (`labkit.scale.float8`); absent: the casts' counted bytes at the streaming rate
     attention         {impl: {"forward"|"forward_causal"|"backward": {seq_len: TFLOP/s}}}: published
                       FlashAttention throughput against sequence length at head dim 128
 
@@ -53,6 +57,7 @@ FIELDS = {
 ATTENTION_SCALE = (float, "a fraction of the attention tables' figures (e.g. 0.75)", 0.2, 1.0)
 OVERLAP_SLOWDOWN = (float, "a fraction of the compute's time (e.g. 0.189 for 18.9%)", 0.0, 1.0)
 FP8_ROWWISE = (float, "TFLOP/s (e.g. 1125.51 for an H100 at 500 W)", 10, 40000)
+LINEAR_SPEEDUP = (0.05, 5.0)  # a speedup over bf16 (e.g. 0.42 or 1.48), not a percentage
 MSMF = (float, "TFLOP/s (e.g. 708.5 for an H200 SXM)", 5, 20000)
 ATTENTION_KINDS = ("forward", "forward_causal", "backward")
 
@@ -82,6 +87,7 @@ class GPU:
     fp8_rowwise_shape: tuple | None = None
     msmf_tflops: float = 0.0          # 0: not measured (GEMMs reference the MAMF)
     msmf_shape: tuple | None = None
+    fp8_rowwise_linear: tuple | None = None  # (m grid, k grid, n grid, {(m, k, n): speedup}); None: not measured
 
     def host_us(self, compile: bool) -> float:
         """CPU microseconds per kernel: eager PyTorch's per-op cost, or compiled code's launch."""
@@ -174,6 +180,8 @@ def check_gpu(values: dict, where: str = "the GPU kind") -> dict:
             raise GPUError(f"{where}: fp8_rowwise_shape={rshape!r} must be [m, n, k] (positive ints), the shape "
                            "fp8_rowwise_tflops was measured at")
         out["fp8_rowwise_shape"] = tuple(rshape)
+    if "fp8_rowwise_linear" in values:
+        out["fp8_rowwise_linear"] = _linear_table(values["fp8_rowwise_linear"], where)
     if "msmf_tflops" in values:
         out["msmf_tflops"] = checked_number(values, "msmf_tflops", MSMF, where)
         if out["msmf_tflops"] > out["mamf_tflops"]:
@@ -187,6 +195,36 @@ def check_gpu(values: dict, where: str = "the GPU kind") -> dict:
     if "sources" not in values:
         raise GPUError(f"{where} has no 'sources': every figure needs the measurement it comes from")
     return out
+
+
+def _linear_table(table, where: str) -> tuple:
+    """fp8_rowwise_linear checked: three ascending grids and one speedup per point, each a plausible ratio."""
+    name = f"{where}: fp8_rowwise_linear"
+    if not isinstance(table, dict) or any(key not in table for key in ("m", "k", "n", "speedup")):
+        raise GPUError(f"{name} must be an object with 'm', 'k', 'n' (the grids) and 'speedup' (one row per m, k)")
+    grids = []
+    for key in ("m", "k", "n"):
+        axis = table[key]
+        if not (isinstance(axis, list) and axis and all(isinstance(x, int) and x > 0 for x in axis)
+                and axis == sorted(set(axis))):
+            raise GPUError(f"{name}[{key!r}]={axis!r} must be ascending positive ints, the shapes measured")
+        grids.append(tuple(axis))
+    rows = table["speedup"]
+    ms, ks, ns = grids
+    if not (isinstance(rows, list) and len(rows) == len(ms) * len(ks) and all(
+            isinstance(r, list) and len(r) == len(ns) for r in rows)):
+        raise GPUError(f"{name}['speedup'] must hold {len(ms) * len(ks)} rows (m major, then k) of {len(ns)} "
+                       "values (one per n)")
+    points = {}
+    for i, m in enumerate(ms):
+        for j, k in enumerate(ks):
+            for n, x in zip(ns, rows[i * len(ks) + j]):
+                if not (isinstance(x, (int, float)) and LINEAR_SPEEDUP[0] <= x <= LINEAR_SPEEDUP[1]):
+                    raise GPUError(f"{name}: speedup {x!r} at M, K, N = {m}, {k}, {n} is outside "
+                                   f"{LINEAR_SPEEDUP[0]}..{LINEAR_SPEEDUP[1]}: give the ratio over bf16 "
+                                   "(0.42, not 42 percent)")
+                points[(m, k, n)] = float(x)
+    return ms, ks, ns, points
 
 
 def list_gpus() -> list[str]:

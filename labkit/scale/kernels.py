@@ -24,8 +24,8 @@ its source's sweep over shapes (a maximum, by its name), so a shape with less qu
 MAMF's runs at the MAMF rate, not above (`best_rate`; FBGEMM's 500 W shapes bear this out: 546-585 TFLOP/s
 where the uncapped waves gave 596-599). Float8 GEMMs: the same tiles at the fp8
 peak, 1-byte inputs; tensorwise scales (cuBLAS) at the MAMF's efficiency, rowwise scales (CUTLASS's
-rowwise kernel) at a measured rowwise GEMM's where the kind gives one; and each recipe's casts
-(`float8_casts`: torchao's own count of the kernels each recipe runs per operand).
+rowwise kernel) at a measured rowwise GEMM's where the kind gives one; each recipe's casts are
+`labkit.scale.float8`'s.
 
 Attention, `attention`: FlashAttention's published TFLOP/s at head dim 128 against sequence length
 (FA3 paper, arXiv 2407.08608, figures 5 and 6: FA3, and FA2 on the same H100), log-linear between the
@@ -248,35 +248,6 @@ ELEMENTWISE = {
     # and the residual stream's two gradients added (6), as "dropout" and "residual" each count them
     "dropout_add": {"forward": ((7, 1), (7, 1)), "backward": ((11, 2), (11, 2))},
 }
-
-
-# torchao's casts of one linear's operands to float8, per recipe and role: (bytes per element, kernels) in the
-# forward and in the backward, as torchao counts them (torchao/testing/training/roofline_utils.py,
-# get_tensor_memory_traffic_ovhd_s, fuse_with_prev=False; its kernels are torch.compile's):
-#   tensorwise  input / grad_output: amax (read 2), a second-stage amax (no traffic), one cast writing both
-#               layouts (read 2, write 1 + 1): 6 bytes, 3 kernels, where the tensor is made (input: forward,
-#               grad_output: backward); weight: amax (2) and the forward cast (2 + 1), the backward's cast (2 + 1)
-#   rowwise     input / grad_output: a cast along dim 0 that also writes the transposed bf16 copy (read 2, write
-#               1 + 2), then the cast along dim 1 (read 2, write 1): 8 bytes, 2 kernels; weight: the forward
-#               cast (2 + 1), the backward's transpose (2 + 2) and cast (2 + 1): 10 bytes, 3 kernels
-FLOAT8_CASTS = {
-    "tensorwise": {"input": ((6, 3), (0, 0)), "weight": ((5, 3), (3, 1)), "grad_output": ((0, 0), (6, 3))},
-    "rowwise": {"input": ((8, 2), (0, 0)), "weight": ((3, 1), (7, 2)), "grad_output": ((0, 0), (8, 2))},
-}
-FLOAT8_RECIPES = tuple(FLOAT8_CASTS)
-
-
-def float8_casts(name: str, recipe: str, rows: int, k: int, n: int, gpu: GPU, compile: bool) -> tuple[Op, Op]:
-    """(forward, backward) casts of a linear Y (rows x n) = X (rows x k) W (k x n) under float8 `recipe`."""
-    if recipe not in FLOAT8_CASTS:
-        raise ValueError(f"float8={recipe!r} is not a recipe the kernel model knows: choose one of {FLOAT8_RECIPES}")
-    elements = {"input": rows * k, "weight": k * n, "grad_output": rows * n}
-    ops = []
-    for direction in (0, 1):
-        nbytes = sum(FLOAT8_CASTS[recipe][role][direction][0] * elements[role] for role in elements)
-        kernels = sum(FLOAT8_CASTS[recipe][role][direction][1] for role in elements)
-        ops.append(roofline(f"{name} cast", "elementwise", 0.0, nbytes, kernels, gpu, compile=compile))
-    return ops[0], ops[1]
 
 
 def ew(op: str, direction: str, elements: float, gpu: GPU, compile: bool, name: str | None = None) -> Op:

@@ -15,13 +15,14 @@ projections wq, wk, wv; Megatron fuses them, the same FLOPs):
 The first stage adds the embedding (a gather forward, a scatter-add into fp32 backward), the last
 the final norm, the head GEMM (n = V/tp, vocabulary-parallel) and the cross-entropy. Float8
 (torchao's dynamic scaling, as torchtitan's float8 rows): every block linear (not the head) in fp8, its
-operands cast as the recipe does (tensorwise or rowwise: `kernels.float8_casts`).
+operands cast as the recipe does (tensorwise or rowwise: `float8.float8_casts`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
 
+from labkit.scale import float8 as F8
 from labkit.scale import kernels as K
 from labkit.scale.traffic import cp_kv_heads
 
@@ -56,7 +57,7 @@ class Shape:
 class Options:
     """How the kernels run: torch.compile's fusion, float8 GEMMs, the attention kernel, the recompute policy."""
     compile: bool = False
-    float8: bool | str = False  # True or "tensorwise", "rowwise": torchao's recipes (kernels.FLOAT8_CASTS)
+    float8: bool | str = False  # True or "tensorwise", "rowwise": torchao's recipes (float8.FLOAT8_CASTS)
     attention: str = "fa2"
     recompute: str = "none"
 
@@ -72,8 +73,8 @@ def float8_recipe(float8) -> str | None:
     if not float8:
         return None
     recipe = "tensorwise" if float8 is True else float8
-    if recipe not in K.FLOAT8_RECIPES:
-        raise ValueError(f"float8={float8!r} is not a recipe the kernel model knows: choose one of {K.FLOAT8_RECIPES}")
+    if recipe not in F8.FLOAT8_RECIPES:
+        raise ValueError(f"float8={float8!r} is not a recipe the kernel model knows: choose one of {F8.FLOAT8_RECIPES}")
     return recipe
 
 
@@ -86,7 +87,7 @@ def _linear(name, rows, n, k, gpu, opts, fp8_ok=True):
     bwd = [K.gemm(f"{name} dgrad", rows, k, n, gpu, dtype, compile=c),
            K.gemm(f"{name} wgrad", k, n, rows, gpu, dtype, compile=c)]
     if recipe:
-        cast_f, cast_b = K.float8_casts(name, recipe, rows, k, n, gpu, c)
+        cast_f, cast_b = F8.float8_casts(name, recipe, rows, k, n, gpu, c)
         fwd.append(cast_f)
         bwd.append(cast_b)
     return fwd, bwd
