@@ -108,6 +108,9 @@ before its effect was computed)
                 the rowwise float8 casts at the rate torchao's own rowwise table measured (pytorch/ao fdddb2cf,
                 the table torchtitan issue #1207 read to explain these rows; labkit.scale.float8, read before
                 computing its effect): 55, 8.9%, 43% (the four rowwise rows +22..+50% -> -9..+1%; no other row moved)
+                the interleaved 405B row's micro-batches as torchtitan 9dec370 made them (n_microbatches = the
+                pipeline degree when unset: 8 of 4; pp x stages per rank is 90567fc98's rule, January 2025): 56,
+                8.9%, 43% (+32% -> +17%; its effect was known from the earlier count, the code decided)
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row

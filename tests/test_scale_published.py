@@ -86,6 +86,19 @@ def test_each_row_runs_sequence_parallelism_as_its_code_had_it():
     assert layout_of(row).sequence_parallel  # the field, not the set's name, decides
 
 
+def test_torchtitans_pipelined_rows_run_as_many_micro_batches_as_pipeline_ranks():
+    """torchtitan 9dec370 (the Dec 2024 file's version): n_microbatches = pipeline_parallel_degree when unset, whatever
+    the stages per rank (pipelining_utils.build_pipeline_schedule); pp x stages per rank came after these runs
+    (90567fc98, 2025-01-07). So the interleaved 405B row runs 8 micro-batches of 4, as the 1F1B row does. Planted
+    mistake: the later rule's 16 of 2 on the interleaved row fails here."""
+    rows = [row for row in SETS["torchtitan-2024-12"]["rows"] if row["pp"] > 1]
+    assert {row["schedule"] for row in rows} == {"1f1b", "interleaved"}
+    for row in rows:
+        assert row["global_batch"] // (row["dp"] * row["micro_batch"]) == row["pp"], row["id"]
+    planted = dict(next(row for row in rows if row["schedule"] == "interleaved"), micro_batch=2)
+    assert planted["global_batch"] // (planted["dp"] * planted["micro_batch"]) != planted["pp"]
+
+
 def test_megatron_rows_reduce_gradients_after_the_backward_as_its_local_ddp_did():
     """Megatron-LM's --DDP-impl local (its default until 2023) all-reduces once forward_backward_func returns:
     every Megatron row on plain DP says grad_reduce="after"; DeepSpeed's ZeRO-3 rows and the others overlap."""

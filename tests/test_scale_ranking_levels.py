@@ -95,16 +95,3 @@ def test_a_miss_inside_the_layout_is_a_choice_with_its_numbers():
     verdict = classify(piped, PIPELINED, SET)
     assert not piped["layout"]["meets"] and verdict["class"] == "layout"
     assert "that layout -> the top" in verdict["line"] and "bubble" in verdict["line"]
-
-
-def test_torchtitan_pipelined_rows_run_as_many_micro_batches_as_stages():
-    """The Dec 2024 set's stated choice (published_runs.json: torchtitan's default, n_microbatches = pp x stages per
-    rank when unset): local batch / micro-batch = pp x virtual stages, so the bubble of 1F1B is (pp - 1) / m of the
-    compute with m read from the row. Planted when found: the interleaved row's 8 micro-batches of 4 (pp only)."""
-    from labkit.scale.validation import load_sets
-
-    rows = [r for r in load_sets()["torchtitan-2024-12"]["rows"] if r["pp"] > 1]
-    assert len(rows) == 6
-    for r in rows:
-        stages = r["pp"] * (r["virtual_stages"] if r["schedule"] == "interleaved" else 1)
-        assert r["global_batch"] // r["dp"] // r["micro_batch"] == stages, r["id"]
