@@ -123,6 +123,9 @@ History of --ranks (configurations, then layouts, meeting the criterion; seconds
                 frameworks' 16 and 29. With one block's backward in the footprint: unchanged, 2 and 13 (1,203 s
                 alone on the cores), the frameworks' 19 and 28 (38 s). With torchtitan's K/V rotation (kv_rotation,
                 a trait of its space): unchanged, 2 and 13 (1,966 s beside the test suite), 19 and 28 (40 s)
+                With torchtitan's rowwise casts at torchao's measured rate, its interleaved row at 8 micro-batches
+                of 4 and its space holding torch's ring only (not Llama 3's all-gather method): unchanged, 2 and
+                13 (1,191 s alone), 19 and 28 (34 s); the same three picks
 
 History of --memory (rows within 15% of the 18 that publish it)
     until 2026-11-28  16
