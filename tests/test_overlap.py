@@ -119,3 +119,16 @@ def test_check_prefetch_verdicts_and_a_missing_prefetch():
     assert check_prefetch(exposed, _zero3_timeline(prefetch=False))["agree"]
     unhidden = dict(exposed, compute_s=0.0, exposed_s=0.75)
     assert not check_prefetch(unhidden, _zero3_timeline(prefetch=True))["agree"]
+
+
+def test_check_prefetch_pools_steps_one_stalled_step_is_outvoted():
+    # a step whose gathers all stalled (no prefetch's 0.75 each) beside two that hid them (median 0.1875 each):
+    # the median of the step medians is 0.1875, within the margin 0.375; the pooled median of the 12 gathers,
+    # (0.25 + 0.625) / 2, would not be; judged on the stalled step alone the verdict flips
+    hidden = dict(gather_s=0.75, compute_s=1.0, hidden=True, exposed_s=0.0)
+    stalled, fine = _zero3_timeline(prefetch=False), _zero3_timeline(prefetch=True)
+    pooled = check_prefetch(hidden, stalled, fine, fine)
+    assert pooled["n"] == 12 and pooled["measured_exposed_s"] == 0.1875 and pooled["agree"]
+    assert not check_prefetch(hidden, stalled)["agree"]
+    # and a prefetch missing in every step is still caught
+    assert not check_prefetch(hidden, stalled, stalled, stalled)["agree"]

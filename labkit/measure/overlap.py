@@ -4,7 +4,7 @@
     pipeline_exposed_seconds(p, t_msg)                   # 2 (p - 1) t_msg per step, whatever m
     zero3_prefetch(layer_params, n_ranks, tokens, flop_rate, alpha, beta)
     pipeline_costs(spans); bubble_with_costs(schedule, spans)   # a measured step, its own costs
-    prefetch_exposures(spans); check_prefetch(prediction, spans)  # ZeRO-3's gathers on a timeline
+    prefetch_exposures(spans); check_prefetch(prediction, spans, *more_steps)  # ZeRO-3's gathers on a timeline
     two_batch_overlap(a2a_s, compute_s); a2a_exposures(spans); check_two_batch(prediction, spans)  # EP's all-to-all
 
 Two cases from the lab:
@@ -187,19 +187,22 @@ def prefetch_exposures(spans) -> list[float]:
     return out
 
 
-def check_prefetch(prediction: dict, spans) -> dict:
-    """Set `zero3_prefetch`'s prediction against the exposures measured on ``spans``.
+def check_prefetch(prediction: dict, spans, *more_steps) -> dict:
+    """Set `zero3_prefetch`'s prediction against the exposures measured on ``spans`` (one step's), and on
+    the spans of ``more_steps`` if given (each another step's).
 
-    measured_exposed_s: median of `prefetch_exposures` (on a shared machine other programs stall
-    a gather now and then, and a few such stalls would dominate a mean); margin_s: half the
-    predicted gather;
+    measured_exposed_s: the median over the steps of each step's median of `prefetch_exposures` (on
+    a shared machine other programs stall a gather now and then, and a few such stalls would
+    dominate a mean; a busy core can stall a whole step's gathers, which the median of steps
+    outvotes and a pooled median of gathers may not); margin_s: half the predicted gather;
     agree: the measured exposure is within the margin of the predicted one (so a predicted
     "hidden" means less than half a gather measured exposed). Why half a gather: on a few
     shared CPU cores the alpha-beta fit itself moves by about that much from run to run, so
     a narrower margin would judge the machine's load, not the arithmetic.
     """
-    exposures = prefetch_exposures(spans)
-    measured = median(exposures)
+    per_step = [prefetch_exposures(step) for step in (spans, *more_steps)]
+    exposures = [e for step in per_step for e in step]
+    measured = median(median(step) for step in per_step)
     margin = prediction["gather_s"] / 2
     return dict(measured_exposed_s=measured, predicted_exposed_s=prediction["exposed_s"], margin_s=margin,
                 predicted_hidden=prediction["hidden"], measured_hidden=measured <= margin, n=len(exposures),
