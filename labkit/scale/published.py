@@ -6,10 +6,10 @@ per host on NVLink, 400 Gb/s RDMA per GPU (clusters/h100-grand-teton.json). TPS/
 at iteration 90; memory is the maximum over GPUs of torch's peak *reserved* memory (GiB).
 "local batch" is sequences per data-parallel rank (FSDP x CP ranks share theirs).
 Sequence length: 8192 where the tables do not give one (torchtitan's llama3 train_configs,
-`seq_len = 8192`). Pipeline micro-batches: not published; torchtitan's code default, as many as
-the stages (`--experimental.pipeline_parallel_microbatches`, torchtitan/config_manager.py, as read
-at commit 0011fb9: "The default value will be the number of pipeline stages, if unspecified").
-The interleaved schedule's stages per rank are not published; we assume 2.
+`seq_len = 8192`). Pipeline micro-batches: not published; the code's: torchtitan 9dec370 sets
+n_microbatches to the pipeline degree when `--experimental.pipeline_parallel_microbatches` is unset
+(torchtitan/parallelisms/pipelining_utils.py, build_pipeline_schedule), whatever the stages per rank
+(the interleaved row's too). The interleaved schedule's stages per rank are not published; we assume 2.
 
 The rows themselves are in published_runs.json (with every other validation set: labkit.scale.validation).
 Only the first row of tables 1 and 3 is plain bf16 eager: the cost model aims at those. The
