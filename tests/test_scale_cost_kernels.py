@@ -162,7 +162,7 @@ def test_tp_exposed_unless_async_then_decomposed_behind_its_gemms():
     assert plain["tp"] == 1.0
     chunk = block_ops(SPEC, Shape(1, 8192 // 8, tp=8), Options(), GPU)
     _, hidden = _comm({"tp": {"seconds": 1.0}}, lay, async_tp=True)
-    assert hidden["tp"] == pytest.approx(sum(atp.exposed(blk, chunk, 1.0 / 8, 8, "none")))
+    assert hidden["tp"] == pytest.approx(sum(atp.exposed(blk, chunk, 1.0 / 8, 1.0 / 8, 8, "none")))
     assert 0 < hidden["tp"] < 1.0
 
 

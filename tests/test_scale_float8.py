@@ -86,3 +86,24 @@ def test_a_malformed_table_names_the_field_and_the_fix(edit, match):
     edit(values["fp8_rowwise_linear"])
     with pytest.raises(GPUError, match=match):
         load_gpu(values)
+
+
+def test_float8_tensorwise_tp_gathers_float8_and_scatters_bf16():
+    """torchao's float8 TP (Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput, which torchtitan
+    runs with tensorwise float8): the all-gathers move 1-byte values, the reduce-scatters bf16 partials. 8B at tp 8
+    under torchtitan's op policy (6 all-gathers and 4 reduce-scatters a block): TP's bytes are 7/10 of bf16's, and
+    plain TP exposes each kind at its own time, 2 of each forward, 4 gathers and 2 scatters backward. The rowwise
+    recipe keeps plain TP, bf16's bytes. Planted mistake: both kinds in float8 would give 1/2."""
+    lay = Layout(dp=8, tp=8, zero="zero3", recompute="selective-op", micro_batch=12)
+    kw = dict(efficiency=None, compile=True)
+    bf16, tensorwise, rowwise = (predict(LLAMA3["8b"], lay, TETON, 96, 8192, **kw, float8=f)
+                                 for f in (False, True, "rowwise"))
+    assert tensorwise.traffic["tp"]["bytes"] == pytest.approx(0.7 * bf16.traffic["tp"]["bytes"], rel=1e-12)
+    assert rowwise.traffic["tp"]["bytes"] == bf16.traffic["tp"]["bytes"]
+    calls = tensorwise.traffic["tp"]["calls"]
+    gather, scatter = calls["all_gather"], calls["reduce_scatter"]
+    assert gather < scatter and bf16.traffic["tp"]["calls"]["all_gather"] > gather
+    blocks = LLAMA3["8b"].n_layers * tensorwise.n_micro
+    assert tensorwise.parts_s["exposed_tp"] == pytest.approx(blocks * (6 * gather + 4 * scatter), rel=1e-12)
+    assert F8.tp_gather_bytes("tensorwise", 2) == 1 and F8.tp_gather_bytes("rowwise", 2) == 2
+    assert F8.tp_gather_bytes(None, 4) == 4

@@ -56,7 +56,7 @@ def test_async_tp_pairs_each_collective_with_the_gemms_it_feeds():
     t = 3e-3
     want_f = sum(atp.decomposed(g(T, s), g(T // tp, s), t, tp) for s in fwd)
     want_b = sum(atp.decomposed(g(T, s), g(T // tp, s), t, tp) for s in bwd) + want_f
-    got_f, got_b = atp.exposed(blk, chunk, t, tp, recompute="full")
+    got_f, got_b = atp.exposed(blk, chunk, t, t, tp, recompute="full")
     assert got_f == pytest.approx(want_f, rel=1e-12) and got_b == pytest.approx(want_b, rel=1e-12)
     assert got_f > 0  # fp8 GEMMs at tp 8 are shorter than their chunks' transfers: part of TP shows
 
@@ -70,8 +70,8 @@ def test_each_async_reduce_scatter_closes_with_its_sum(recompute, backward):
     opts = Options(recompute=recompute)
     blk = block_ops(spec, Shape(2, 8192, tp=tp), opts, H500)
     chunk = block_ops(spec, Shape(2, 8192 // tp, tp=tp), opts, H500)
-    f0, b0 = atp.exposed(blk, chunk, 1e-3, tp, recompute)
-    f1, b1 = atp.exposed(blk, chunk, 1e-3, tp, recompute, reduce_s=0.25)
+    f0, b0 = atp.exposed(blk, chunk, 1e-3, 1e-3, tp, recompute)
+    f1, b1 = atp.exposed(blk, chunk, 1e-3, 1e-3, tp, recompute, reduce_s=0.25)
     assert (f1 - f0, b1 - b0) == pytest.approx((2 * 0.25, backward * 0.25), rel=1e-12)
 
 
@@ -84,7 +84,7 @@ def test_async_tp_sum_in_predict_reads_the_stacked_partials():
     with_sum = predict(LLAMA3["8b"], lay, TETON, 32, 8192, efficiency=None, async_tp=True)
     real = ck.atp.exposed
     try:
-        ck.atp.exposed = lambda *a: real(*a[:5])
+        ck.atp.exposed = lambda *a: real(*a[:6])
         without = predict(LLAMA3["8b"], lay, TETON, 32, 8192, efficiency=None, async_tp=True)
     finally:
         ck.atp.exposed = real
@@ -176,8 +176,8 @@ def test_op_policy_replays_its_all_gathers_behind_the_recomputed_wk_and_w3():
     t = 1.5e-3  # about one all-gather of 12 x 8K x 4096 bf16 at 460 GB/s, over 7 steps' worth
     replayed = atp.decomposed(g(T, kv // tp, d), g(T // tp, kv // tp, d), t, tp) + \
         atp.decomposed(g(T, H // tp, d), g(T // tp, H // tp, d), t, tp)
-    f_op, b_op = atp.exposed(blk, chunk, t, tp, recompute="selective-op")
-    f_none, b_none = atp.exposed(blk, chunk, t, tp, recompute="none")
+    f_op, b_op = atp.exposed(blk, chunk, t, t, tp, recompute="selective-op")
+    f_none, b_none = atp.exposed(blk, chunk, t, t, tp, recompute="none")
     assert f_op == f_none and b_op == pytest.approx(b_none + replayed, rel=1e-12)
     assert replayed > 0 and b_op != pytest.approx(b_none, rel=1e-6)  # wk (n = 128) hides little of its gather
 

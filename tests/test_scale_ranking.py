@@ -74,12 +74,15 @@ def test_published_layout_in_top_5_or_within_5_percent_of_its_frameworks_space(r
                           f"{got['gap']:+.1%} from the top ({got['top'].layout.short()})")
 
 
-def test_kernel_bound_is_below_every_step_and_holds_the_bubble():
+@pytest.mark.parametrize("float8", (False, True))
+def test_kernel_bound_is_below_every_step_and_holds_the_bubble(float8):
     """The kernel model's group bound (labkit.scale.bounds.group_bounds, through the pipeline's critical path) is a
     lower bound on the step of every layout of its group, under every schedule of the space (1F1B, interleaved x2, ZB): 8B on 8 H100s, a
     batch of 8 x 4,096, every pp. It holds the bubble: on pp = 4 1F1B, it is above the busiest rank's work alone.
     Planted when written: the backwards behind a rank's last action counted whatever that action is (a ZB rank ends
-    on a W, which no stage waits for) and in full (b_s, not ZB's B = b_s - w_s): the bound exceeds a ZB step."""
+    on a W, which no stage waits for) and in full (b_s, not ZB's B = b_s - w_s): the bound exceeds a ZB step.
+    float8=True: TP's all-gathers move float8 values (labkit.scale.float8.tp_gather_bytes) in the bound as in the
+    step; planted when written, the bound's gathers at bf16 exceed the step of tp 8 layouts."""
     from dataclasses import replace
 
     from labkit.scale.bounds import group_bounds
@@ -87,7 +90,7 @@ def test_kernel_bound_is_below_every_step_and_holds_the_bubble():
     from labkit.scale.ranking import _axes, schedules_of
 
     cluster, spec, options = load_cluster("h100-sxm"), LLAMA3["8b"], dict(efficiency=None, compile=False,
-                                                                           float8=False, async_tp=False)
+                                                                           float8=float8, async_tp=False)
     checked, bubbles = 0, []
     for (dp, pp, cp, tp), sched in ((axes, s) for axes in _axes(8) for s in schedules_of(Layout(), "kernels")):
         if pp == 1 and sched["schedule"] != "1f1b":
@@ -98,7 +101,7 @@ def test_kernel_bound_is_below_every_step_and_holds_the_bubble():
                 for zero in ZERO_STAGES:
                     try:
                         p = predict(spec, replace(base, micro_batch=mb, recompute=rc, cp_method=method, zero=zero),
-                                    cluster, 8, 4096, efficiency=None)
+                                    cluster, 8, 4096, efficiency=None, float8=float8)
                     except LayoutError:
                         continue
                     assert bound <= p.step_s * (1 + 1e-12), (base.short(), mb, rc, method, zero, bound, p.step_s)

@@ -58,16 +58,18 @@ def _gemm_seconds(ops, names) -> float:
     return sum(op.seconds for op in ops if op.kind == "gemm" and op.name in names)
 
 
-def exposed(blk: dict, chunk_blk: dict, collective_s: float, tp: int, recompute: str = "none",
+def exposed(blk: dict, chunk_blk: dict, gather_s: float, scatter_s: float, tp: int, recompute: str = "none",
             reduce_s: float = 0.0) -> tuple[float, float]:
     """(forward, backward) exposed seconds of one block's TP collectives under async TP, for one micro-batch.
     blk: `layer_ops.block_ops` at the block's shape; chunk_blk: the same on T / tp rows (one chunk);
-    collective_s: one collective's time (the block's TP time / its count, `traffic.tp_collectives`);
-    recompute: the policy, whose re-run collectives (`RECOMPUTE_GROUPS`) hide behind the recomputed forward's
-    matmuls (their times are the forward's); reduce_s: one reduce-scatter's closing sum, added for each."""
+    gather_s, scatter_s: one all-gather's and one reduce-scatter's time (`traffic.tp_call_seconds`; float8
+    tensorwise TP gathers 1-byte values); recompute: the policy, whose re-run collectives (`RECOMPUTE_GROUPS`)
+    hide behind the recomputed forward's matmuls (their times are the forward's); reduce_s: one
+    reduce-scatter's closing sum, added for each."""
     def groups(direction, names):
         return sum(decomposed(_gemm_seconds(blk[direction], g), _gemm_seconds(chunk_blk[direction], g),
-                              collective_s, tp) + (reduce_s if g in SCATTERS and tp > 1 else 0.0) for g in names)
+                              scatter_s if g in SCATTERS else gather_s, tp)
+                   + (reduce_s if g in SCATTERS and tp > 1 else 0.0) for g in names)
 
     forward = groups("forward", FORWARD_GROUPS)
     backward = groups("backward", BACKWARD_GROUPS) + groups("forward", RECOMPUTE_GROUPS.get(recompute, ()))

@@ -13,10 +13,11 @@ from functools import lru_cache
 
 from labkit.scale.cost import EFFICIENCY
 from labkit.scale.gpu import load_gpu
-from labkit.scale.layer_ops import Options, Shape, block_ops, end_ops, seconds
+from labkit.scale.float8 import tp_gather_bytes
+from labkit.scale.layer_ops import Options, Shape, block_ops, end_ops, float8_recipe, seconds
 from labkit.scale.layout import CP_METHODS, RECOMPUTE, Layout, LayoutError, check_layout
 from labkit.scale.pipeline import schedule_actions, stage_roles
-from labkit.scale.traffic import axis_traffic, tp_collectives
+from labkit.scale.traffic import BF16, axis_traffic, tp_pass_seconds
 
 _ACTION = re.compile(r"(\d+)([FBW])(\d+)")  # a schedule's action: stage, kind, micro-batch
 
@@ -40,7 +41,7 @@ def _pass_seconds(model, shape: Shape, opts: Options, gpu, which: str) -> tuple:
     return seconds(ops["forward"]), seconds(ops["backward"])
 
 
-def kernel_bound(model, lay: Layout, methods: list, seq: int, n_micro: int, options: dict, gpu, tp_s: float):
+def kernel_bound(model, lay: Layout, methods: list, seq: int, n_micro: int, options: dict, gpu, tp: dict):
     """A lower bound on the kernel model's step for every cp_method (of `methods`: those check_layout accepts),
     ZeRO stage and dp_replicate of `lay` (None when no cp_method's kernels can run): each stage's forward f_s and backward b_s per micro-batch from its blocks' kernels (the
     cheapest cp_method's forward and backward), its TP time (0 under async TP, which may hide it) and the
@@ -63,10 +64,10 @@ def kernel_bound(model, lay: Layout, methods: list, seq: int, n_micro: int, opti
     if not fwd:
         return None
     L = lay.layers_per_rank(model.n_layers)
-    tp = 0.0 if options.get("async_tp") else tp_s / (L * n_micro)  # TP per block and micro-batch, as kernel_step
-    n = tp_collectives(lay.recompute, lay.sequence_parallel)  # split by pass as kernel_step splits it
-    one = tp / (n["forward"] + n["backward"] + n["recomputed"])
-    f_block, b_block = min(fwd) + one * n["forward"], min(bwd) + one * (n["backward"] + n["recomputed"])
+    # TP per block and micro-batch, split by pass as kernel_step splits it (tp: axis_traffic's entry)
+    tp_f, tp_b = (0.0, 0.0) if options.get("async_tp") else tp_pass_seconds(tp, lay.recompute, lay.sequence_parallel,
+                                                                            L * n_micro)
+    f_block, b_block = min(fwd) + tp_f, min(bwd) + tp_b
     layers, roles = lay.stage_layers(model.n_layers), stage_roles(lay, model.n_layers)
     f = [count * f_block for count in layers]
     b = [count * b_block for count in layers]
@@ -107,9 +108,11 @@ def group_bounds(model, base: Layout, cluster, batch, seq, n, options, recompute
                 except LayoutError:
                     pass
         L = lay.layers_per_rank(model.n_layers)
-        tp = axis_traffic(model, lay, cluster, n_micro, seq, {"dense": 0.0, "experts": 0.0}).get("tp", {})
+        # under the kernel model TP's all-gathers move what they move in kernel_step (float8 tensorwise: 1 byte)
+        gather = tp_gather_bytes(float8_recipe(options.get("float8")), BF16) if kernel else None
+        tp = axis_traffic(model, lay, cluster, n_micro, seq, {"dense": 0.0, "experts": 0.0}, BF16, gather).get("tp", {})
         if kernel:
-            bound = kernel_bound(model, lay, methods, seq, n_micro, options, gpu, tp.get("seconds", 0.0))
+            bound = kernel_bound(model, lay, methods, seq, n_micro, options, gpu, tp)
             if bound is not None:
                 out[mb, rc] = bound
         else:  # compute (recompute included), its bubble, TP's bytes at the link's bandwidth

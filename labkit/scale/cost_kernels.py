@@ -11,11 +11,12 @@ from functools import lru_cache
 from labkit.measure.overlap import two_batch_overlap
 from labkit.scale import async_tp as atp
 from labkit.scale.gpu import load_gpu
-from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops, seconds
+from labkit.scale.float8 import tp_gather_bytes
+from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops, float8_recipe, seconds
 from labkit.scale.kernels import fsdp_copies, optimizer_step, roofline
 from labkit.scale.layout import LayoutError
 from labkit.scale.pipeline import n_stages, pipeline_time, schedule_actions, stage_layers, stage_roles
-from labkit.scale.traffic import axis_traffic, cp_exposed, tp_collectives
+from labkit.scale.traffic import axis_traffic, cp_exposed, tp_call_seconds, tp_pass_seconds
 from labkit.scale.zero_calls import ZERO3_GRAD_BYTES, dp_calls
 
 
@@ -83,11 +84,11 @@ def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool, chunk_bl
     def share(axis, key="seconds"):
         return traffic.get(axis, {}).get(key, 0.0) / per_block
 
-    n = tp_collectives(layout.recompute, layout.sequence_parallel)  # axis_traffic's count, by pass
-    one = share("tp") / (n["forward"] + n["backward"] + n["recomputed"])  # one collective: all alike in a block
-    tp_f, tp_b = one * n["forward"], one * (n["backward"] + n["recomputed"])
+    tp = traffic.get("tp", {})  # each kind at its own time: float8 tensorwise TP gathers 1-byte values
+    tp_f, tp_b = tp_pass_seconds(tp, layout.recompute, layout.sequence_parallel, per_block)
     if async_tp and share("tp"):  # each collective in tp chunks, beside the matmuls it feeds
-        tp_f, tp_b = atp.exposed(blk, chunk_blk, one, layout.tp, layout.recompute, reduce_s)
+        gather, scatter = tp_call_seconds(tp, layout.recompute, layout.sequence_parallel, per_block)
+        tp_f, tp_b = atp.exposed(blk, chunk_blk, gather, scatter, layout.tp, layout.recompute, reduce_s)
     attn = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.kind == "attention")
     ring, first = share("cp", "hideable_seconds"), share("cp", "first_step_seconds")
     cp = cp_exposed(share("cp"), ring, first, attn, layout.cp)
@@ -113,11 +114,13 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
         actions = _actions(layout.pp, layout.schedule, layout.virtual_stages, n_micro) if layout.pp > 1 else None
         opts = Options(options.get("compile", False), options.get("float8", False), impl, layout.recompute)
         blk = block_ops(model, shape, opts, gpu)
+        gather_bytes = tp_gather_bytes(float8_recipe(opts.float8), value_bytes)
     except ValueError as err:
         raise LayoutError(str(err)) from None
     emb, head = end_ops(model, shape, opts, gpu, "embedding"), end_ops(model, shape, opts, gpu, "head")
     L = layout.layers_per_rank(model.n_layers)
-    traffic = axis_traffic(model, layout, cluster, n_micro, seq_len, params_per_gpu(model, layout), value_bytes)
+    traffic = axis_traffic(model, layout, cluster, n_micro, seq_len, params_per_gpu(model, layout), value_bytes,
+                           gather_bytes)
     async_tp = options.get("async_tp", False) and layout.tp > 1
     # one chunk: T / tp rows (at least one row per cp rank, so that a tiny layout's chunk is not empty)
     chunk_seq = max(shape.cp, shape.seq_len // layout.tp)

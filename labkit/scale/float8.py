@@ -49,6 +49,22 @@ FLOAT8_CASTS = {
 }
 FLOAT8_RECIPES = tuple(FLOAT8_CASTS)
 
+# torchao's float8 TP (torchao/float8/float8_tensor_parallel.py: Float8ColwiseParallel, Float8RowwiseParallel and
+# PrepareFloat8ModuleInput, "with all-gather in float8. This currently assumes tensorwise scaling"): a block's input
+# is cast before the sequence-parallel all-gather, and the output's gradient (NoopFwToFloat8BwDynamic, after the
+# forward's reduce-scatter) before the backward's all-gather, so both all-gathers move 1-byte values; the
+# reduce-scatters sum bf16 partials. torchtitan runs it whenever float8 is tensorwise (9dec370's
+# parallelisms/parallelize_llama.py: with every float8 run; June 2025's models/llama3/infra/parallelize.py:
+# enable_float8_tensorwise_tp = float8 and not rowwise); the rowwise recipe keeps plain TP, bf16 all-gathers.
+# Not counted: the same code casts each shared input once, on its T / tp rows before the gather, where
+# `float8_casts` casts each linear's input on its T rows (4 of a block's 7 linears share 2 inputs).
+FLOAT8_TP_GATHER_BYTES = {"tensorwise": 1}
+
+
+def tp_gather_bytes(recipe: str | None, value_bytes: int) -> int:
+    """Bytes per value of TP's all-gathers under a float8 recipe (None: bf16 training): torchao's float8 TP's."""
+    return FLOAT8_TP_GATHER_BYTES.get(recipe, value_bytes) if recipe else value_bytes
+
 # the benchmark's neighbours, compiled, bytes per element: LayerNorm without affine over X (forward read 2,
 # write 2; backward read x and dy, write dx: 6), Sigmoid over Y (the same 4 and 6)
 _LAYERNORM_BYTES, _SIGMOID_BYTES = 4 + 6, 4 + 6

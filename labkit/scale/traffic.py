@@ -15,7 +15,8 @@ Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch =
     tp   with SP, per block: forward 2 all-gathers + 2 reduce-scatters of A, backward the same
          (without SP: 2 all-reduces each way, the same bytes), plus the forward's collectives the
          recompute policy runs again in the backward (`tp_collectives`): full recompute all four,
-         torchtitan's op policy its 2 all-gathers (2 all-reduces without SP), Megatron's none
+         torchtitan's op policy its 2 all-gathers (2 all-reduces without SP), Megatron's none.
+         Under torchao's float8 tensorwise TP the all-gathers move float8 values (`tp_gather_bytes`)
     cp   per layer and micro-batch, `cp_layer_traffic` by `layout.cp_method`: the bytes of
          `cp_attention_bytes` (the lab's code as labkit.comm counts it) with q = T d / tp and
          kv = T d_kv / tp values (this tp rank's heads; Ulysses and the hybrid replicate K/V heads
@@ -95,13 +96,40 @@ def tp_collectives(recompute: str, sequence_parallel: bool = True) -> dict:
     return {"forward": 2, "backward": 2, "recomputed": reduces, "all_reduce": 4 + reduces}
 
 
+def tp_call_seconds(entry: dict, recompute: str, sequence_parallel: bool, per_block: float) -> tuple[float, float]:
+    """(one all-gather, one reduce-scatter) of a block's TP collectives for one micro-batch, seconds (without SP
+    both are the all-reduce's): from the "calls" axis_traffic records, or, for an entry that gives only its
+    "seconds" (a test's), that total over `per_block` (blocks x micro-batches) shared alike by the calls."""
+    if "calls" in entry:
+        calls = entry["calls"]
+        if sequence_parallel:
+            return calls.get("all_gather", 0.0), calls.get("reduce_scatter", 0.0)
+        return calls.get("all_reduce", 0.0), calls.get("all_reduce", 0.0)
+    n = tp_collectives(recompute, sequence_parallel)
+    one = entry.get("seconds", 0.0) / per_block / (n["forward"] + n["backward"] + n["recomputed"])
+    return one, one
+
+
+def tp_pass_seconds(entry: dict, recompute: str, sequence_parallel: bool, per_block: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's TP collectives for one micro-batch, each kind at its own time
+    (`tp_call_seconds`); the backward holds what the recompute policy runs again (`TP_RECOMPUTED`)."""
+    n = tp_collectives(recompute, sequence_parallel)  # refuses a policy it does not know, by name
+    gather, scatter = tp_call_seconds(entry, recompute, sequence_parallel, per_block)
+    if sequence_parallel:
+        return 2 * gather + 2 * scatter, (n["all_gather"] - 2) * gather + (n["reduce_scatter"] - 2) * scatter
+    return 2 * gather, (n["all_reduce"] - 2) * gather
+
+
 def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_gpu: dict,
-                 value_bytes: int = BF16) -> dict:
-    """{axis: {"bytes": sent per GPU per step, "seconds": alpha-beta time, "count": collectives}}.
+                 value_bytes: int = BF16, tp_gather_bytes: int | None = None) -> dict:
+    """{axis: {"bytes": sent per GPU per step, "seconds": alpha-beta time, "count": collectives}}; "tp" also holds
+    "calls": {kind: one call's seconds}.
 
     params_per_gpu: {"dense": ..., "experts": ...} parameters this GPU holds before ZeRO
     (its stage, its tp shard), from the footprint. value_bytes: of the activations, parameters and
-    gradients that travel (2: bf16, as on GPUs; 4: the lab's fp32 runs on the CPU).
+    gradients that travel (2: bf16, as on GPUs; 4: the lab's fp32 runs on the CPU). tp_gather_bytes: of the
+    values TP's all-gathers move where that differs (torchao's float8 tensorwise TP gathers float8:
+    `labkit.scale.float8.tp_gather_bytes`); its reduce-scatters keep value_bytes.
     """
     BF16 = value_bytes  # noqa: N806 (the closed forms below read as the docstring's)
     m, L = model, layout.layers_per_rank(model.n_layers)
@@ -120,10 +148,13 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
             entry["bytes"] += sent * count
             entry["seconds"] += secs * count
             entry["count"] += count
+        if axis == "tp":
+            entry.setdefault("calls", {})[kind] = secs
 
     tp = tp_collectives(layout.recompute, layout.sequence_parallel)  # per block and micro-batch
     if layout.sequence_parallel:
-        add("tp", "all_gather", act, layout.tp, L * n_micro * tp["all_gather"])
+        gathered = act if tp_gather_bytes is None else act * tp_gather_bytes / BF16
+        add("tp", "all_gather", gathered, layout.tp, L * n_micro * tp["all_gather"])
         add("tp", "reduce_scatter", act, layout.tp, L * n_micro * tp["reduce_scatter"])
     else:
         add("tp", "all_reduce", act, layout.tp, L * n_micro * tp["all_reduce"])
