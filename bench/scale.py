@@ -12,7 +12,10 @@ rows validate, nothing is fitted to them (labkit.scale.validation).
 What it prints. One line per row: its throughput and memory error (predicted / published - 1) and whether the model
 says it fits; a summary per set; each row outside 25% with its note from the data file (what was checked, and why
 the miss stays); as its last line one JSON object: per set and overall, n, rows within 25%, the median and worst
-|throughput error|, the worst |memory error|. No process, no GPU: arithmetic, a few seconds (without --ranks).
+|throughput error|, the worst |memory error|. Under the kernel model, before the JSON: float8's gain over the same
+run in bf16, measured and predicted, for each float8 row whose set holds that run (labkit.scale.validation.float8_gains:
+the two rows share their clock, network and framework, which cancel in the ratio, so it checks the float8 mechanism
+alone; in the JSON as "float8_gains"). No process, no GPU: arithmetic, a few seconds (without --ranks).
 
 Flags
     --model   the flat model (compute at a fixed fraction of the peak, labkit.scale.cost.predict's default), the
@@ -111,6 +114,11 @@ before its effect was computed)
                 the interleaved 405B row's micro-batches as torchtitan 9dec370 made them (n_microbatches = the
                 pipeline degree when unset: 8 of 4; pp x stages per rank is 90567fc98's rule, January 2025): 56,
                 8.9%, 43% (+32% -> +17%; its effect was known from the earlier count, the code decided)
+                torchao's float8 TP, which torchtitan runs with tensorwise float8 (its all-gathers move float8,
+                its reduce-scatters bf16: labkit.scale.float8.tp_gather_bytes): 56, 8.9%, 43% (the float8
+                tensorwise rows on TP 0.5-11 points faster: the 8B async-TP file's +10%, +13% -> +20%, +22%;
+                70B's -3%, -3% -> +3%, +1%); the float8 gains then agree on plain TP (8B +16.2% predicted, +16.0%
+                measured; 70B +28.7%, +35.6%), and with async TP show its bf16 over-credit (+9.5%, +15.8%)
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row
@@ -141,7 +149,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from labkit.scale.validation import MODELS_OF_COST, format_sets, load_sets, predict_sets, summarize  # noqa: E402
+from labkit.scale.validation import (MODELS_OF_COST, float8_gains, format_sets, load_sets, predict_sets,  # noqa: E402
+                                    summarize)
 
 # The lab's own models on one H200, bf16 autocast, eager: model, batch, seq, then each measurement's tok/s
 # - bench/single_device.py, 2026-11-26 (/work/shared/gpu-2026-11-26/single_bf16.txt): median tok/s over rounds;
@@ -297,6 +306,14 @@ def main():
             print(f"  {r['id']} ({r['tps_error']:+.0%}): {r['note'] or 'no note'}")
         out[model] = dict(sets={name: rounded(summarize(rows)) for name, rows in results.items()},
                           overall=rounded(overall), not_fitting=[r["id"] for r in every if not r["fits"]])
+        if model == "kernels":  # the flat model does not read float8
+            gains = float8_gains(results)
+            print("\nfloat8's gain over the same run in bf16 (tok/s ratio - 1), measured and predicted: what the two rows "
+                  "share\n(clock, network, framework) cancels, so this checks the float8 mechanism alone")
+            for g in gains:
+                print(f"  {g['id']:12s} over {g['base']:12s} {g['recipe']:10s} measured {g['measured']:+6.1%}  "
+                      f"predicted {g['predicted']:+6.1%}")
+            out[model]["float8_gains"] = [rounded(g) for g in gains]
         if args.memory and "memory" not in out:
             out["memory"] = memory_table(results)
         if args.ranks:

@@ -148,3 +148,25 @@ def test_bench_prints_rows_then_json():
     assert last["memory"]["within_15"] == sum(abs(r["memory_error"]) <= 0.15 for r in published)
     table = "\n".join(out).split("memory per GPU, GiB")[1]
     assert all(f"{r['memory_error']:+6.0%}" in table for r in published)
+
+
+def test_float8_gains_pair_each_float8_row_with_the_same_run_in_bf16():
+    """validation.float8_gains: a float8 row is set beside the bf16 row of its set that differs only in float8 (model,
+    layout and every other item of outside_model alike); the gains are the published and the predicted ratios.
+    Edge cases: Table 2's rows are all float8 (no bf16 twin: left out), and an async-TP float8 row pairs with the
+    async-TP bf16 row, never with the plain one (a planted key without outside_model would pair atp-8b-10 with
+    atp-8b-7)."""
+    from labkit.scale.validation import float8_gains, predict_sets
+
+    results = predict_sets(model="kernels")
+    gains = {g["id"]: g for g in float8_gains(results)}
+    assert {i: (g["base"], g["recipe"]) for i, g in gains.items()} == {
+        "tt24-t1-3": ("tt24-t1-2", "tensorwise"), "tt24-t3-10": ("tt24-t3-9", "tensorwise"),
+        "atp-70b-3": ("atp-70b-1", "tensorwise"), "atp-70b-4": ("atp-70b-2", "tensorwise"),
+        "atp-70b-5": ("atp-70b-1", "rowwise"), "atp-70b-6": ("atp-70b-2", "rowwise"),
+        "atp-8b-9": ("atp-8b-7", "tensorwise"), "atp-8b-10": ("atp-8b-8", "tensorwise"),
+        "atp-8b-11": ("atp-8b-7", "rowwise"), "atp-8b-12": ("atp-8b-8", "rowwise")}
+    rows = {r["id"]: r for rs in results.values() for r in rs}
+    g = gains["atp-8b-10"]
+    assert g["measured"] == rows["atp-8b-10"]["published_tps"] / rows["atp-8b-8"]["published_tps"] - 1
+    assert g["predicted"] == rows["atp-8b-10"]["predicted_tps"] / rows["atp-8b-8"]["predicted_tps"] - 1

@@ -119,6 +119,31 @@ def lab_model_on_one_gpu(name: str, batch: int, seq: int, cluster_name: str) -> 
             "kernels": step_kernels(spec, gpu, batch, seq)["kernels"], "eager_op_us": gpu.eager_op_us}
 
 
+FLOAT8_TAGS = ("float8", "float8 rowwise")
+
+
+def float8_gains(results: dict) -> list[dict]:
+    """Each float8 row beside its set's bf16 row of the same run otherwise (model, layout, every other item of
+    outside_model): {set, id, base (the bf16 row's id), recipe, measured (published tok/s ratio - 1), predicted
+    (the same of the predictions)}. What the two rows share cancels in the ratio (the GPU's clock, the
+    network, the framework's overheads), so the gain checks the float8 mechanism alone: torchao's GEMMs,
+    casts and float8 TP. results: predict_sets'."""
+    out = []
+    for name, rows in results.items():
+        def key(r):
+            return r["model"], r["layout"], tuple(sorted(t for t in r["outside_model"] if t not in FLOAT8_TAGS))
+
+        bf16 = {key(r): r for r in rows if "float8" not in r["outside_model"]}
+        for r in rows:
+            base = bf16.get(key(r)) if "float8" in r["outside_model"] else None
+            if base:
+                out.append(dict(set=name, id=r["id"], base=base["id"],
+                                recipe="rowwise" if "float8 rowwise" in r["outside_model"] else "tensorwise",
+                                measured=r["published_tps"] / base["published_tps"] - 1,
+                                predicted=r["predicted_tps"] / base["predicted_tps"] - 1))
+    return out
+
+
 def predict_sets(path: Path | str = RUNS_FILE, model: str = "flat") -> dict:
     """{set name: [predict_row of each row]}"""
     return {name: [predict_row(r, info, model) for r in info["rows"]] for name, info in load_sets(path).items()}
