@@ -119,6 +119,11 @@ before its effect was computed)
                 tensorwise rows on TP 0.5-11 points faster: the 8B async-TP file's +10%, +13% -> +20%, +22%;
                 70B's -3%, -3% -> +3%, +1%); the float8 gains then agree on plain TP (8B +16.2% predicted, +16.0%
                 measured; 70B +28.7%, +35.6%), and with async TP show its bf16 over-credit (+9.5%, +15.8%)
+                DeepSpeed's ZeRO-3 of 2021 as its code runs (v0.3.13 with its defaults, labkit.scale.deepspeed_zero3:
+                each weight's uses on the host, GPU and network clocks, a synchronize at every fetch, the weights
+                its reuse distance frees between replay and backward gathered a third time, fp16 gradients where
+                FSDP2's fp32 had been charged; an estimate from the same rules, made first, said 5 of 6): 57, 8.6%,
+                29% (Table 2's ZeRO-3 rows +39, +13, +13, +43, +1, +3% -> +18, +3, -12, +27, -0, -7%); flat 33
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row

@@ -46,6 +46,8 @@ MOE = ModelSpec("small-moe", d_model=2048, n_layers=16, n_heads=16, n_kv_heads=4
     (MOE, Layout(dp=16, ep=1, ep_overlap=True), 16, r"ep_overlap=True with ep=1"),
     (LLAMA3["8b"], Layout(dp=8, zero="zero2", zero3_unit="module"), 8, r"zero3_unit='module' with zero='zero2'.*needs zero='zero3'"),
     (LLAMA3["8b"], Layout(dp=8, zero3_unit="layer"), 8, r"zero3_unit='layer' .*one of \('block', 'module'\)"),
+    (LLAMA3["8b"], Layout(dp=4, pp=2, zero="zero3", zero3_unit="module"), 8,
+     r"zero3_unit='module' \(DeepSpeed's ZeRO-3 of 2021.*pp=2.*use pp = dp_replicate = ep = 1"),
 ])
 def test_new_layout_choices_refused_with_the_fix(model, layout, gpus, match):
     args = (model, layout, gpus, 8, 64, 8192)

@@ -10,13 +10,14 @@ from functools import lru_cache
 
 from labkit.measure.overlap import two_batch_overlap
 from labkit.scale import async_tp as atp
+from labkit.scale import deepspeed_zero3 as ds
 from labkit.scale.gpu import load_gpu
 from labkit.scale.float8 import tp_gather_bytes
 from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops, float8_recipe, seconds
 from labkit.scale.kernels import fsdp_copies, optimizer_step, roofline
 from labkit.scale.layout import LayoutError
 from labkit.scale.pipeline import n_stages, pipeline_time, schedule_actions, stage_layers, stage_roles
-from labkit.scale.traffic import axis_traffic, cp_exposed, tp_call_seconds, tp_pass_seconds
+from labkit.scale.traffic import axis_traffic, call_seconds, cp_exposed, tp_call_seconds, tp_pass_seconds
 from labkit.scale.zero_calls import ZERO3_GRAD_BYTES, dp_calls
 
 
@@ -105,6 +106,41 @@ def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool, chunk_bl
             "backward": tp_b + cp / 2 + ep / 2 + slow / 2}
 
 
+def _deepspeed_step(model, layout, cluster, n_micro, blk, emb, head, comm, compute, makespan, traffic, gpu, slowdown,
+                    L, value_bytes) -> dict:
+    """kernel_step's result for DeepSpeed's ZeRO-3 (zero3_unit="module", no pipeline): its uses of each weight run on
+    the host, GPU and network clocks (labkit.scale.deepspeed_zero3.zero3_step), with each use's kernels (the block's
+    ops by submodule, the ends' ops, the block's exposed tp and cp shared by its submodules) and each weight's
+    gather and fp16 reduce-scatter at the dp group's link (traffic.call_seconds). exposed_dp: what the step takes
+    beyond its kernels; the contention rule as for every hidden collective."""
+    seg = ds.segments(blk)
+    nums = ds.numels(model, layout)
+    share = {n: v / sum(ds.submodules(model, layout.tp).values()) for n, v in ds.submodules(model, layout.tp).items()}
+    full = layout.recompute == "full"  # a replayed forward of its own (its weights fetched again); any other
+    if not full:                        # policy's replay runs inside the backward's uses
+        seg["backward"] = {n: seg["backward"].get(n, 0.0) + seg["recompute"].get(n, 0.0) for n in share}
+    passes = {"f": ("forward", comm["forward"]), "r": ("recompute", 0.0), "b": ("backward", comm["backward"])}
+    secs = {ph: {n: seg[key].get(n, 0.0) + extra * share[n] for n in share} for ph, (key, extra) in passes.items()}
+    for ph, which in (("f", "forward"), ("b", "backward")):
+        secs[ph]["embedding"], secs[ph]["head"] = seconds(emb[which]), seconds(head[which])
+    n = layout.dp * layout.cp
+    gather = {k: call_seconds(layout, cluster, "dp", "all_gather", value_bytes * v, n)[1] for k, v in nums.items()}
+    scatter = {k: call_seconds(layout, cluster, "dp", "reduce_scatter", ds.GRAD_BYTES * v, n)[1] for k, v in nums.items()}
+    run = ds.zero3_step(nums, secs, gather, scatter, L, n_micro, full)
+    exposed_dp = max(0.0, run["step_s"] - makespan)
+    t_dp = traffic.get("dp", {}).get("seconds", 0.0)
+    contention_dp = contention(t_dp, exposed_dp, slowdown)
+    params = sum(params_per_gpu(model, layout).values()) / (layout.dp * layout.cp)
+    optimizer = seconds([optimizer_step(params, 9 * L + 3, gpu)])
+    parts = {"compute": compute, "exposed_tp": n_micro * L * comm["tp"], "exposed_cp": n_micro * L * comm["cp"],
+             "exposed_ep": n_micro * L * comm["ep"], "bubble": 0.0, "exposed_dp": exposed_dp, "exposed_pp": 0.0,
+             "optimizer": optimizer, "contention": n_micro * L * comm["contention"], "contention_dp": contention_dp,
+             "fsdp_copies": 0.0}
+    f_bound, b_bound = by_bound(blk["forward"]), by_bound(blk["backward"])
+    return {"step_s": makespan + exposed_dp + contention_dp + optimizer, "parts_s": parts,
+            "bound_s": {k: f_bound[k] + b_bound[k] for k in f_bound}, "traffic": traffic}
+
+
 def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, value_bytes, options) -> dict:
     gpu = load_gpu(cluster.gpu)
     impl = options.get("attention") or ("fa2" if "fa2" in gpu.attention else "unfused")
@@ -164,6 +200,9 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
         calls = dp_calls("zero3", layout.pp, n_micro)
         copies = seconds([fsdp_copies(held, blocks, gpu, value_bytes, ZERO3_GRAD_BYTES, *calls)])
     t_dp = traffic.get("dp", {}).get("seconds", 0.0)
+    if layout.zero == "zero3" and layout.zero3_unit == "module":  # DeepSpeed's ZeRO-3, use by use
+        return _deepspeed_step(model, layout, cluster, n_micro, blk, emb, head, comm, compute, makespan, traffic,
+                               gpu, slowdown, L, value_bytes)
     # ZeRO-3 prefetches behind the step's compute; ZeRO-2 without a pipeline reduces each micro-batch's gradient in
     # its backward (dp_calls); plain DP / ZeRO-1 (and ZeRO-2 in a pipeline) accumulate every micro-batch's
     # gradient locally (DDP's no_sync, Megatron's buffers) and reduce in the last one's backward, or after it

@@ -43,7 +43,8 @@ cp ranks inside a node, `cp_local`, a ring across nodes: the heads per tp rank m
 `ep_overlap`: EP's two-micro-batch overlap (solutions/moe_overlap.py, notebook 12): each
 micro-batch runs as two halves whose all-to-alls hide behind the other half's experts.
 `zero3_unit`: what ZeRO-3 gathers at once: "block" (FSDP2, torchtitan: a transformer block) or
-"module" (DeepSpeed's ZeRO-3: each weight-holding submodule, labkit.scale.footprint).
+"module" (DeepSpeed's ZeRO-3 of 2021: each weight-holding submodule, labkit.scale.footprint; its step as its code
+runs it, labkit.scale.deepspeed_zero3; no pipeline, replicas or experts).
 `grad_reduce`: when plain DP and ZeRO-1/2 reduce the gradients: "overlap" (buckets during the backward that
 completes them: torch DDP, FSDP2, Megatron-Core's DDP since 2023) or "after" (one all-reduce after the step's
 last backward, nothing hidden: Megatron-LM's `--DDP-impl local`, its default until 2023, whose train_step
@@ -234,6 +235,10 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
     if layout.zero3_unit not in ZERO3_UNITS or (layout.zero3_unit == "module" and layout.zero != "zero3"):
         raise LayoutError(f"zero3_unit={layout.zero3_unit!r} with zero={layout.zero!r}: it says what ZeRO-3 gathers at once, "
                           f"one of {ZERO3_UNITS}; 'module' needs zero='zero3'")
+    if layout.zero3_unit == "module" and (layout.pp > 1 or layout.dp_replicate > 1 or layout.ep > 1):
+        raise LayoutError(f"zero3_unit='module' (DeepSpeed's ZeRO-3 of 2021, labkit.scale.deepspeed_zero3) with pp="
+                          f"{layout.pp}, dp_replicate={layout.dp_replicate}, ep={layout.ep}: it ran without a pipeline, "
+                          "replicas or experts; use pp = dp_replicate = ep = 1, or zero3_unit='block' (FSDP2)")
     if layout.grad_reduce not in GRAD_REDUCES:
         raise LayoutError(f"grad_reduce={layout.grad_reduce!r}: when the gradients are reduced, one of {GRAD_REDUCES}")
     if layout.kv_rotation not in KV_ROTATIONS:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import math
 
+from labkit.scale import deepspeed_zero3 as ds
 from labkit.scale.zero_calls import ZERO3_GRAD_BYTES, dp_calls, zero3_calls
 
 BF16 = 2
@@ -94,6 +95,17 @@ def tp_collectives(recompute: str, sequence_parallel: bool = True) -> dict:
         return {"forward": 4, "backward": 4, "recomputed": gathers + scatters,
                 "all_gather": 4 + gathers, "reduce_scatter": 4 + scatters}
     return {"forward": 2, "backward": 2, "recomputed": reduces, "all_reduce": 4 + reduces}
+
+
+def call_seconds(layout, cluster, axis: str, kind: str, nbytes: float, n: int, message: float | None = None
+                 ) -> tuple[float, float]:
+    """(bytes sent, seconds) of one `kind` collective of a full tensor of nbytes over n ranks of `axis`'s group: the
+    link of the group's level at the size each call moves (`message`, where a count folds several: FSDP's per-block
+    gathers), ring_time's alpha-beta."""
+    # the data-parallel group is dp x cp: it stays in a node only if its dp part does
+    where = "cp" if axis == "dp" and layout.dp == 1 else axis
+    alpha, beta = cluster.link(layout.level(where, cluster.gpus_per_node), kind, message or nbytes, n)
+    return ring_time(kind, nbytes, n, alpha, beta)
 
 
 def tp_call_seconds(entry: dict, recompute: str, sequence_parallel: bool, per_block: float) -> tuple[float, float]:
@@ -138,11 +150,7 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
     out = {}
 
     def add(axis, kind, nbytes, n, count, message=None):
-        # the data-parallel group is dp x cp: it stays in a node only if its dp part does. `message`: the
-        # size each call really moves where the count folds several (FSDP's per-block gathers), for busbw(S)
-        where = "cp" if axis == "dp" and layout.dp == 1 else axis
-        alpha, beta = cluster.link(layout.level(where, cluster.gpus_per_node), kind, message or nbytes, n)
-        sent, secs = ring_time(kind, nbytes, n, alpha, beta)
+        sent, secs = call_seconds(layout, cluster, axis, kind, nbytes, n, message)
         entry = out.setdefault(axis, {"bytes": 0.0, "seconds": 0.0, "count": 0})
         if sent:
             entry["bytes"] += sent * count
@@ -191,7 +199,15 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         return out
     n_dp = layout.dp * layout.cp
     for axis_params, ranks in ((params_per_gpu["dense"], n_dp), (params_per_gpu["experts"], layout.efsdp)):
-        if layout.zero == "zero3":  # FSDP gathers and scatters block by block: busbw at one block's size
+        if layout.zero == "zero3" and layout.zero3_unit == "module" and axis_params is params_per_gpu["dense"]:
+            # DeepSpeed's ZeRO-3: each weight gathered as its trace's releases make it (labkit.scale.deepspeed_zero3)
+            # and its fp16 gradient reduce-scattered once per micro-batch
+            numels = ds.numels(model, layout)
+            for name, gathers in ds.fetch_counts(numels, L, n_micro, layout.recompute == "full").items():
+                add("dp", "all_gather", BF16 * numels[name], ranks, gathers)
+                scatters = n_micro * (1 if name in ds.ENDS else L)
+                add("dp", "reduce_scatter", ds.GRAD_BYTES * numels[name], ranks, scatters)
+        elif layout.zero == "zero3":  # FSDP gathers and scatters block by block: busbw at one block's size
             gathers, scatters = calls
             add("dp", "all_gather", BF16 * axis_params, ranks, gathers, message=BF16 * axis_params / L)
             grads = ZERO3_GRAD_BYTES * axis_params
