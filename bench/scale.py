@@ -123,7 +123,9 @@ before its effect was computed)
                 each weight's uses on the host, GPU and network clocks, a synchronize at every fetch, the weights
                 its reuse distance frees between replay and backward gathered a third time, fp16 gradients where
                 FSDP2's fp32 had been charged; an estimate from the same rules, made first, said 5 of 6): 57, 8.6%,
-                29% (Table 2's ZeRO-3 rows +39, +13, +13, +43, +1, +3% -> +18, +3, -12, +27, -0, -7%); flat 33
+                29% (Table 2's ZeRO-3 rows +39, +13, +13, +43, +1, +3% -> +18, +3, -12, +27, -0, -7%); flat 33;
+                the contention rule inside those clocks (where a use's kernels meet the network busy): 57, 8.6%,
+                29% (+12, +1, -12, +25.4, -0, -7%)
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row

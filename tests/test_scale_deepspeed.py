@@ -40,13 +40,13 @@ def test_a_narrower_model_keeps_its_weights_from_replay_to_backward():
     assert counts["qkv"] == 2 * 4 - 1
 
 
-def _tiny(max_reuse):
+def _tiny(max_reuse, slowdown=0.0):
     numels = {"qkv": 10, "w2": 10, "embedding": 0, "head": 0}
     secs = {"f": {"qkv": 2.0, "w2": 2.0}, "r": {}, "b": {"qkv": 4.0, "w2": 4.0}}
     gather = {"qkv": 1.0, "w2": 1.0, "embedding": 0.0, "head": 0.0}
     scatter = {"qkv": 1.0, "w2": 1.0, "embedding": 0.0, "head": 0.0}
     return ds.zero3_step(numels, secs, gather, scatter, layers=1, n_micro=1, recompute=False, max_live=1e9,
-                         max_reuse=max_reuse, prefetch=10)
+                         max_reuse=max_reuse, prefetch=10, slowdown=slowdown)
 
 
 def test_a_steps_clocks_by_hand():
@@ -57,8 +57,13 @@ def test_a_steps_clocks_by_hand():
     prefetched in the forward's shadow, and the embedding's (empty) fetch synchronizes once more: 15 s. Planted
     mistake: a reduce-scatter issued before its gradient exists (no `ready`) would give 13 s."""
     kept = _tiny(max_reuse=1e9)
-    assert kept == {"step_s": 14.0, "gpu_s": 12.0, "network_s": 4.0}
+    assert kept == {"step_s": 14.0, "gpu_s": 12.0, "network_s": 4.0, "contention_s": 0.0}
     assert _tiny(max_reuse=0.0)["step_s"] == 15.0
+    # the contention rule inside the clocks (slowdown 0.5): the QKV's forward meets the MLP's gather (1 s of it) and
+    # its backward the MLP's reduce-scatter (1 s): each does 1 / 1.5 of its work in that second, 1/3 s more each
+    slowed = _tiny(max_reuse=1e9, slowdown=0.5)
+    assert slowed["step_s"] == pytest.approx(14 + 2 / 3, rel=1e-12)
+    assert slowed["contention_s"] == pytest.approx(2 / 3, rel=1e-12)
 
 
 def test_predict_counts_deepspeeds_collectives_and_runs_its_clock():

@@ -126,10 +126,10 @@ def _deepspeed_step(model, layout, cluster, n_micro, blk, emb, head, comm, compu
     n = layout.dp * layout.cp
     gather = {k: call_seconds(layout, cluster, "dp", "all_gather", value_bytes * v, n)[1] for k, v in nums.items()}
     scatter = {k: call_seconds(layout, cluster, "dp", "reduce_scatter", ds.GRAD_BYTES * v, n)[1] for k, v in nums.items()}
-    run = ds.zero3_step(nums, secs, gather, scatter, L, n_micro, full)
-    exposed_dp = max(0.0, run["step_s"] - makespan)
-    t_dp = traffic.get("dp", {}).get("seconds", 0.0)
-    contention_dp = contention(t_dp, exposed_dp, slowdown)
+    run = ds.zero3_step(nums, secs, gather, scatter, L, n_micro, full, slowdown=slowdown)
+    beyond = max(0.0, run["step_s"] - makespan)  # the contention inside the clocks, then what waits on the network
+    contention_dp = min(beyond, run["contention_s"])
+    exposed_dp = beyond - contention_dp
     params = sum(params_per_gpu(model, layout).values()) / (layout.dp * layout.cp)
     optimizer = seconds([optimizer_step(params, 9 * L + 3, gpu)])
     parts = {"compute": compute, "exposed_tp": n_micro * L * comm["tp"], "exposed_cp": n_micro * L * comm["cp"],

@@ -26,7 +26,8 @@ weight (`fetch_counts`, which labkit.scale.traffic counts), not FSDP2's two gath
 runs ahead of the GPU, launching kernels and collectives), the GPU (the compute stream: each use's kernels,
 `segments`) and the network (every collective, gathers and reduce-scatters, one after another on the GPU's NIC; a
 reduce-scatter no earlier than the backward kernels that make its gradient). A collective overlaps the GPU's work
-only between two synchronizes.
+only between two synchronizes, and where it does the kernels beside it run slower (the cost model's contention rule,
+GPU.overlap_slowdown, applied where the two clocks meet).
 """
 from __future__ import annotations
 
@@ -135,15 +136,18 @@ def fetch_counts(numels: dict, layers: int, n_micro: int, recompute: bool, max_r
 
 def zero3_step(numels: dict, seconds: dict, gather_s: dict, scatter_s: dict, layers: int, n_micro: int,
                recompute: bool, max_live: float = MAX_LIVE, max_reuse: float = MAX_REUSE,
-               prefetch: float = PREFETCH) -> dict:
+               prefetch: float = PREFETCH, slowdown: float = 0.0) -> dict:
     """One step of the uses' compute and collectives on the host, GPU and network clocks (the module's docstring).
     numels: {name: elements} of each weight (block submodules and the ends); seconds: {phase: {name: seconds}} of
     each use's kernels ("f", "r", "b"); gather_s, scatter_s: {name: seconds} of one fp16 all-gather / reduce-scatter
-    of that weight. Returns {"step_s", "gpu_s" (the compute stream's work), "network_s" (every collective)}."""
+    of that weight; slowdown: while a collective runs, the kernels beside it run that much slower (GPU.overlap_slowdown,
+    the contention rule of labkit.scale.cost_kernels: NCCL's kernels share the SMs), here wherever a use's kernels
+    meet the network still busy. Returns {"step_s", "gpu_s" (the compute stream's work, unslowed), "network_s" (every
+    collective), "contention_s" (what the slowdown added to the GPU's clock)}."""
     names = [n for n in SUBMODULES if n in numels]
     uses = trace(names, layers, n_micro, recompute)
     kept = _kept(uses, numels, max_reuse)
-    host = gpu = net = busy = comm = 0.0
+    host = gpu = net = busy = comm = slowed = 0.0
     held, flight, live = set(), set(), 0.0
     pending = None  # the reduce-scatter of the last backward use's weight: issued at the next use
 
@@ -182,8 +186,12 @@ def zero3_step(numels: dict, seconds: dict, gather_s: dict, scatter_s: dict, lay
             collective(*pending)
             pending = None
         t = seconds[phase].get(name, 0.0)
-        gpu = max(host, gpu) + t
+        start = max(host, gpu)
+        beside = max(0.0, net - start)  # the network's busy time ahead of these kernels
+        took = t * (1 + slowdown) if t * (1 + slowdown) <= beside else beside + t - beside / (1 + slowdown)
+        gpu = start + took
         busy += t
+        slowed += took - t
         if phase == "b":
             pending = (scatter_s[name], gpu)
         if not kept[i]:
@@ -191,4 +199,4 @@ def zero3_step(numels: dict, seconds: dict, gather_s: dict, scatter_s: dict, lay
             live -= _numel(key, numels)
     if pending is not None:
         collective(*pending)
-    return {"step_s": max(host, gpu, net), "gpu_s": busy, "network_s": comm}
+    return {"step_s": max(host, gpu, net), "gpu_s": busy, "network_s": comm, "contention_s": slowed}
