@@ -141,6 +141,10 @@ History of --ranks (configurations, then layouts, meeting the criterion; seconds
                 With torchtitan's rowwise casts at torchao's measured rate, its interleaved row at 8 micro-batches
                 of 4 and its space holding torch's ring only (not Llama 3's all-gather method): unchanged, 2 and
                 13 (1,191 s alone), 19 and 28 (34 s); the same three picks
+                With torchao's float8 TP (all-gathers in float8): unchanged, 2 and 13 (1,490 s beside other work),
+                19 and 28 (36 s); the same three picks. DeepSpeed's ZeRO-3 as its code runs came after: it only
+                slows the published ZeRO-3 rows' predictions (the lab's space runs FSDP2), so no lab rank can rise;
+                their own framework's space still ranks each first: 19 and 28 (36 s)
 
 History of --memory (rows within 15% of the 18 that publish it)
     until 2026-11-28  16
