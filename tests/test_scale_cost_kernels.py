@@ -108,6 +108,11 @@ def test_an_unknown_grad_reduce_is_refused_by_name():
         predict(SPEC, Layout(dp=8, zero="dp", grad_reduce="later"), H100, 16, 4096, efficiency=None)
 
 
+def _tp(seconds, calls):
+    """A block's TP traffic of `seconds` in `calls` alike collectives (axis_traffic's "tp" entry: its one-call times)."""
+    return {"tp": {"seconds": seconds, "calls": {"all_gather": seconds / calls, "reduce_scatter": seconds / calls}}}
+
+
 def _comm(traffic, layout, async_tp=False):
     blk = block_ops(SPEC, Shape(1, 8192, cp=layout.cp, tp=layout.tp), Options(), GPU)
     chunk = block_ops(SPEC, Shape(1, 8192 // layout.tp, cp=layout.cp, tp=layout.tp), Options(), GPU)
@@ -151,17 +156,17 @@ def test_the_rings_hidden_hops_slow_the_attention_beside_them():
         assert comm["forward"] + comm["backward"] == pytest.approx(comm["cp"] + comm["contention"], rel=1e-12)
     tp = Layout(tp=2)
     blk2 = block_ops(SPEC, Shape(1, 8192, tp=2), Options(), GPU)
-    assert _block_comm(blk2, {"tp": {"seconds": 1.0}}, tp, 1, False, None, 0.25)["contention"] == 0.0
+    assert _block_comm(blk2, _tp(1.0, 10), tp, 1, False, None, 0.25)["contention"] == 0.0
 
 
 def test_tp_exposed_unless_async_then_decomposed_behind_its_gemms():
     """Plain TP: all of it on the block's path. Async TP: labkit.scale.async_tp's decomposition, each of the
     8 collectives (4 per pass) a quarter of a pass's time (tests/test_scale_mechanisms.py: its closed form)."""
     lay = Layout(tp=8, recompute="none")
-    blk, plain = _comm({"tp": {"seconds": 1.0}}, lay)
+    blk, plain = _comm(_tp(1.0, 8), lay)
     assert plain["tp"] == 1.0
     chunk = block_ops(SPEC, Shape(1, 8192 // 8, tp=8), Options(), GPU)
-    _, hidden = _comm({"tp": {"seconds": 1.0}}, lay, async_tp=True)
+    _, hidden = _comm(_tp(1.0, 8), lay, async_tp=True)
     assert hidden["tp"] == pytest.approx(sum(atp.exposed(blk, chunk, 1.0 / 8, 1.0 / 8, 8, "none")))
     assert 0 < hidden["tp"] < 1.0
 

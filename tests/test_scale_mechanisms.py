@@ -190,8 +190,10 @@ def test_kernel_model_splits_tp_by_pass_as_the_policy_replays_it():
 
     blk = block_ops(LLAMA3["8b"], Shape(1, 8192, tp=8), Options(), H100)
     for policy, r in (("none", 0), ("selective-op", 2), ("full", 4)):
-        got = _block_comm(blk, {"tp": {"seconds": 1.0}}, Layout(tp=8, recompute=policy), 1, False)
+        one = {"all_gather": 1.0 / (8 + r), "reduce_scatter": 1.0 / (8 + r)}  # axis_traffic's one-call times
+        got = _block_comm(blk, {"tp": {"seconds": 1.0, "calls": one}}, Layout(tp=8, recompute=policy), 1, False)
         assert got["forward"] == pytest.approx(4 / (8 + r)) and got["backward"] == pytest.approx((4 + r) / (8 + r))
         assert got["tp"] == pytest.approx(1.0)
-    op = _block_comm(blk, {"tp": {"seconds": 1.0}}, Layout(tp=8, recompute="selective-op"), 1, False)
+    one = {"all_gather": 0.1, "reduce_scatter": 0.1}
+    op = _block_comm(blk, {"tp": {"seconds": 1.0, "calls": one}}, Layout(tp=8, recompute="selective-op"), 1, False)
     assert op["forward"] != pytest.approx(0.5)

@@ -63,10 +63,8 @@ def kernel_bound(model, lay: Layout, methods: list, seq: int, n_micro: int, opti
         fwd.append(f_s), bwd.append(b_s)
     if not fwd:
         return None
-    L = lay.layers_per_rank(model.n_layers)
     # TP per block and micro-batch, split by pass as kernel_step splits it (tp: axis_traffic's entry)
-    tp_f, tp_b = (0.0, 0.0) if options.get("async_tp") else tp_pass_seconds(tp, lay.recompute, lay.sequence_parallel,
-                                                                            L * n_micro)
+    tp_f, tp_b = (0.0, 0.0) if options.get("async_tp") else tp_pass_seconds(tp, lay.recompute, lay.sequence_parallel)
     f_block, b_block = min(fwd) + tp_f, min(bwd) + tp_b
     layers, roles = lay.stage_layers(model.n_layers), stage_roles(lay, model.n_layers)
     f = [count * f_block for count in layers]

@@ -86,9 +86,9 @@ def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool, chunk_bl
         return traffic.get(axis, {}).get(key, 0.0) / per_block
 
     tp = traffic.get("tp", {})  # each kind at its own time: float8 tensorwise TP gathers 1-byte values
-    tp_f, tp_b = tp_pass_seconds(tp, layout.recompute, layout.sequence_parallel, per_block)
+    tp_f, tp_b = tp_pass_seconds(tp, layout.recompute, layout.sequence_parallel)
     if async_tp and share("tp"):  # each collective in tp chunks, beside the matmuls it feeds
-        gather, scatter = tp_call_seconds(tp, layout.recompute, layout.sequence_parallel, per_block)
+        gather, scatter = tp_call_seconds(tp, layout.sequence_parallel)
         tp_f, tp_b = atp.exposed(blk, chunk_blk, gather, scatter, layout.tp, layout.recompute, reduce_s)
     attn = sum(op.seconds for op in blk["forward"] + blk["backward"] if op.kind == "attention")
     ring, first = share("cp", "hideable_seconds"), share("cp", "first_step_seconds")
@@ -106,16 +106,17 @@ def _block_comm(blk, traffic, layout, per_block: float, async_tp: bool, chunk_bl
             "backward": tp_b + cp / 2 + ep / 2 + slow / 2}
 
 
-def _deepspeed_step(model, layout, cluster, n_micro, blk, emb, head, comm, compute, makespan, traffic, gpu, slowdown,
-                    L, value_bytes) -> dict:
-    """kernel_step's result for DeepSpeed's ZeRO-3 (zero3_unit="module", no pipeline): its uses of each weight run on
-    the host, GPU and network clocks (labkit.scale.deepspeed_zero3.zero3_step), with each use's kernels (the block's
-    ops by submodule, the ends' ops, the block's exposed tp and cp shared by its submodules) and each weight's
-    gather and fp16 reduce-scatter at the dp group's link (traffic.call_seconds). exposed_dp: what the step takes
-    beyond its kernels; the contention rule as for every hidden collective."""
+def _deepspeed_dp(model, layout, cluster, n_micro, blk, emb, head, comm, makespan, slowdown, L, value_bytes
+                  ) -> tuple[float, float]:
+    """(exposed_dp, contention_dp) of DeepSpeed's ZeRO-3 (zero3_unit="module", no pipeline): its uses of each weight
+    run on the host, GPU and network clocks (labkit.scale.deepspeed_zero3.zero3_step), with each use's kernels (the
+    block's ops by submodule, the ends' ops, the block's exposed tp and cp shared by its submodules) and each weight's
+    gather and fp16 reduce-scatter at the dp group's link (traffic.call_seconds); what the clocks take beyond the
+    kernels (`makespan`) is the contention they met first, then the wait on the network."""
     seg = ds.segments(blk)
     nums = ds.numels(model, layout)
-    share = {n: v / sum(ds.submodules(model, layout.tp).values()) for n, v in ds.submodules(model, layout.tp).items()}
+    subs = ds.submodules(model, layout.tp)
+    share = {n: v / sum(subs.values()) for n, v in subs.items()}
     full = layout.recompute == "full"  # a replayed forward of its own (its weights fetched again); any other
     if not full:                        # policy's replay runs inside the backward's uses
         seg["backward"] = {n: seg["backward"].get(n, 0.0) + seg["recompute"].get(n, 0.0) for n in share}
@@ -127,18 +128,9 @@ def _deepspeed_step(model, layout, cluster, n_micro, blk, emb, head, comm, compu
     gather = {k: call_seconds(layout, cluster, "dp", "all_gather", value_bytes * v, n)[1] for k, v in nums.items()}
     scatter = {k: call_seconds(layout, cluster, "dp", "reduce_scatter", ds.GRAD_BYTES * v, n)[1] for k, v in nums.items()}
     run = ds.zero3_step(nums, secs, gather, scatter, L, n_micro, full, slowdown=slowdown)
-    beyond = max(0.0, run["step_s"] - makespan)  # the contention inside the clocks, then what waits on the network
+    beyond = max(0.0, run["step_s"] - makespan)
     contention_dp = min(beyond, run["contention_s"])
-    exposed_dp = beyond - contention_dp
-    params = sum(params_per_gpu(model, layout).values()) / (layout.dp * layout.cp)
-    optimizer = seconds([optimizer_step(params, 9 * L + 3, gpu)])
-    parts = {"compute": compute, "exposed_tp": n_micro * L * comm["tp"], "exposed_cp": n_micro * L * comm["cp"],
-             "exposed_ep": n_micro * L * comm["ep"], "bubble": 0.0, "exposed_dp": exposed_dp, "exposed_pp": 0.0,
-             "optimizer": optimizer, "contention": n_micro * L * comm["contention"], "contention_dp": contention_dp,
-             "fsdp_copies": 0.0}
-    f_bound, b_bound = by_bound(blk["forward"]), by_bound(blk["backward"])
-    return {"step_s": makespan + exposed_dp + contention_dp + optimizer, "parts_s": parts,
-            "bound_s": {k: f_bound[k] + b_bound[k] for k in f_bound}, "traffic": traffic}
+    return beyond - contention_dp, contention_dp
 
 
 def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, value_bytes, options) -> dict:
@@ -200,19 +192,21 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
         calls = dp_calls("zero3", layout.pp, n_micro)
         copies = seconds([fsdp_copies(held, blocks, gpu, value_bytes, ZERO3_GRAD_BYTES, *calls)])
     t_dp = traffic.get("dp", {}).get("seconds", 0.0)
-    if layout.zero == "zero3" and layout.zero3_unit == "module":  # DeepSpeed's ZeRO-3, use by use
-        return _deepspeed_step(model, layout, cluster, n_micro, blk, emb, head, comm, compute, makespan, traffic,
-                               gpu, slowdown, L, value_bytes)
-    # ZeRO-3 prefetches behind the step's compute; ZeRO-2 without a pipeline reduces each micro-batch's gradient in
-    # its backward (dp_calls); plain DP / ZeRO-1 (and ZeRO-2 in a pipeline) accumulate every micro-batch's
-    # gradient locally (DDP's no_sync, Megatron's buffers) and reduce in the last one's backward, or after it
-    if layout.zero != "zero3" and layout.grad_reduce == "after":  # all of it waits, after the backward
-        hide, exposed_dp = 0.0, t_dp
-    else:  # hidden up to the window; the last bucket, one layer's, waits for its backward
-        by_micro = layout.zero == "zero2" and dp_calls("zero2", layout.pp, n_micro)
-        hide = compute + copies if layout.zero == "zero3" else backward if by_micro else backward / n_micro
-        exposed_dp = max(0.0, t_dp - hide) + t_dp / max(1, L) if t_dp else 0.0
-    contention_dp = contention(t_dp, max(0.0, t_dp - hide), slowdown)
+    # ZeRO-3 prefetches behind the step's compute (DeepSpeed's, use by use on its own clocks); ZeRO-2 without a
+    # pipeline reduces each micro-batch's gradient in its backward (dp_calls); plain DP / ZeRO-1 (and ZeRO-2 in a
+    # pipeline) accumulate every micro-batch's gradient locally (DDP's no_sync, Megatron's buffers) and reduce in
+    # the last one's backward, or after it
+    if layout.zero == "zero3" and layout.zero3_unit == "module":
+        exposed_dp, contention_dp = _deepspeed_dp(model, layout, cluster, n_micro, blk, emb, head, comm, makespan,
+                                                  slowdown, L, value_bytes)
+    else:
+        if layout.zero != "zero3" and layout.grad_reduce == "after":  # all of it waits, after the backward
+            hide, exposed_dp = 0.0, t_dp
+        else:  # hidden up to the window; the last bucket, one layer's, waits for its backward
+            by_micro = layout.zero == "zero2" and dp_calls("zero2", layout.pp, n_micro)
+            hide = compute + copies if layout.zero == "zero3" else backward if by_micro else backward / n_micro
+            exposed_dp = max(0.0, t_dp - hide) + t_dp / max(1, L) if t_dp else 0.0
+        contention_dp = contention(t_dp, max(0.0, t_dp - hide), slowdown)
     shards = layout.dp * layout.cp if layout.zero != "dp" else 1
     params = sum(params_per_gpu(model, layout).values()) / shards
     optimizer = seconds([optimizer_step(params, 9 * L + 3, gpu)])

@@ -108,25 +108,20 @@ def call_seconds(layout, cluster, axis: str, kind: str, nbytes: float, n: int, m
     return ring_time(kind, nbytes, n, alpha, beta)
 
 
-def tp_call_seconds(entry: dict, recompute: str, sequence_parallel: bool, per_block: float) -> tuple[float, float]:
+def tp_call_seconds(entry: dict, sequence_parallel: bool) -> tuple[float, float]:
     """(one all-gather, one reduce-scatter) of a block's TP collectives for one micro-batch, seconds (without SP
-    both are the all-reduce's): from the "calls" axis_traffic records, or, for an entry that gives only its
-    "seconds" (a test's), that total over `per_block` (blocks x micro-batches) shared alike by the calls."""
-    if "calls" in entry:
-        calls = entry["calls"]
-        if sequence_parallel:
-            return calls.get("all_gather", 0.0), calls.get("reduce_scatter", 0.0)
-        return calls.get("all_reduce", 0.0), calls.get("all_reduce", 0.0)
-    n = tp_collectives(recompute, sequence_parallel)
-    one = entry.get("seconds", 0.0) / per_block / (n["forward"] + n["backward"] + n["recomputed"])
-    return one, one
+    both are the all-reduce's), from the "calls" axis_traffic records in its "tp" entry."""
+    calls = entry.get("calls", {})
+    if sequence_parallel:
+        return calls.get("all_gather", 0.0), calls.get("reduce_scatter", 0.0)
+    return calls.get("all_reduce", 0.0), calls.get("all_reduce", 0.0)
 
 
-def tp_pass_seconds(entry: dict, recompute: str, sequence_parallel: bool, per_block: float) -> tuple[float, float]:
+def tp_pass_seconds(entry: dict, recompute: str, sequence_parallel: bool) -> tuple[float, float]:
     """(forward, backward) seconds of one block's TP collectives for one micro-batch, each kind at its own time
     (`tp_call_seconds`); the backward holds what the recompute policy runs again (`TP_RECOMPUTED`)."""
     n = tp_collectives(recompute, sequence_parallel)  # refuses a policy it does not know, by name
-    gather, scatter = tp_call_seconds(entry, recompute, sequence_parallel, per_block)
+    gather, scatter = tp_call_seconds(entry, sequence_parallel)
     if sequence_parallel:
         return 2 * gather + 2 * scatter, (n["all_gather"] - 2) * gather + (n["reduce_scatter"] - 2) * scatter
     return 2 * gather, (n["all_reduce"] - 2) * gather
