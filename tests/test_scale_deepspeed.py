@@ -57,7 +57,8 @@ def test_a_steps_clocks_by_hand():
     prefetched in the forward's shadow, and the embedding's (empty) fetch synchronizes once more: 15 s. Planted
     mistake: a reduce-scatter issued before its gradient exists (no `ready`) would give 13 s."""
     kept = _tiny(max_reuse=1e9)
-    assert kept == {"step_s": 14.0, "gpu_s": 12.0, "network_s": 4.0, "contention_s": 0.0}
+    assert kept == {"step_s": 14.0, "gpu_s": 12.0, "network_s": 4.0, "contention_s": 0.0,
+                    "gathers": {"embedding": 1, "qkv": 1, "w2": 1, "head": 1}}
     assert _tiny(max_reuse=0.0)["step_s"] == 15.0
     # the contention rule inside the clocks (slowdown 0.5): the QKV's forward meets the MLP's gather (1 s of it) and
     # its backward the MLP's reduce-scatter (1 s): each does 1 / 1.5 of its work in that second, 1/3 s more each

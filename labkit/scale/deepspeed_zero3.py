@@ -120,18 +120,11 @@ def _kept(uses: list, numels: dict, max_reuse: float) -> list:
 
 def fetch_counts(numels: dict, layers: int, n_micro: int, recompute: bool, max_reuse: float = MAX_REUSE) -> dict:
     """{name: gathers per step} of each weight (a block submodule's over all layers, or an end's): every use whose
-    weight its previous use freed (`_kept`)."""
-    names = [n for n in SUBMODULES if n in numels]
-    uses = trace(names, layers, n_micro, recompute)
-    kept, held, out = _kept(uses, numels, max_reuse), set(), {}
-    for i, (key, _) in enumerate(uses):
-        if key not in held:
-            name = key[0] if len(key) == 1 else key[1]
-            out[name] = out.get(name, 0) + 1
-            held.add(key)
-        if not kept[i]:
-            held.discard(key)
-    return out
+    weight its previous use freed (`_kept`), counted by `zero3_step` itself (a prefetch moves a gather earlier, never
+    adds one), so the traffic and the clocks share one account."""
+    zero = {k: 0.0 for k in numels}
+    return zero3_step(numels, {"f": {}, "r": {}, "b": {}}, zero, zero, layers, n_micro, recompute,
+                      max_reuse=max_reuse)["gathers"]
 
 
 def zero3_step(numels: dict, seconds: dict, gather_s: dict, scatter_s: dict, layers: int, n_micro: int,
@@ -143,12 +136,12 @@ def zero3_step(numels: dict, seconds: dict, gather_s: dict, scatter_s: dict, lay
     of that weight; slowdown: while a collective runs, the kernels beside it run that much slower (GPU.overlap_slowdown,
     the contention rule of labkit.scale.cost_kernels: NCCL's kernels share the SMs), here wherever a use's kernels
     meet the network still busy. Returns {"step_s", "gpu_s" (the compute stream's work, unslowed), "network_s" (every
-    collective), "contention_s" (what the slowdown added to the GPU's clock)}."""
+    collective), "contention_s" (what the slowdown added to the GPU's clock), "gathers" ({name: gathers})}."""
     names = [n for n in SUBMODULES if n in numels]
     uses = trace(names, layers, n_micro, recompute)
     kept = _kept(uses, numels, max_reuse)
     host = gpu = net = busy = comm = slowed = 0.0
-    held, flight, live = set(), set(), 0.0
+    held, flight, live, gathers = set(), set(), 0.0, {}
     pending = None  # the reduce-scatter of the last backward use's weight: issued at the next use
 
     def name_of(key):
@@ -159,11 +152,15 @@ def zero3_step(numels: dict, seconds: dict, gather_s: dict, scatter_s: dict, lay
         net = max(host, net, ready) + s
         comm += s
 
+    def gather(key):
+        collective(gather_s[name_of(key)])
+        gathers[name_of(key)] = gathers.get(name_of(key), 0) + 1
+        held.add(key)
+
     for i, (key, phase) in enumerate(uses):
         name = name_of(key)
         if key not in held:  # fetch: gathered now, and waited for
-            collective(gather_s[name])
-            held.add(key)
+            gather(key)
             live += _numel(key, numels)
             host = max(host, gpu, net)  # torch.cuda.synchronize
             flight.clear()
@@ -175,8 +172,7 @@ def zero3_step(numels: dict, seconds: dict, gather_s: dict, scatter_s: dict, lay
             for j in range(i + 1, len(uses)):
                 other = uses[j][0]
                 if other not in held:
-                    collective(gather_s[name_of(other)])
-                    held.add(other)
+                    gather(other)
                     flight.add(other)
                     live += _numel(other, numels)
                     want += _numel(other, numels)
@@ -199,4 +195,4 @@ def zero3_step(numels: dict, seconds: dict, gather_s: dict, scatter_s: dict, lay
             live -= _numel(key, numels)
     if pending is not None:
         collective(*pending)
-    return {"step_s": max(host, gpu, net), "gpu_s": busy, "network_s": comm, "contention_s": slowed}
+    return {"step_s": max(host, gpu, net), "gpu_s": busy, "network_s": comm, "contention_s": slowed, "gathers": gathers}
