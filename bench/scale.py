@@ -125,7 +125,9 @@ before its effect was computed)
                 FSDP2's fp32 had been charged; an estimate from the same rules, made first, said 5 of 6): 57, 8.6%,
                 29% (Table 2's ZeRO-3 rows +39, +13, +13, +43, +1, +3% -> +18, +3, -12, +27, -0, -7%); flat 33;
                 the contention rule inside those clocks (where a use's kernels meet the network busy): 57, 8.6%,
-                29% (+12, +1, -12, +25.4, -0, -7%)
+                29% (+12, +1, -12, +25.4, -0, -7%). These six rows lean on one assumed input, the 10 us a ring
+                step across nodes takes (a100-sxm.json): one collective per weight, about 1,500 a step of n - 1
+                steps each; at 0, 5 and 20 us they lie at +17..+29%, +2..+27% and -32..+22%
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row
