@@ -100,14 +100,15 @@ def trace(names: list, layers: int, n_micro: int, recompute: bool) -> list:
     return uses
 
 
-def _numel(key, numels: dict) -> float:
-    return numels[key[0]] if len(key) == 1 else numels[key[1]]
+def _name(key) -> str:
+    """A use's weight: an end's name, or a block submodule's (its key is (layer, name))."""
+    return key[0] if len(key) == 1 else key[1]
 
 
 def _kept(uses: list, numels: dict, max_reuse: float) -> list:
     """_keep_for_later for every use: its weight is used again within max_reuse elements of the weights used in
     between (prefix sums over the trace: one pass)."""
-    sizes = [_numel(key, numels) for key, _ in uses]
+    sizes = [numels[_name(key)] for key, _ in uses]
     prefix = [0.0]
     for size in sizes:
         prefix.append(prefix[-1] + size)
@@ -144,24 +145,22 @@ def zero3_step(numels: dict, seconds: dict, gather_s: dict, scatter_s: dict, lay
     held, flight, live, gathers = set(), set(), 0.0, {}
     pending = None  # the reduce-scatter of the last backward use's weight: issued at the next use
 
-    def name_of(key):
-        return key[0] if len(key) == 1 else key[1]
-
     def collective(s, ready=0.0):  # issued by the host, after the network's earlier calls, and its data's `ready`
         nonlocal net, comm
         net = max(host, net, ready) + s
         comm += s
 
-    def gather(key):
-        collective(gather_s[name_of(key)])
-        gathers[name_of(key)] = gathers.get(name_of(key), 0) + 1
+    def gather(key):  # a weight's all-gather: held (and counted live) from its issue
+        nonlocal live
+        collective(gather_s[_name(key)])
+        gathers[_name(key)] = gathers.get(_name(key), 0) + 1
         held.add(key)
+        live += numels[_name(key)]
 
     for i, (key, phase) in enumerate(uses):
-        name = name_of(key)
+        name = _name(key)
         if key not in held:  # fetch: gathered now, and waited for
             gather(key)
-            live += _numel(key, numels)
             host = max(host, gpu, net)  # torch.cuda.synchronize
             flight.clear()
         elif key in flight:  # prefetched: waited for
@@ -174,8 +173,7 @@ def zero3_step(numels: dict, seconds: dict, gather_s: dict, scatter_s: dict, lay
                 if other not in held:
                     gather(other)
                     flight.add(other)
-                    live += _numel(other, numels)
-                    want += _numel(other, numels)
+                    want += numels[_name(other)]
                     if want >= prefetch:
                         break
         if pending is not None:  # the previous backward use's gradient, once its kernels have made it
@@ -192,7 +190,7 @@ def zero3_step(numels: dict, seconds: dict, gather_s: dict, scatter_s: dict, lay
             pending = (scatter_s[name], gpu)
         if not kept[i]:
             held.discard(key)
-            live -= _numel(key, numels)
+            live -= numels[name]
     if pending is not None:
         collective(*pending)
     return {"step_s": max(host, gpu, net), "gpu_s": busy, "network_s": comm, "contention_s": slowed, "gathers": gathers}
