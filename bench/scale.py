@@ -13,9 +13,10 @@ What it prints. One line per row: its throughput and memory error (predicted / p
 says it fits; a summary per set; each row outside 25% with its note from the data file (what was checked, and why
 the miss stays); as its last line one JSON object: per set and overall, n, rows within 25%, the median and worst
 |throughput error|, the worst |memory error|. Under the kernel model, before the JSON: float8's gain over the same
-run in bf16, measured and predicted, for each float8 row whose set holds that run (labkit.scale.validation.float8_gains:
-the two rows share their clock, network and framework, which cancel in the ratio, so it checks the float8 mechanism
-alone; in the JSON as "float8_gains"). No process, no GPU: arithmetic, a few seconds (without --ranks).
+run in bf16, and async TP's over the same run without it, measured and predicted, for each row whose set holds that
+twin (labkit.scale.validation.gains: the two rows share their clock, network and framework, which cancel in the
+ratio, so it checks the one mechanism alone; in the JSON as "float8_gains" and "async_tp_gains"). No process, no
+GPU: arithmetic, a few seconds (without --ranks).
 
 Flags
     --model   the flat model (compute at a fixed fraction of the peak, labkit.scale.cost.predict's default), the
@@ -128,6 +129,10 @@ before its effect was computed)
                 29% (+12, +1, -12, +25.4, -0, -7%). These six rows lean on one assumed input, the 10 us a ring
                 step across nodes takes (a100-sxm.json): one collective per weight, about 1,500 a step of n - 1
                 steps each; at 0, 5 and 20 us they lie at +17..+29%, +2..+27% and -32..+22%
+                the backward's two TP reduce-scatters under async TP left to NCCL, as torch's micro-pipeline pass
+                leaves a reduce-scatter whose input sums several matmuls' (async_tp.UNFUSED): 58, 8.5%, 25.4%
+                (the 8B async-TP rows +29%, +22% -> +24%, +17%; async TP's gain over plain TP, measured against
+                predicted, from 2.1-9.6 points off to 0.1-6.1)
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row
@@ -162,7 +167,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from labkit.scale.validation import (MODELS_OF_COST, float8_gains, format_sets, load_sets, predict_sets,  # noqa: E402
+from labkit.scale.validation import (MODELS_OF_COST, format_sets, gains, load_sets, predict_sets,  # noqa: E402
                                     summarize)
 
 # The lab's own models on one H200, bf16 autocast, eager: model, batch, seq, then each measurement's tok/s
@@ -320,13 +325,14 @@ def main():
         out[model] = dict(sets={name: rounded(summarize(rows)) for name, rows in results.items()},
                           overall=rounded(overall), not_fitting=[r["id"] for r in every if not r["fits"]])
         if model == "kernels":  # the flat model does not read float8
-            gains = float8_gains(results)
-            print("\nfloat8's gain over the same run in bf16 (tok/s ratio - 1), measured and predicted: what the two rows "
-                  "share\n(clock, network, framework) cancels, so this checks the float8 mechanism alone")
-            for g in gains:
-                print(f"  {g['id']:12s} over {g['base']:12s} {g['recipe']:10s} measured {g['measured']:+6.1%}  "
-                      f"predicted {g['predicted']:+6.1%}")
-            out[model]["float8_gains"] = [rounded(g) for g in gains]
+            for mechanism, twin in (("float8", "the same run in bf16"), ("async TP", "the same run without it")):
+                pairs = gains(results, mechanism)
+                print(f"\n{mechanism}'s gain over {twin} (tok/s ratio - 1), measured and predicted: what the two rows "
+                      f"share\n(clock, network, framework) cancels, so this checks the {mechanism} mechanism alone")
+                for g in pairs:
+                    print(f"  {g['id']:12s} over {g['base']:12s} {g['recipe']:10s} measured {g['measured']:+6.1%}  "
+                          f"predicted {g['predicted']:+6.1%}")
+                out[model][mechanism.lower().replace(" ", "_") + "_gains"] = [rounded(g) for g in pairs]
         if args.memory and "memory" not in out:
             out["memory"] = memory_table(results)
         if args.ranks:

@@ -151,15 +151,15 @@ def test_bench_prints_rows_then_json():
 
 
 def test_float8_gains_pair_each_float8_row_with_the_same_run_in_bf16():
-    """validation.float8_gains: a float8 row is set beside the bf16 row of its set that differs only in float8 (model,
-    layout and every other item of outside_model alike); the gains are the published and the predicted ratios.
+    """validation.gains(results, "float8"): a float8 row is set beside the bf16 row of its set that differs only in
+    float8 (model, layout and every other item of outside_model alike); the gains are the published and the predicted ratios.
     Edge cases: Table 2's rows are all float8 (no bf16 twin: left out), and an async-TP float8 row pairs with the
     async-TP bf16 row, never with the plain one (a planted key without outside_model would pair atp-8b-10 with
     atp-8b-7)."""
-    from labkit.scale.validation import float8_gains, predict_sets
+    from labkit.scale.validation import gains as mechanism_gains, predict_sets
 
     results = predict_sets(model="kernels")
-    gains = {g["id"]: g for g in float8_gains(results)}
+    gains = {g["id"]: g for g in mechanism_gains(results, "float8")}
     assert {i: (g["base"], g["recipe"]) for i, g in gains.items()} == {
         "tt24-t1-3": ("tt24-t1-2", "tensorwise"), "tt24-t3-10": ("tt24-t3-9", "tensorwise"),
         "atp-70b-3": ("atp-70b-1", "tensorwise"), "atp-70b-4": ("atp-70b-2", "tensorwise"),
@@ -170,3 +170,24 @@ def test_float8_gains_pair_each_float8_row_with_the_same_run_in_bf16():
     g = gains["atp-8b-10"]
     assert g["measured"] == rows["atp-8b-10"]["published_tps"] / rows["atp-8b-8"]["published_tps"] - 1
     assert g["predicted"] == rows["atp-8b-10"]["predicted_tps"] / rows["atp-8b-8"]["predicted_tps"] - 1
+
+
+def test_async_tp_gains_pair_each_async_row_with_the_same_run_without_it():
+    """validation.gains(results, "async TP"): each async-TP row beside its set's row of the same run and precision
+    without async TP; the recipe is the pair's precision. Edge case: Table 4's "2D + AsyncTP" (float8) pairs with
+    "2D" (float8), and a rowwise async row pairs with the rowwise plain one, never with bf16."""
+    from labkit.scale.validation import gains as mechanism_gains, predict_sets
+
+    results = predict_sets(model="kernels")
+    rows = {r["id"]: r for rs in results.values() for r in rs}
+    gains = {g["id"]: g for g in mechanism_gains(results, "async TP")}
+    pairs = {i: (g["base"], g["recipe"]) for i, g in gains.items()}
+    assert {i: p for i, p in pairs.items() if i.startswith("atp-")} == {
+        "atp-70b-2": ("atp-70b-1", "bf16"), "atp-70b-4": ("atp-70b-3", "tensorwise"),
+        "atp-70b-6": ("atp-70b-5", "rowwise"), "atp-8b-8": ("atp-8b-7", "bf16"),
+        "atp-8b-10": ("atp-8b-9", "tensorwise"), "atp-8b-12": ("atp-8b-11", "rowwise")}
+    t4 = [r["id"] for r in results["torchtitan-2024-12"] if "AsyncTP" in r["source_row"]]
+    assert len(t4) == 1 and gains[t4[0]]["set"] == "torchtitan-2024-12" and gains[t4[0]]["recipe"] == "tensorwise"
+    assert rows[gains[t4[0]]["base"]]["source_row"] == "Table 4: 2D"
+    for i, g in gains.items():
+        assert g["predicted"] == rows[i]["predicted_tps"] / rows[g["base"]]["predicted_tps"] - 1

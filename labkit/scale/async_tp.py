@@ -24,6 +24,14 @@ torch's fused_all_gather_matmul takes several weights at once, fused_matmul_redu
     backward  all-gather of dY -> w2's input gradient;  w1's and w3's input gradients -> reduce-scatter;
               all-gather of dY -> wo's input gradient;  wq's, wk's, wv's input gradients -> reduce-scatter
 (the weight gradients contract over T, the dimension the chunks split, and are not decomposed).
+Only a reduce-scatter whose input one matmul produces is decomposed: torch's micro-pipeline pass
+(torch/_inductor/fx_passes/micro_pipeline_tp.py, `fuse_matmul_reduce_scatter` -> `_find_producer_matmul`, read in
+torch 2.13; a 2024 copy in its author's fork, yifuwang/pytorch 2516077, makes the same test) returns without fusing
+when the reduce-scatter's input is anything but a (reshaped) mm. The backward's two reduce-scatters take a sum:
+the w1 and w3 input gradients (both read the gathered norm output), and the wq, wk and wv ones, added by autograd before the all-gather's backward
+reduce-scatters them. Those two (`UNFUSED`) stay NCCL's collectives, exposed as plain TP's (its `scatter_s`), with
+no closing sum. The all-gathers are fused with every matmul that takes the gathered tensor as its left operand
+(`fuse_all_gather_matmul`), the backward's two included.
 A recomputing backward runs again the forward's collectives its policy does not save
 (`labkit.scale.traffic.tp_collectives`), each behind the recomputed matmuls it feeds (`RECOMPUTE_GROUPS`):
 full recompute the forward's four groups; torchtitan's op policy its two all-gathers, which feed only
@@ -32,10 +40,9 @@ Each decomposed reduce-scatter ends in a kernel the NCCL one does not have: torc
 fused_matmul_reduce_scatter (torch/distributed/_symmetric_memory/__init__.py) writes every rank's partial
 product of its chunk into a stacked buffer (`_pipelined_produce_and_all2all`), then sums them with one
 reduction kernel (`reduce_fn(stacked_partials, ...)`: reads T x n, writes T / tp x n), after the pipelined
-loop, on the compute stream: `reduce_s`, exposed once per reduce-scatter (`SCATTERS`: the groups whose
-collective is a reduce-scatter; the all-gathers' local copy into the symmetric buffer is T / tp rows, not
-counted). Not modelled: the copy engines (the post's NVLink transfers use them, not SMs, so no SM contention
-is charged) and their share of HBM bandwidth, for which no kernel-level figure was found.
+loop, on the compute stream: `reduce_s`, exposed once per fused reduce-scatter (`SCATTERS` less `UNFUSED`; the
+all-gathers' local copy into the symmetric buffer is T / tp rows, not counted). Not modelled: the copy engines
+(the post's NVLink transfers use them, not SMs, so no SM contention is charged) and their share of HBM bandwidth, for which no kernel-level figure was found.
 """
 from __future__ import annotations
 
@@ -44,6 +51,8 @@ BACKWARD_GROUPS = (("w2 dgrad",), ("w1 dgrad", "w3 dgrad"), ("wo dgrad",), ("wq 
 RECOMPUTE_GROUPS = {"full": FORWARD_GROUPS, "selective-op": (("wk",), ("w3",))}
 # the groups whose matmuls feed a reduce-scatter (the others are fed by an all-gather)
 SCATTERS = {("wo",), ("w2",), ("w1 dgrad", "w3 dgrad"), ("wq dgrad", "wk dgrad", "wv dgrad")}
+# the reduce-scatters the pass leaves to NCCL: their input sums several matmuls' outputs (module docstring)
+UNFUSED = {g for g in SCATTERS if len(g) > 1}
 
 
 def decomposed(full_s: float, chunk_s: float, collective_s: float, tp: int) -> float:
@@ -66,10 +75,16 @@ def exposed(blk: dict, chunk_blk: dict, gather_s: float, scatter_s: float, tp: i
     tensorwise TP gathers 1-byte values); recompute: the policy, whose re-run collectives (`RECOMPUTE_GROUPS`)
     hide behind the recomputed forward's matmuls (their times are the forward's); reduce_s: one
     reduce-scatter's closing sum, added for each."""
+    def one(direction, g):
+        if tp <= 1:
+            return 0.0
+        if g in UNFUSED:  # NCCL's reduce-scatter, exposed as plain TP's
+            return scatter_s
+        return (decomposed(_gemm_seconds(blk[direction], g), _gemm_seconds(chunk_blk[direction], g),
+                           scatter_s if g in SCATTERS else gather_s, tp) + (reduce_s if g in SCATTERS else 0.0))
+
     def groups(direction, names):
-        return sum(decomposed(_gemm_seconds(blk[direction], g), _gemm_seconds(chunk_blk[direction], g),
-                              scatter_s if g in SCATTERS else gather_s, tp)
-                   + (reduce_s if g in SCATTERS and tp > 1 else 0.0) for g in names)
+        return sum(one(direction, g) for g in names)
 
     forward = groups("forward", FORWARD_GROUPS)
     backward = groups("backward", BACKWARD_GROUPS) + groups("forward", RECOMPUTE_GROUPS.get(recompute, ()))

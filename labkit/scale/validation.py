@@ -119,26 +119,33 @@ def lab_model_on_one_gpu(name: str, batch: int, seq: int, cluster_name: str) -> 
             "kernels": step_kernels(spec, gpu, batch, seq)["kernels"], "eager_op_us": gpu.eager_op_us}
 
 
-FLOAT8_TAGS = ("float8", "float8 rowwise")
+# the outside_model tags of each mechanism whose gain `gains` checks
+MECHANISM_TAGS = {"float8": ("float8", "float8 rowwise"), "async TP": ("async TP",)}
 
 
-def float8_gains(results: dict) -> list[dict]:
-    """Each float8 row beside its set's bf16 row of the same run otherwise (model, layout, every other item of
-    outside_model): {set, id, base (the bf16 row's id), recipe, measured (published tok/s ratio - 1), predicted
-    (the same of the predictions)}. What the two rows share cancels in the ratio (the GPU's clock, the
-    network, the framework's overheads), so the gain checks the float8 mechanism alone: torchao's GEMMs,
-    casts and float8 TP. results: predict_sets'."""
+def _precision(row: dict) -> str:
+    tags = row["outside_model"]
+    return "rowwise" if "float8 rowwise" in tags else "tensorwise" if "float8" in tags else "bf16"
+
+
+def gains(results: dict, mechanism: str = "float8") -> list[dict]:
+    """Each row with `mechanism` (a key of MECHANISM_TAGS) beside its set's row of the same run without it (model,
+    layout, every other item of outside_model alike): {set, id, base (the row without it), recipe (the row's
+    precision: bf16, tensorwise or rowwise float8), measured (published tok/s ratio - 1), predicted (the same of the
+    predictions)}. What the two rows share cancels in the ratio (the GPU's clock, the network, the framework's
+    overheads), so the gain checks that mechanism alone: for float8, torchao's GEMMs, casts and float8 TP; for
+    async TP, the decomposed collectives (labkit.scale.async_tp). results: predict_sets'."""
+    tags = MECHANISM_TAGS[mechanism]
     out = []
     for name, rows in results.items():
         def key(r):
-            return r["model"], r["layout"], tuple(sorted(t for t in r["outside_model"] if t not in FLOAT8_TAGS))
+            return r["model"], r["layout"], tuple(sorted(t for t in r["outside_model"] if t not in tags))
 
-        bf16 = {key(r): r for r in rows if "float8" not in r["outside_model"]}
+        without = {key(r): r for r in rows if tags[0] not in r["outside_model"]}
         for r in rows:
-            base = bf16.get(key(r)) if "float8" in r["outside_model"] else None
+            base = without.get(key(r)) if tags[0] in r["outside_model"] else None
             if base:
-                out.append(dict(set=name, id=r["id"], base=base["id"],
-                                recipe="rowwise" if "float8 rowwise" in r["outside_model"] else "tensorwise",
+                out.append(dict(set=name, id=r["id"], base=base["id"], recipe=_precision(r),
                                 measured=r["published_tps"] / base["published_tps"] - 1,
                                 predicted=r["predicted_tps"] / base["predicted_tps"] - 1))
     return out
