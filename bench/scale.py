@@ -159,6 +159,10 @@ History of --memory (rows within 15% of the 18 that publish it)
                 labkit.scale.footprint.mlp_backward_elements, equal to what labkit.measure.activations.LiveBytes
                 measures op by op on the lab's own block): 17 (70B at TP 8 -16% -> -12%; 405B at 256K -17% ->
                 -15.2%)
+                the CP ring's own moment of the backward (footprint.ring_backward_bytes: torch's ring attention
+                backward, the all-gathered K and V and its fp32 dK, dV copies, measured op by op around torch's own
+                function), less the block's MLP activations freed by then: 18 (405B at 256K -15.2% -> -14.6%; at
+                128K -6.6% -> -6.6%; torchtitan's 8B CP rows -1% -> -0..+3%)
 """
 import argparse
 import json

@@ -93,13 +93,14 @@ def test_recompute_flops():
 # --- memory --------------------------------------------------------------------------------
 
 def test_block_activations_reduce_to_labkit_activations_formula():
-    """kv heads = heads, no TP/CP, nothing recomputed: labkit.measure.activations' per-block elements x 2 bytes."""
+    """kv heads = heads, no TP/CP, nothing recomputed: labkit.measure.activations' per-block elements x 2 bytes; of
+    them the MLP sublayer's (its norm, 3 b s d + b s, and SwiGLU's 4 b s H) are "mlp"."""
     cfg = get_config("seed")
     spec = spec_from_config(cfg)
     b, s = 3, 256
     none = block_activation_bytes(spec, Layout(recompute="none"), b, s)
     assert none == {"saved": 2 * block_activation_elements(b, s, cfg.d_model, cfg.n_heads, cfg.hidden_dim),
-                    "rebuilt": 0}
+                    "rebuilt": 0, "mlp": 2 * (3 * b * s * cfg.d_model + b * s + 4 * b * s * cfg.hidden_dim)}
     full = block_activation_bytes(spec, Layout(recompute="full"), b, s)
     assert cfg.n_layers * full["saved"] + full["rebuilt"] == 2 * recompute_peak_elements(
         b, s, cfg.d_model, cfg.n_heads, cfg.hidden_dim, cfg.n_layers)

@@ -226,6 +226,29 @@ def test_block_backward_peak_is_its_mlp_at_llama_widths(recompute):
     assert rise == 4 * (mlp + (rebuilt if recompute else 0))
 
 
+def test_stage_memory_backward_takes_the_rings_moment_where_it_is_larger():
+    """Edge case: torchtitan's 8B at cp 8 without TP, K/V repeated (as its Table 2 rows ran), K/V by all-gather: the
+    ring's backward (ring_backward_bytes, q and k as wide: b s d each, cp 8), with the attention output's gradient
+    (b s d) and less the block's MLP activations (its norm 3 b s d + b s, SwiGLU 4 b s H: freed before the
+    attention's backward) is larger than the MLP's moment (its gate, 2 b s H) and sets the block's backward.
+    Planted mistake: the MLP's activations kept (the moments on one baseline) gives 4 b s (d + 2 H + ...) more.
+    A ring whose moment is smaller (tp 8: a kv head of 32 q heads per rank) keeps the MLP's."""
+    from labkit.scale.footprint import BF16, ring_backward_bytes
+
+    m = dataclasses.replace(LLAMA3["8b"], kv_repeated=True)
+    lay = Layout(cp=8, kv_rotation="allgather", micro_batch=1)
+    tokens, d, h = 32768 // 8, m.d_model, m.hidden_dim
+    got = stage_memory(m, lay, 0, 1, 32768)["backward"]
+    ring = ring_backward_bytes(tokens * d, tokens * d, 8, "allgather") + BF16 * tokens * d
+    mlp_acts = BF16 * tokens * (3 * d + 1 + 4 * h)
+    assert got == BF16 * tokens * d + ring - mlp_acts
+    assert ring - mlp_acts > BF16 * tokens * 2 * h  # larger than the MLP's moment
+    assert got != BF16 * tokens * d + ring
+    tp8 = Layout(cp=2, tp=8, micro_batch=2)
+    assert stage_memory(LLAMA3["8b"], tp8, 0, 1, 8192)["backward"] == \
+        stage_memory(LLAMA3["8b"], dataclasses.replace(tp8, cp_method="allgather"), 0, 1, 8192)["backward"]
+
+
 def test_stage_memory_counts_one_block_backward():
     """Edge case: TP with SP and CP: the gradient flowing in is a tp-th of the rank's b s / cp tokens' width, the MLP's
     moment is at H / tp (Llama 8B at tp 8: its input gradients; without TP: its gate); a pipeline rank that holds no block (an embedding-only stage) holds no block's backward."""

@@ -79,6 +79,15 @@ class SavedTensors:
         return len(self._seen)
 
 
+def _address(t):
+    """The address of t's storage, or None for a wrapper that has none (a functional collective's
+    `_wrap_tensor_autograd` output)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
 class LiveBytes(TorchDispatchMode):
     """Context manager recording the bytes of every tensor alive inside it, after each op.
 
@@ -105,10 +114,10 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {_address(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
+            if not isinstance(t, torch.Tensor) or _address(t) is None:
+                continue  # not a tensor, or a wrapper without storage: its inner tensor was counted where made
             storage = t.untyped_storage()
             key = storage.data_ptr()
             if key in self._exclude or key in self._live or key in inputs or not storage.nbytes():

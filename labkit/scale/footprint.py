@@ -21,8 +21,10 @@
                    of the stage, x the micro-batches in flight (1F1B: stage i holds pp - i;
                    stage 0 the most), see `block_activation_bytes`.
     backward       the peak of one block's backward beyond the activations it saved or rebuilt: the gradient
-                   flowing in (b s d / sp) and the MLP's gradients at their peak (`mlp_backward_elements`),
-                   bf16, on every stage that holds a block.
+                   flowing in (b s d / sp) and the larger of two moments, on every stage that holds a block:
+                   the MLP's gradients at their peak (`mlp_backward_elements`, bf16), and under the CP ring,
+                   torch's ring attention backward at its peak with the attention output's gradient beside
+                   it (`ring_backward_bytes`), less the block's MLP activations, freed by then.
     logits         on the last stage, the loss of one micro-batch: the fp32 log-softmax output
                    saved for backward, its gradient and the gradient of its input: 12 bytes per
                    logit, / (tp x cp) (torchtitan computes the loss vocabulary-parallel); Llama-shaped
@@ -35,7 +37,8 @@ apart, 2026-11-28): the allocator keeps the loss's freed segments, and its fragm
 Not counted here: what the GPU holds beyond these tensors, labkit.scale.reserve (the cuBLAS workspace in its
 allocator segment, the CUDA context, NCCL's buffers; `predict` says a layout fits only with it), the allocator's
 fragmentation (published "reserved" figures include it; a run near the limit sets expandable segments to
-shrink it) and temporary buffers of attention's backward. A prediction that fits within a few GiB of the GPU's
+shrink it) and the attention kernels' own workspace (FlashAttention-2's backward accumulates dq in fp32 inside
+the call). A prediction that fits within a few GiB of the GPU's
 memory is therefore a close call, not a promise.
 """
 from __future__ import annotations
@@ -81,10 +84,11 @@ def korthikanti_layer_bytes(model, layout, micro_batch: int, seq_len: int) -> di
 
 
 def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_local: int = 1) -> dict:
-    """Bytes one block keeps for backward, for one micro-batch: {"saved", "rebuilt"}.
+    """Bytes one block keeps for backward, for one micro-batch: {"saved", "rebuilt", "mlp"}.
 
     "saved" lives from the block's forward to its backward; "rebuilt" exists during the
-    block's backward only (with recompute). GPT-shaped models (materialized attention):
+    block's backward only (with recompute); "mlp": of both, the MLP sublayer's (its norm, its SwiGLU,
+    its SP-gathered input), which its backward frees before the attention's backward begins. GPT-shaped models (materialized attention):
     `korthikanti_layer_bytes`. Llama-shaped ones (flash attention), elements per layer, with b
     sequences of s tokens, width d, a heads, KV width d_kv, MLP width H (labkit.measure.activations'
     table, with grouped-query attention: k and v are d_kv wide):
@@ -104,7 +108,7 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
     but the attention core's output and log-sum-exp (b s d + a b s, / tp), which backward rebuilds.
     """
     if model.attention == "materialized":
-        return korthikanti_layer_bytes(model, layout, micro_batch, seq_len)
+        return dict(korthikanti_layer_bytes(model, layout, micro_batch, seq_len), mlp=0.0)  # no ring moment
     m, tp, cp = model, layout.tp, layout.cp
     b, s, d, dkv, a = micro_batch, seq_len // cp, m.d_model, m.kv_dim, m.n_heads
     h = m.hidden_dim * (m.top_k if m.n_experts else 1)
@@ -131,7 +135,7 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
         saved = block_input + (2 * b * s * d + b * s * dkv + a * b * s) / tp + b * s * h / tp + b * s * d / sp \
             + gathered
         rebuilt = everything - saved
-    return {"saved": BF16 * saved, "rebuilt": BF16 * max(rebuilt, 0.0)}
+    return {"saved": BF16 * saved, "rebuilt": BF16 * max(rebuilt, 0.0), "mlp": BF16 * (norms / 2 + mlp + sp_inputs / 2)}
 
 
 # DeepSpeed's ZeRO-3 defaults (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig): the gradient bucket
@@ -165,6 +169,33 @@ def mlp_backward_elements(b: int, s: int, d: int, hidden: int, tp: int = 1, gate
     hp = -(-hidden // tp)
     per_token = max(2 * hp, 3 * d - 4 * hp) if gated else max(hp, d - hp)
     return b * s * per_token
+
+
+def ring_backward_bytes(q_elements: float, kv_elements: float, cp: int, rotation: str) -> float:
+    """Bytes torch's ring attention backward holds at its peak beyond its inputs, on the busiest cp rank: torch's
+    `_templated_ring_attention_backward` (torch/distributed/tensor/experimental/_context_parallel/_attention.py,
+    read in torch 2.13; torchtitan's CP calls it, causal, with its default load balancing), q_elements of this
+    rank's q (and of its output gradient), kv_elements of its k and of its v each. At the moment the last cp rank
+    sends its summed dK, dV on from its second step:
+        6 q        the fp32 dq accumulator (4) and the step's bf16 dq (2)
+        38 kv      the dK, dV received from the step before, fp32 (8); this step's K, V concatenated to send on,
+                   bf16 (4: made at every step, also where nothing is sent); the step's bf16 dK, dV on half the
+                   chunk (2: load balancing's first half); the load balancing's fp32 copies of dK and dV with
+                   that half added (`_partial_update`'s cat: 8); the dK, dV concatenated to send on (8) and
+                   the all-to-all's output receiving the next ones (8)
+        the K, V arriving, bf16: "allgather" (torchtitan's rotate method: one all-gather of every rank's K
+                   and V, kept for the whole loop) 4 cp kv; "p2p" (torch's all-to-all rotater) the K, V
+                   being used and those in flight, 8 kv (4 at cp = 2: one rotation, nothing in flight).
+    Measured op by op with labkit.measure.activations.LiveBytes around torch's own function, run as each rank of
+    torch's fake process group in turn, the attention kernel replaced by one that returns its outputs' shapes
+    (tests/test_scale_ring_memory.py): exact on the last rank at cp 2, 3, 4 and 8 where K, V are as wide as q
+    (torchtitan's repeated heads) or half as wide; a rank before the last may add the logsumexp half it copies
+    (1 / (2 dh) byte per q element). Narrower K, V (GQA's 1/4 unrepeated) peak at another moment, by up to
+    1.625 bytes per q element more. Not counted: the attention kernel's own workspace (module docstring)."""
+    if rotation not in ("allgather", "p2p"):
+        raise ValueError(f"rotation={rotation!r}: torch's ring rotates K/V by 'allgather' or 'p2p'")
+    arriving = 4 * cp if rotation == "allgather" else (4 if cp == 2 else 8)
+    return 6 * q_elements + (38 + arriving) * kv_elements
 
 
 def stage_params(model, layout, first: bool, last: bool, layers: int | None = None) -> tuple[int, int]:
@@ -217,8 +248,14 @@ def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int, cp_local
     out["activations"] = in_flight * layers * act["saved"] + (act["rebuilt"] if layers else 0.0)
     b, s, sp = layout.micro_batch, seq_len // layout.cp, layout.tp if layout.sequence_parallel else 1
     hidden = m.hidden_dim * (m.top_k if m.n_experts else 1)
-    mlp = mlp_backward_elements(b, s, m.d_model, hidden, layout.tp, gated=m.mlp == "swiglu")
-    out["backward"] = BF16 * (b * s * m.d_model / sp + mlp) if layers else 0.0
+    mlp = BF16 * mlp_backward_elements(b, s, m.d_model, hidden, layout.tp, gated=m.mlp == "swiglu")
+    ring = 0.0
+    if layout.cp > 1 and layout.cp_method == "ring" and m.attention != "materialized":
+        q = b * s * m.d_model / layout.tp
+        kv = b * s * (m.d_model // m.n_heads) * cp_kv_heads("ring", m.attention_kv_heads // layout.tp, layout.cp)
+        # with dO, the core's input; the block's MLP activations are freed by then (their backward ran first)
+        ring = ring_backward_bytes(q, kv, layout.cp, layout.kv_rotation) + BF16 * q - act["mlp"]
+    out["backward"] = BF16 * b * s * m.d_model / sp + max(mlp, ring) if layers else 0.0
     tokens = layout.micro_batch * seq_len
     # the loss, and the head's saved input: the final norm's output, whole (all-gathered under SP), bf16
     head_input = BF16 * tokens * m.d_model / layout.cp if m.attention != "materialized" else 0.0
