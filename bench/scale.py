@@ -129,6 +129,9 @@ before its effect was computed)
                 29% (+12, +1, -12, +25.4, -0, -7%). These six rows lean on one assumed input, the 10 us a ring
                 step across nodes takes (a100-sxm.json): one collective per weight, about 1,500 a step of n - 1
                 steps each; at 0, 5 and 20 us they lie at +17..+29%, +2..+27% and -32..+22%
+                DeepSpeed's synchronize before each all-gather (v0.3.13's _allgather_param: no gather starts while
+                the GPU runs the kernels launched before it): 59, 8.9%, 24% (Table 2's ZeRO-3 rows +12, +1, -12,
+                -6, -19, -15%; at 0, 5 and 20 us per ring step -13..+23%, -16..+14%, -32..+7%)
                 the backward's two TP reduce-scatters under async TP left to NCCL, as torch's micro-pipeline pass
                 leaves a reduce-scatter whose input sums several matmuls' (async_tp.UNFUSED): 58, 8.5%, 25.4%
                 (the 8B async-TP rows +29%, +22% -> +24%, +17%; async TP's gain over plain TP, measured against
@@ -323,7 +326,8 @@ def main():
               f"{overall['median_abs_tps_error']:.0%}, worst {overall['worst_abs_tps_error']:.0%}; "
               f"runs that ran but the model says do not fit: {sum(not r['fits'] for r in every)}")
         outside = [r for r in every if abs(r["tps_error"]) > 0.25]
-        print(f"rows outside 25% under the {model} model, and what the data file says of each:")
+        print(f"rows outside 25% under the {model} model, and what the data file says of each:" if outside else
+              f"no row outside 25% under the {model} model")
         for r in outside:
             print(f"  {r['id']} ({r['tps_error']:+.0%}): {r['note'] or 'no note'}")
         out[model] = dict(sets={name: rounded(summarize(rows)) for name, rows in results.items()},

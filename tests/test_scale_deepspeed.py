@@ -49,6 +49,21 @@ def _tiny(max_reuse, slowdown=0.0):
                          max_reuse=max_reuse, prefetch=10, slowdown=slowdown)
 
 
+def test_each_gather_is_issued_after_a_synchronize():
+    """v0.3.13's _allgather_param calls torch.cuda.synchronize() before each weight's all-gather, fetch or prefetch.
+    Edge case: the live limit (10 elements, one weight) stops the MLP's prefetch, so its gather is fetched while the
+    QKV's forward (2 s) still runs: it waits for it, then 1 s, then 2 s of its own forward; the backward runs on as
+    in `test_a_steps_clocks_by_hand`: 15 s. Planted mistake, checked: a gather issued without that wait overlaps the
+    QKV's forward, 14 s."""
+    numels = {"qkv": 10, "w2": 10, "embedding": 0, "head": 0}
+    secs = {"f": {"qkv": 2.0, "w2": 2.0}, "r": {}, "b": {"qkv": 4.0, "w2": 4.0}}
+    gather = {"qkv": 1.0, "w2": 1.0, "embedding": 0.0, "head": 0.0}
+    scatter = {"qkv": 1.0, "w2": 1.0, "embedding": 0.0, "head": 0.0}
+    got = ds.zero3_step(numels, secs, gather, scatter, layers=1, n_micro=1, recompute=False, max_live=10,
+                        max_reuse=1e9, prefetch=10)
+    assert got["step_s"] == 15.0 and got["gathers"] == {"embedding": 1, "qkv": 1, "w2": 1, "head": 1}
+
+
 def test_a_steps_clocks_by_hand():
     """One layer of two weights (gather 1 s, forward 2 s, backward 4 s, reduce-scatter 1 s), the prefetch bucket one
     weight. Kept from forward to backward: the QKV's gather is waited for (1), the MLP's hides behind the QKV (the

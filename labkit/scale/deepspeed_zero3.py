@@ -6,6 +6,10 @@ DeepSpeed v0.3.13 (2021-03-16, a week after ZeRO-3 first landed, 'ZeRO 3 Offload
 its deepspeed/runtime/zero/constants.py:
     fetch     fetch_sub_module gathers a submodule's parameters if no prefetch brought them, and whenever any were
               gathered or in flight calls _synchronize_communication: torch.cuda.synchronize(), every stream
+    gather    every all-gather, fetched or prefetched, goes through partition_parameters.py's _allgather_param,
+              which zeroes the weight's buffer and calls torch.cuda.synchronize() before issuing it: no gather
+              starts while the GPU still runs the kernels launched before it (the memset is not counted: 2 bytes
+              per element at HBM's rate, about 1% of these steps)
     prefetch  prefetch_next_sub_modules, after each fetch, only when no prefetch is in flight and the parameters
               available stay under stage3_max_live_parameters (MAX_LIVE, 1e9 elements): the next parameters of the
               recorded trace that are not available, until stage3_prefetch_bucket_size (PREFETCH, 5e7 elements)
@@ -150,8 +154,9 @@ def zero3_step(numels: dict, seconds: dict, gather_s: dict, scatter_s: dict, lay
         net = max(host, net, ready) + s
         comm += s
 
-    def gather(key):  # a weight's all-gather: held (and counted live) from its issue
-        nonlocal live
+    def gather(key):  # a weight's all-gather: held (and counted live) from its issue, issued after a synchronize
+        nonlocal live, host
+        host = max(host, gpu, net)  # _allgather_param's torch.cuda.synchronize, before each all-gather
         collective(gather_s[_name(key)])
         gathers[_name(key)] = gathers.get(_name(key), 0) + 1
         held.add(key)
