@@ -14,7 +14,7 @@ built from and no learner writes lives here, in the core:
                          attention and the log-sum-exp merge are the learner's (notebook 11's ring_attention
                          module, passed in: the core never reaches the exercises)
 
-Bytes per call are in solutions/cp_methods.py's docstring and `labkit.scale.traffic.cp_attention_bytes`.
+Bytes per call are in solutions/cp_methods.py's docstring and `labkit.scale.cp_traffic.cp_attention_bytes`.
 """
 import math
 

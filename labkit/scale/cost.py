@@ -60,7 +60,8 @@ from labkit.scale.cost_kernels import kernel_step, params_per_gpu, two_batch_exp
 from labkit.scale.footprint import peak_memory
 from labkit.scale.layout import Layout, check_layout
 from labkit.scale.reserve import reserve
-from labkit.scale.traffic import axis_traffic, cp_exposed
+from labkit.scale.cp_traffic import cp_exposed
+from labkit.scale.traffic import axis_traffic
 
 EFFICIENCY = 0.40  # predict's default: the flat model (efficiency=None: the kernel model)
 FLAT_EFFICIENCY = EFFICIENCY

@@ -17,7 +17,8 @@ from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops,
 from labkit.scale.kernels import fsdp_copies, optimizer_step, roofline
 from labkit.scale.layout import LayoutError
 from labkit.scale.pipeline import n_stages, pipeline_time, schedule_actions, stage_layers, stage_roles
-from labkit.scale.traffic import axis_traffic, call_seconds, cp_exposed, tp_call_seconds, tp_pass_seconds
+from labkit.scale.cp_traffic import cp_exposed
+from labkit.scale.traffic import axis_traffic, call_seconds, tp_call_seconds, tp_pass_seconds
 from labkit.scale.zero_calls import ZERO3_GRAD_BYTES, dp_calls
 
 

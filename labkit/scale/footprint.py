@@ -44,7 +44,7 @@ memory is therefore a close call, not a promise.
 from __future__ import annotations
 
 from labkit.measure.memory import memory_per_rank
-from labkit.scale.traffic import cp_kv_heads
+from labkit.scale.cp_traffic import cp_kv_heads
 
 BF16 = 2
 LOGIT_BYTES = 12
@@ -101,7 +101,7 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
     `layout.cp_method`: "allgather" (Llama 3) also holds the other cp - 1 ranks' K and V,
     2 b (cp - 1) s d_kv / tp, as attention's saved input; "ulysses" holds the whole sequence
     (cp s) for heads / cp heads, the same count as the ring's except the K/V heads, replicated
-    to lcm(n_kv / tp, cp) under GQA (labkit.scale.traffic.cp_kv_heads), the hybrid the same
+    to lcm(n_kv / tp, cp) under GQA (labkit.scale.cp_traffic.cp_kv_heads), the hybrid the same
     with `cp_local` ranks; the ring holds its own k, v only.
     Recompute "full" keeps the block's input only (b s d); "selective-op" keeps the block's input,
     the outputs of wq, wv, attention (and its log-sum-exp), w1 and w2; "selective-attn" keeps all

@@ -24,7 +24,7 @@ from functools import lru_cache
 
 from labkit.scale import float8 as F8
 from labkit.scale import kernels as K
-from labkit.scale.traffic import cp_kv_heads
+from labkit.scale.cp_traffic import cp_kv_heads
 
 # forward ops each recompute policy runs again in backward (names as in `block_ops`)
 _ELEMENTWISE_FORWARD = {"norm1", "norm2", "rotary", "swiglu", "residual1", "residual2"}
@@ -130,7 +130,7 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
                       [K.attention("backward", heads, q_len, s.seq_len, hd, True, gpu, impl, opts.compile)]))
     # the ring's merges of partial outputs and its send buffers (kernels.ring_merges): the ring's cp ranks, or the
     # hybrid's ring across cp / cp_local node groups (each rank then holds heads / cp_local of l x the positions:
-    # the same elements), over the K/V heads as the method holds them (traffic.cp_kv_heads)
+    # the same elements), over the K/V heads as the method holds them (cp_traffic.cp_kv_heads)
     ring = {"ring": s.cp, "hybrid": s.cp // max(1, s.cp_local)}.get(s.cp_method, 1)
     if ring > 1:
         kv_heads = cp_kv_heads(s.cp_method, m.attention_kv_heads // s.tp, s.cp, s.cp_local)

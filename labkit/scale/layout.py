@@ -36,7 +36,7 @@ replicas outermost (a replica group holds ranks world / dp_replicate apart: acro
 model states sharded over dp_shard x cp only (the shard group) and all-reduced across the
 replicas; 1 is full sharding over dp x cp. Under HSDP, EP borrows from dp_shard x cp (x tp) inside a
 replica, as torchtitan's efsdp x ep.
-`cp_method`: how attention crosses the cp ranks (labkit.scale.traffic.CP_METHODS): "ring"
+`cp_method`: how attention crosses the cp ranks (labkit.scale.cp_traffic.CP_METHODS): "ring"
 (K/V passed around), "allgather" (Llama 3's all-gather of K/V), "ulysses" (all-to-alls swap
 sequence for heads: the query heads per tp rank must divide by cp), "hybrid" (Ulysses over the
 cp ranks inside a node, `cp_local`, a ring across nodes: the heads per tp rank must divide by it).
@@ -49,7 +49,7 @@ runs it, labkit.scale.deepspeed_zero3; no pipeline, replicas or experts).
 completes them: torch DDP, FSDP2, Megatron-Core's DDP since 2023) or "after" (one all-reduce after the step's
 last backward, nothing hidden: Megatron-LM's `--DDP-impl local`, its default until 2023, whose train_step
 calls allreduce_gradients() once forward_backward_func returns). ZeRO-3 prefetches either way.
-`kv_rotation`: how the ring's K/V reach every cp rank (cp_method="ring" only; labkit.scale.traffic.KV_ROTATIONS):
+`kv_rotation`: how the ring's K/V reach every cp rank (cp_method="ring" only; labkit.scale.cp_traffic.KV_ROTATIONS):
 "p2p" (the lab's ring: one hop per step, each hidden behind a step's attention) or "allgather" (torch's
 context_parallel by default, torchtitan's `context_parallel_rotate_method`: one all-gather launched at the first
 step and waited for at the second, hidden only behind that step; dK/dV still hop).
@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass
 from labkit.mesh import AXES
 
 from labkit.scale.specs import RECOMPUTE
-from labkit.scale.traffic import CP_METHODS, KV_ROTATIONS  # noqa: F401 (re-exported: what a Layout may name)
+from labkit.scale.cp_traffic import CP_METHODS, KV_ROTATIONS  # noqa: F401 (re-exported: what a Layout may name)
 
 ZERO_STAGES = ("dp", "zero1", "zero2", "zero3")
 SCHEDULES = ("1f1b", "interleaved", "zb")

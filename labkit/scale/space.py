@@ -26,7 +26,7 @@ from pathlib import Path
 
 from labkit.scale.layout import SCHEDULES, ZERO_STAGES, Layout
 from labkit.scale.specs import RECOMPUTE
-from labkit.scale.traffic import CP_METHODS
+from labkit.scale.cp_traffic import CP_METHODS
 
 
 @dataclass(frozen=True)
