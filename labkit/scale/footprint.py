@@ -38,8 +38,7 @@ Not counted here: what the GPU holds beyond these tensors, labkit.scale.reserve 
 allocator segment, the CUDA context, NCCL's buffers; `predict` says a layout fits only with it), the allocator's
 fragmentation (published "reserved" figures include it; a run near the limit sets expandable segments to
 shrink it) and the attention kernels' own workspace (FlashAttention-2's backward accumulates dq in fp32 inside
-the call). A prediction that fits within a few GiB of the GPU's
-memory is therefore a close call, not a promise.
+the call). A prediction that fits within a few GiB of the GPU's memory is therefore a close call, not a promise.
 """
 from __future__ import annotations
 
@@ -88,8 +87,8 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
 
     "saved" lives from the block's forward to its backward; "rebuilt" exists during the
     block's backward only (with recompute); "mlp": of both, the MLP sublayer's (its norm, its SwiGLU,
-    its SP-gathered input), which its backward frees before the attention's backward begins. GPT-shaped models (materialized attention):
-    `korthikanti_layer_bytes`. Llama-shaped ones (flash attention), elements per layer, with b
+    its SP-gathered input), which its backward frees before the attention's backward begins (0 for GPT-shaped
+    models, which have no ring moment). GPT-shaped models (materialized attention): `korthikanti_layer_bytes`. Llama-shaped ones (flash attention), elements per layer, with b
     sequences of s tokens, width d, a heads, KV width d_kv, MLP width H (labkit.measure.activations'
     table, with grouped-query attention: k and v are d_kv wide):
         norms          2 x (3 b s d + b s)
@@ -172,7 +171,7 @@ def mlp_backward_elements(b: int, s: int, d: int, hidden: int, tp: int = 1, gate
 
 
 def ring_backward_bytes(q_elements: float, kv_elements: float, cp: int, rotation: str) -> float:
-    """Bytes torch's ring attention backward holds at its peak beyond its inputs, on the busiest cp rank: torch's
+    """Bytes torch's ring attention backward holds at its peak beyond its inputs, on the last cp rank: torch's
     `_templated_ring_attention_backward` (torch/distributed/tensor/experimental/_context_parallel/_attention.py,
     read in torch 2.13; torchtitan's CP calls it, causal, with its default load balancing), q_elements of this
     rank's q (and of its output gradient), kv_elements of its k and of its v each. At the moment the last cp rank
