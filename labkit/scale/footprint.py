@@ -88,9 +88,10 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
     "saved" lives from the block's forward to its backward; "rebuilt" exists during the
     block's backward only (with recompute); "mlp": of both, the MLP sublayer's (its norm, its SwiGLU,
     its SP-gathered input), which its backward frees before the attention's backward begins (0 for GPT-shaped
-    models, which have no ring moment). GPT-shaped models (materialized attention): `korthikanti_layer_bytes`. Llama-shaped ones (flash attention), elements per layer, with b
-    sequences of s tokens, width d, a heads, KV width d_kv, MLP width H (labkit.measure.activations'
-    table, with grouped-query attention: k and v are d_kv wide):
+    models, which have no ring moment). GPT-shaped models (materialized attention): `korthikanti_layer_bytes`.
+    Llama-shaped ones (flash attention), elements per layer, with b sequences of s tokens, width d, a heads, KV
+    width d_kv, MLP width H (labkit.measure.activations' table, with grouped-query attention: k and v are d_kv
+    wide):
         norms          2 x (3 b s d + b s)
         attention      q b s d, k and v 2 b s d_kv, output b s d, log-sum-exp a b s
         wo input       b s d
