@@ -28,9 +28,9 @@ Only a reduce-scatter whose input one matmul produces is decomposed: torch's mic
 (torch/_inductor/fx_passes/micro_pipeline_tp.py, `fuse_matmul_reduce_scatter` -> `_find_producer_matmul`, read in
 torch 2.13; a 2024 copy in its author's fork, yifuwang/pytorch 2516077, makes the same test) returns without fusing
 when the reduce-scatter's input is anything but a (reshaped) mm. The backward's two reduce-scatters take a sum:
-the w1 and w3 input gradients (both read the gathered norm output), and the wq, wk and wv ones, added by autograd before the all-gather's backward
-reduce-scatters them. Those two (`UNFUSED`) stay NCCL's collectives, exposed as plain TP's (its `scatter_s`), with
-no closing sum. The all-gathers are fused with every matmul that takes the gathered tensor as its left operand
+the w1 and w3 input gradients (both read the gathered norm output), and the wq, wk and wv ones, added by autograd
+before the all-gather's backward reduce-scatters them. Those two (`UNFUSED`) stay NCCL's collectives, exposed as
+plain TP's (its `scatter_s`), with no closing sum. The all-gathers are fused with every matmul that takes the gathered tensor as its left operand
 (`fuse_all_gather_matmul`), the backward's two included.
 A recomputing backward runs again the forward's collectives its policy does not save
 (`labkit.scale.traffic.tp_collectives`), each behind the recomputed matmuls it feeds (`RECOMPUTE_GROUPS`):
@@ -42,7 +42,8 @@ product of its chunk into a stacked buffer (`_pipelined_produce_and_all2all`), t
 reduction kernel (`reduce_fn(stacked_partials, ...)`: reads T x n, writes T / tp x n), after the pipelined
 loop, on the compute stream: `reduce_s`, exposed once per fused reduce-scatter (`SCATTERS` less `UNFUSED`; the
 all-gathers' local copy into the symmetric buffer is T / tp rows, not counted). Not modelled: the copy engines
-(the post's NVLink transfers use them, not SMs, so no SM contention is charged) and their share of HBM bandwidth, for which no kernel-level figure was found.
+(the post's NVLink transfers use them, not SMs, so no SM contention is charged) and their share of HBM bandwidth,
+for which no kernel-level figure was found.
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ the call). A prediction that fits within a few GiB of the GPU's memory is theref
 from __future__ import annotations
 
 from labkit.measure.memory import memory_per_rank
-from labkit.scale.cp_traffic import cp_kv_heads
+from labkit.scale.cp_traffic import KV_ROTATIONS, cp_kv_heads
 
 BF16 = 2
 LOGIT_BYTES = 12
@@ -192,7 +192,7 @@ def ring_backward_bytes(q_elements: float, kv_elements: float, cp: int, rotation
     (torchtitan's repeated heads) or half as wide; a rank before the last may add the logsumexp half it copies
     (1 / (2 dh) byte per q element). Narrower K, V (GQA's 1/4 unrepeated) peak at another moment, by up to
     1.625 bytes per q element more. Not counted: the attention kernel's own workspace (module docstring)."""
-    if rotation not in ("allgather", "p2p"):
+    if rotation not in KV_ROTATIONS:
         raise ValueError(f"rotation={rotation!r}: torch's ring rotates K/V by 'allgather' or 'p2p'")
     arriving = 4 * cp if rotation == "allgather" else (4 if cp == 2 else 8)
     return 6 * q_elements + (38 + arriving) * kv_elements
