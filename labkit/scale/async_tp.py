@@ -30,7 +30,8 @@ torch 2.13; a 2024 copy in its author's fork, yifuwang/pytorch 2516077, makes th
 when the reduce-scatter's input is anything but a (reshaped) mm. The backward's two reduce-scatters take a sum:
 the w1 and w3 input gradients (both read the gathered norm output), and the wq, wk and wv ones, added by autograd
 before the all-gather's backward reduce-scatters them. Those two (`UNFUSED`) stay NCCL's collectives, exposed as
-plain TP's (its `scatter_s`), with no closing sum. The all-gathers are fused with every matmul that takes the gathered tensor as its left operand
+plain TP's (its `scatter_s`), with no closing sum. The all-gathers are fused with every matmul that takes the
+gathered tensor as its left operand
 (`fuse_all_gather_matmul`), the backward's two included.
 A recomputing backward runs again the forward's collectives its policy does not save
 (`labkit.scale.traffic.tp_collectives`), each behind the recomputed matmuls it feeds (`RECOMPUTE_GROUPS`):
