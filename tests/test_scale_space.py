@@ -3,6 +3,7 @@ each published run's framework had. A framework's space holds only its options (
 in it is one its code could run), it equals brute force like the lab's (tests/test_scale_ranking.py), and a
 frameworks file with a bad entry is refused by field. Arithmetic only: about 2 s."""
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -80,6 +81,51 @@ def test_a_framework_space_predicts_only_what_its_code_could_run_and_equals_brut
     monkeypatch.undo()
     lab = rank_published(row, info, model, prune=False, cap=10**9, layout_cap=10**9)
     assert lab["predicted"] > every["predicted"]  # the lab's space is larger: CP, ZeRO, HSDP, ZB
+
+
+def test_torchtitans_plain_dp_runs_alone_as_its_code_requires(monkeypatch):
+    """The edge case of `ddp_alone`: torchtitan applies DDP only to a one-dimensional mesh ("DDP has not supported
+    > 1D parallelism"), so its space holds plain DP at dp 8 alone and never beside TP, PP or CP; the same space
+    without the switch (the planted mistake) predicts DDP beside another axis."""
+    row, info = ROWS["tt24-t1-1"]
+    space = space_of(row, info)[1]
+    assert space.ddp_alone and space.zero_stages(1, 1, 1) == ("dp", "zero3") and space.zero_stages(1, 1, 2) == ("zero3",)
+    seen, real = [], ranking.predict
+
+    def spy(spec, lay, *args, **kwargs):
+        seen.append(lay)
+        return real(spec, lay, *args, **kwargs)
+    monkeypatch.setattr(ranking, "predict", spy)
+    for case in (space, replace(space, ddp_alone=False)):
+        seen.clear()
+        search_around(row_spec(row), load_cluster(info["cluster"]), row["global_batch"], row["seq_len"], 8, None,
+                      model_options(row, "flat"), prune=False, space=case)
+        plain = [lay for lay in seen if lay.zero == "dp"]
+        assert any(lay.dp == 8 for lay in plain)
+        assert all(lay.pp == lay.cp == lay.tp == 1 for lay in plain) == case.ddp_alone, case.ddp_alone
+
+
+def test_torchtitan_of_2024_runs_the_whole_local_batch_at_once_without_a_pipeline(monkeypatch):
+    """The edge case of `grad_accumulation`: torchtitan accumulated no gradients before June 2025, so without PP a
+    step is one pass of the local batch (micro-batch = global batch / dp), while its pipelines still split it; the
+    async TP file's torchtitan (2025) and the same space with the switch on (the planted mistake) accumulate."""
+    row, info = ROWS["tt24-t1-1"]
+    batch = row["global_batch"]
+    space = space_of(row, info)[1]
+    assert space_of(*ROWS["atp-8b-7"])[1].grad_accumulation and not space.grad_accumulation
+    seen, real = [], ranking.predict
+
+    def spy(spec, lay, *args, **kwargs):
+        seen.append(lay)
+        return real(spec, lay, *args, **kwargs)
+    monkeypatch.setattr(ranking, "predict", spy)
+    for case in (space, replace(space, grad_accumulation=True)):
+        seen.clear()
+        search_around(row_spec(row), load_cluster(info["cluster"]), batch, row["seq_len"], 8, None,
+                      model_options(row, "flat"), prune=False, space=case)
+        flat = [lay for lay in seen if lay.pp == 1]
+        assert flat and all(lay.micro_batch == batch // lay.dp for lay in flat) != case.grad_accumulation
+        assert any(lay.micro_batch < batch // lay.dp for lay in seen if lay.pp > 1)  # a pipeline splits it always
 
 
 def test_a_framework_space_runs_its_layouts_as_the_rows_code_did_the_labs_as_the_lab_does():

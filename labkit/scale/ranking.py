@@ -20,7 +20,8 @@ best" is not "the published run does"; only the configuration level answers the 
 
 The space (the search exercise's, solutions/scale_search.py, for a dense model, as every published row is):
     dp, pp, cp, tp    every product equal to the GPU count that check_layout accepts
-    micro_batch       every size that splits a dp rank's share of the global batch
+    micro_batch       every size that splits a dp rank's share of the global batch (a framework that did not
+                      accumulate gradients: the whole share where pp = 1, `Space.allows_micro_batch`)
     zero, recompute   every ZeRO stage and recompute policy (check_layout refuses what a model cannot run)
     dp_replicate      every R whose replicas are whole nodes; cp_method: each of the four when cp > 1
     schedule          for pp > 1: 1F1B, interleaved 1F1B with 2 stages per rank, ZB under the kernel model (the
@@ -123,6 +124,7 @@ def _groups(model, cluster, batch: int, seq: int, n: int, ref: Layout, options: 
         base = Layout(dp=dp, pp=pp, cp=cp, tp=tp, sequence_parallel=traits["sequence_parallel"],
                       grad_reduce=traits["grad_reduce"], kv_rotation=traits["kv_rotation"], **sched)
         bounds = group_bounds(model, base, cluster, batch, seq, n, options, space.recompute, space.cp_methods)
+        bounds = {(mb, rc): v for (mb, rc), v in bounds.items() if space.allows_micro_batch(mb, batch, dp, pp)}
         if bounds:
             groups.append((min(bounds.values()) if prune else 0.0, len(groups), base, bounds))
     groups.sort(key=lambda g: g[:2])
@@ -146,6 +148,9 @@ def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: l
         if bound > limit(base):
             continue
         replicas = [r for r in divisors(base.dp) if r == 1 or (space.hsdp and (n // r) % cluster.gpus_per_node == 0)]
+        zeros = space.zero_stages(base.pp, base.cp, base.tp)
+        if not zeros:  # a framework whose only data parallelism is plain DP, which runs alone
+            continue
         for (mb, rc), method in itertools.product(sorted(bounds, key=bounds.get),
                                                   space.cp_methods if base.cp > 1 else ("ring",)):
             if prune and bounds[mb, rc] > limit(base):
@@ -162,10 +167,10 @@ def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: l
                     continue
                 # no replica holds less than full sharding (dp_replicate = 1): the least over the ZeRO stages of it
                 if min(peak_memory(model, staged(group, z), n_micro, seq, local)["total"]
-                       for z in space.zero) > cluster.memory_bytes:
+                       for z in zeros) > cluster.memory_bytes:
                     continue
             first = True
-            for lay in (staged(group, z, dp_replicate=r) for z in space.zero for r in replicas):
+            for lay in (staged(group, z, dp_replicate=r) for z in zeros for r in replicas):
                 try:
                     p = predict(model, lay, cluster, batch, seq, n, **options)
                 except LayoutError:

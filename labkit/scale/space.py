@@ -16,6 +16,10 @@ code lacked it (each field's reason in its "sources"):
     schedules    the pipeline schedules for pp > 1 ("1f1b", "interleaved", "zb"; the row's own is always in)
     tp, pp       whether it could use tensor / pipeline parallelism at all
     hsdp         whether it could replicate sharded groups (dp_replicate > 1)
+    ddp_alone    true where plain data parallelism ("dp") runs only as the one parallel axis (torchtitan: "DDP has
+                 not supported > 1D parallelism"); with tp, pp or cp its data-parallel ranks shard (FSDP)
+    grad_accumulation  false where a step without a pipeline is one forward and backward of the whole local batch
+                 (torchtitan until June 2025): for pp = 1 the micro-batch is then global batch / dp
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ class Space:
     tp: bool = True
     pp: bool = True
     hsdp: bool = True
+    ddp_alone: bool = False
+    grad_accumulation: bool = True
     carries: bool = False  # a framework's space runs every layout as the row's code did (`traits`); the lab's, its own
 
     def traits(self, published) -> dict:
@@ -51,11 +57,24 @@ class Space:
     def allows_axes(self, pp: int, cp: int, tp: int) -> bool:
         return (cp == 1 or bool(self.cp_methods)) and (tp == 1 or self.tp) and (pp == 1 or self.pp)
 
+    def allows_micro_batch(self, micro_batch: int, batch: int, dp: int, pp: int) -> bool:
+        """Whether a layout may split a data-parallel rank's share of the global batch (batch / dp) into micro-batches
+        of `micro_batch`: always with a pipeline, which splits it into its micro-batches; without one only where
+        the code accumulates gradients over several passes, else one pass of the whole share."""
+        return self.grad_accumulation or pp > 1 or micro_batch == batch // dp
+
+    def zero_stages(self, pp: int, cp: int, tp: int) -> tuple:
+        """The ZeRO stages a layout with these axes may take: `zero`, less plain data parallelism where
+        `ddp_alone` and another axis is on."""
+        if self.ddp_alone and max(pp, cp, tp) > 1:
+            return tuple(z for z in self.zero if z != "dp")
+        return self.zero
+
 
 LAB = Space()  # every option the lab's model prices
 FRAMEWORKS_FILE = Path(__file__).with_name("frameworks.json")
 _CHOICES = {"cp_methods": CP_METHODS, "zero": ZERO_STAGES, "recompute": RECOMPUTE, "schedules": SCHEDULES}
-_SWITCHES = ("tp", "pp", "hsdp")
+_SWITCHES = ("tp", "pp", "hsdp", "ddp_alone", "grad_accumulation")
 
 
 @lru_cache(maxsize=4)  # space_of reads it once per published row: parse it once (Spaces are frozen)
@@ -78,7 +97,8 @@ def space_from(given: dict, name: str = "framework") -> Space:
             out[key] = tuple(v for v in _CHOICES[key] if v in value)  # the lab's order, so the search's is fixed
         elif key in _SWITCHES:
             if not isinstance(value, bool):
-                raise ValueError(f"{name}.{key}={value!r}: true or false (whether its code could use it)")
+                raise ValueError(f"{name}.{key}={value!r}: true or false (whether its code could use it; ddp_alone: "
+                                 "whether its plain data parallelism ran only as the one axis)")
             out[key] = value
         else:
             raise ValueError(f"{name}.{key}: not an option of a search's space; use {sorted([*_CHOICES, *_SWITCHES])}")
