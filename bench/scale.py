@@ -155,6 +155,11 @@ History of --ranks (configurations, then layouts, meeting the criterion; seconds
                 19 and 28 (36 s); the same three picks. DeepSpeed's ZeRO-3 as its code runs came after: it only
                 slows the published ZeRO-3 rows' predictions (the lab's space runs FSDP2), so no lab rank can rise;
                 their own framework's space still ranks each first: 19 and 28 (36 s)
+    2026-11-28  torchtitan's spaces as its code ran (frameworks.json): DDP only alone ('DDP has not supported > 1D
+                parallelism'), and before June 2025 no gradient accumulation (without PP one pass of the local
+                batch), the async TP file's torchtitan of June 2025 its own entry: the frameworks' 21 and 29 (205
+                s; torchtitan's eager 8B FSDP row on 8 GPUs and its CP 4 row of Table 2 now meet); the lab's space
+                is unchanged by it
 
 History of --memory (rows within 15% of the 18 that publish it)
     until 2026-11-28  16
