@@ -136,6 +136,13 @@ before its effect was computed)
                 leaves a reduce-scatter whose input sums several matmuls' (async_tp.UNFUSED): 58, 8.5%, 25.4%
                 (the 8B async-TP rows +29%, +22% -> +24%, +17%; async TP's gain over plain TP, measured against
                 predicted, from 2.1-9.6 points off to 0.1-6.1)
+                Megatron-LM 2021's Table 1 as its authors ran it, from their own script for that table
+                (NVIDIA/Megatron-LM examples/sc21/run_table_1.sh, 6985e58): micro-batches of 16, 16, 16, 8, 4, 2, 2,
+                1, 1, 1 where the rows held 1; torch's DDP (buckets during the backward) for 1.7B-18B where they
+                held local DDP's reduction after it; interleaved pipelines of 3, 2, 2 and 3 stages per rank for
+                76B, 145B, 310B and 530B where they held plain 1F1B. Inputs read in a source, not chosen: 59,
+                10.4%, 24% (Table 1 -14..+12% -> +5..+16%, every row over-predicted, as Table 2's PTD rows; the
+                median of all rows 8.9% -> 10.4%, over the aim's 10%); flat 34
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row
@@ -159,7 +166,9 @@ History of --ranks (configurations, then layouts, meeting the criterion; seconds
                 parallelism'), and before June 2025 no gradient accumulation (without PP one pass of the local
                 batch), the async TP file's torchtitan of June 2025 its own entry: the frameworks' 21 and 29 (205
                 s; torchtitan's eager 8B FSDP row on 8 GPUs and its CP 4 row of Table 2 now meet); the lab's space
-                is unchanged by it
+                is unchanged by it. With Megatron 2021's Table 1 as its authors' script ran it (micro-batches,
+                torch's DDP, interleaving): the frameworks' 21 and 30 (392 s beside the test suite; 1.7B-76B's
+                layouts meet at their best without recompute, the 145B's interleaved layout no longer does)
 
 History of --memory (rows within 15% of the 18 that publish it)
     until 2026-11-28  16

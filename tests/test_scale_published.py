@@ -99,13 +99,39 @@ def test_torchtitans_pipelined_rows_run_as_many_micro_batches_as_pipeline_ranks(
     assert planted["global_batch"] // (planted["dp"] * planted["micro_batch"]) != planted["pp"]
 
 
-def test_megatron_rows_reduce_gradients_after_the_backward_as_its_local_ddp_did():
-    """Megatron-LM's --DDP-impl local (its default until 2023) all-reduces once forward_backward_func returns:
-    every Megatron row on plain DP says grad_reduce="after"; DeepSpeed's ZeRO-3 rows and the others overlap."""
+# NVIDIA/Megatron-LM examples/sc21/run_table_1.sh (6985e58, 2021-08-18), the authors' script for Table 1, per model:
+# --micro-batch-size, --DDP-impl, --num-layers-per-virtual-pipeline-stage (None: not passed), --num-layers
+SC21_TABLE_1 = {"1.7b": (16, "torch", None, 24), "3.6b": (16, "torch", None, 30), "7.5b": (16, "torch", None, 36),
+                "18b": (8, "torch", None, 40), "39b": (4, "local", None, 48), "76b": (2, "local", 5, 60),
+                "145b": (2, "local", 5, 80), "310b": (1, "local", 3, 96), "530b": (1, "local", 1, 105),
+                "1t": (1, "local", None, 128)}
+
+
+def test_megatron_rows_reduce_gradients_as_their_ddp_did():
+    """Megatron-LM's --DDP-impl local (its default until 2023) all-reduces once forward_backward_func returns
+    (grad_reduce="after"); torch's DDP, which the authors' script runs for Table 1's 1.7B-18B, reduces buckets
+    during the backward ("overlap"). Every other Megatron row on plain DP is local; DeepSpeed's ZeRO-3 rows and the
+    rest overlap."""
     for name, info in SETS.items():
         for row in info["rows"]:
-            want = "after" if name.startswith("megatron") and row["zero"] == "dp" else "overlap"
+            if name == "megatron-2021-table1":
+                want = "overlap" if SC21_TABLE_1[row["model"]][1] == "torch" else "after"
+            else:
+                want = "after" if name.startswith("megatron") and row["zero"] == "dp" else "overlap"
             assert layout_of(row).grad_reduce == want, row["id"]
+
+
+def test_megatron_2021_table_1_runs_as_its_authors_script_set_it():
+    """Each Table 1 row's micro-batch and schedule are the authors' script's: interleaved with layers / pp / (layers
+    per virtual stage) stages per rank where it passes that flag and that makes more than one, else plain 1F1B (the
+    530B's one layer per virtual stage is 3 stages per rank; the 1T passes none)."""
+    for row in SETS["megatron-2021-table1"]["rows"]:
+        mbs, _, per_virtual, layers = SC21_TABLE_1[row["model"]]
+        v = layers // row["pp"] // per_virtual if per_virtual else 1
+        lay = layout_of(row)
+        assert (lay.micro_batch, lay.schedule, lay.virtual_stages) == (mbs, "interleaved" if v > 1 else "1f1b", v), \
+            row["id"]
+        assert GPT_MEGATRON[row["model"]].n_layers == layers, row["id"]
 
 
 def test_published_figures_become_tokens_per_second_by_the_sources_flop_count():
