@@ -53,6 +53,22 @@ def test_an_unknown_framework_or_space_is_refused_with_the_choices():
     assert space_of(row, {k: v for k, v in info.items() if k != "framework"}) == ("lab", LAB)
 
 
+def _searched(monkeypatch, row_id: str, space, model: str = "flat", batch: int | None = None) -> list:
+    """Every layout the unpruned search over `space` predicts for a published row's question (its model, cluster,
+    sequence and GPU count; its global batch unless `batch` is given)."""
+    row, info = ROWS[row_id]
+    seen, real = [], ranking.predict
+
+    def spy(spec, lay, *args, **kwargs):
+        seen.append(lay)
+        return real(spec, lay, *args, **kwargs)
+    monkeypatch.setattr(ranking, "predict", spy)
+    search_around(row_spec(row), load_cluster(info["cluster"]), batch or row["global_batch"], row["seq_len"],
+                  layout_of(row).world_size, None, model_options(row, model), prune=False, space=space)
+    monkeypatch.undo()
+    return seen
+
+
 @pytest.mark.parametrize("model", ("flat", "kernels"))
 def test_a_framework_space_predicts_only_what_its_code_could_run_and_equals_brute_force(model, monkeypatch):
     """Megatron-LM 2022 on 8 GPUs (22B): no CP, plain DP, no HSDP, its recompute policies and schedules. Every
@@ -64,21 +80,12 @@ def test_a_framework_space_predicts_only_what_its_code_could_run_and_equals_brut
     assert every["space"] == "megatron-lm-2022"
     assert (pruned["top"].layout, pruned["rank"], pruned["layout"]["rank"]) == \
            (every["top"].layout, every["rank"], every["layout"]["rank"])
-    seen, real = [], ranking.predict
-
-    def spy(spec, lay, *args, **kwargs):
-        seen.append(lay)
-        return real(spec, lay, *args, **kwargs)
-    monkeypatch.setattr(ranking, "predict", spy)
-    search_around(row_spec(row), load_cluster(info["cluster"]), row["global_batch"], row["seq_len"], 8, None,
-                  model_options(row, model), prune=False, space=space)
+    seen = _searched(monkeypatch, "meg22-22b", space, model)
     assert seen and all(lay.cp == 1 and lay.zero in space.zero and lay.recompute in space.recompute
                         and lay.dp_replicate == 1 and (lay.pp == 1 or lay.schedule in space.schedules) for lay in seen)
-    seen.clear()  # the edge case of the switches: DeepSpeed's ZeRO-3 baseline ran without TP or PP
-    search_around(row_spec(row), load_cluster(info["cluster"]), 32, row["seq_len"], 8, None,  # 32: dp 8 splits it
-                  model_options(row, model), prune=False, space=load_frameworks()["deepspeed-zero-2021"])
+    # the edge case of the switches: DeepSpeed's ZeRO-3 baseline ran without TP or PP (a batch of 32: dp 8 splits it)
+    seen = _searched(monkeypatch, "meg22-22b", load_frameworks()["deepspeed-zero-2021"], model, batch=32)
     assert seen and all(lay.tp == lay.pp == lay.cp == 1 and lay.zero != "dp" for lay in seen)
-    monkeypatch.undo()
     lab = rank_published(row, info, model, prune=False, cap=10**9, layout_cap=10**9)
     assert lab["predicted"] > every["predicted"]  # the lab's space is larger: CP, ZeRO, HSDP, ZB
 
@@ -87,20 +94,10 @@ def test_torchtitans_plain_dp_runs_alone_as_its_code_requires(monkeypatch):
     """The edge case of `ddp_alone`: torchtitan applies DDP only to a one-dimensional mesh ("DDP has not supported
     > 1D parallelism"), so its space holds plain DP at dp 8 alone and never beside TP, PP or CP; the same space
     without the switch (the planted mistake) predicts DDP beside another axis."""
-    row, info = ROWS["tt24-t1-1"]
-    space = space_of(row, info)[1]
+    space = space_of(*ROWS["tt24-t1-1"])[1]
     assert space.ddp_alone and space.zero_stages(1, 1, 1) == ("dp", "zero3") and space.zero_stages(1, 1, 2) == ("zero3",)
-    seen, real = [], ranking.predict
-
-    def spy(spec, lay, *args, **kwargs):
-        seen.append(lay)
-        return real(spec, lay, *args, **kwargs)
-    monkeypatch.setattr(ranking, "predict", spy)
     for case in (space, replace(space, ddp_alone=False)):
-        seen.clear()
-        search_around(row_spec(row), load_cluster(info["cluster"]), row["global_batch"], row["seq_len"], 8, None,
-                      model_options(row, "flat"), prune=False, space=case)
-        plain = [lay for lay in seen if lay.zero == "dp"]
+        plain = [lay for lay in _searched(monkeypatch, "tt24-t1-1", case) if lay.zero == "dp"]
         assert any(lay.dp == 8 for lay in plain)
         assert all(lay.pp == lay.cp == lay.tp == 1 for lay in plain) == case.ddp_alone, case.ddp_alone
 
@@ -110,19 +107,10 @@ def test_torchtitan_of_2024_runs_the_whole_local_batch_at_once_without_a_pipelin
     step is one pass of the local batch (micro-batch = global batch / dp), while its pipelines still split it; the
     async TP file's torchtitan (2025) and the same space with the switch on (the planted mistake) accumulate."""
     row, info = ROWS["tt24-t1-1"]
-    batch = row["global_batch"]
-    space = space_of(row, info)[1]
+    batch, space = row["global_batch"], space_of(row, info)[1]
     assert space_of(*ROWS["atp-8b-7"])[1].grad_accumulation and not space.grad_accumulation
-    seen, real = [], ranking.predict
-
-    def spy(spec, lay, *args, **kwargs):
-        seen.append(lay)
-        return real(spec, lay, *args, **kwargs)
-    monkeypatch.setattr(ranking, "predict", spy)
     for case in (space, replace(space, grad_accumulation=True)):
-        seen.clear()
-        search_around(row_spec(row), load_cluster(info["cluster"]), batch, row["seq_len"], 8, None,
-                      model_options(row, "flat"), prune=False, space=case)
+        seen = _searched(monkeypatch, "tt24-t1-1", case)
         flat = [lay for lay in seen if lay.pp == 1]
         assert flat and all(lay.micro_batch == batch // lay.dp for lay in flat) != case.grad_accumulation
         assert any(lay.micro_batch < batch // lay.dp for lay in seen if lay.pp > 1)  # a pipeline splits it always
