@@ -168,7 +168,9 @@ History of --ranks (configurations, then layouts, meeting the criterion; seconds
                 s; torchtitan's eager 8B FSDP row on 8 GPUs and its CP 4 row of Table 2 now meet); the lab's space
                 is unchanged by it. With Megatron 2021's Table 1 as its authors' script ran it (micro-batches,
                 torch's DDP, interleaving): the frameworks' 21 and 30 (392 s beside the test suite; 1.7B-76B's
-                layouts meet at their best without recompute, the 145B's interleaved layout no longer does)
+                layouts meet at their best without recompute, the 145B's interleaved layout no longer does); the
+                lab's space with all of the above (the model as at 673de9b, Table 1 as its authors ran it): 2 and 14
+                (3,483 s beside other work; Llama 3's 8K-GPU row 682 s, Megatron's 1T 567 s), flat 1 and 13 (204 s)
 
 History of --memory (rows within 15% of the 18 that publish it)
     until 2026-11-28  16
