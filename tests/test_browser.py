@@ -279,8 +279,14 @@ def _wait_kernel(page, lab, name):
 
 
 def _server_kernel_state(lab, name):
+    """The server's execution state of the notebook's kernel; None while it has none, or while the server is too
+    busy to answer within 10 s (a polling wait then asks again until its own deadline: one slow answer on a loaded
+    machine failed a whole CI run, 2026-11-28)."""
     url = f"{lab['base']}/api/sessions?token={lab['token']}"
-    sessions = json.loads(urllib.request.urlopen(url, timeout=10).read())
+    try:
+        sessions = json.loads(urllib.request.urlopen(url, timeout=10).read())
+    except (TimeoutError, urllib.error.URLError):
+        return None
     return next((s["kernel"]["execution_state"] for s in sessions
                  if s["path"].endswith(f"notebooks/{name}.ipynb") and s.get("kernel")), None)
 
