@@ -107,3 +107,44 @@ def test_float8_tensorwise_tp_gathers_float8_and_scatters_bf16():
     assert tensorwise.parts_s["exposed_tp"] == pytest.approx(blocks * (6 * gather + 4 * scatter), rel=1e-12)
     assert F8.tp_gather_bytes("tensorwise", 2) == 1 and F8.tp_gather_bytes("rowwise", 2) == 2
     assert F8.tp_gather_bytes(None, 4) == 4
+
+
+H200 = load_cluster("h200-sxm")
+# Llama 3.1 8B's block linears, as torchtitan's model.py shapes them (d 4096, 8 K/V heads of 128, hidden 14,336):
+# wq and wo d x d, wk and wv d x 1,024, w1 and w3 d x 14,336, w2 14,336 x d
+BLOCK_LINEARS = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+
+
+def test_fsdp_float8_all_gather_moves_the_block_linears_in_float8_and_nothing_else():
+    """torchao's float8 all-gather under FSDP2 (torchtitan's enable_fsdp_float8_all_gather, the Trainy H200 rows):
+    8B on 32 H200s, FSDP, local batch 2: the step's two all-gathers (forward, backward) move 1 byte for each of the
+    32 blocks' linear weights instead of 2, the rest (norms, embedding, head) stays bf16, the reduce-scatter is
+    unchanged: each GPU sends 31/32 of 2 x 32 x BLOCK_LINEARS bytes fewer. The weights' casts lose their forward
+    (torchao casts the shard before the gather) and their backward keeps one layout copy (2 bytes, not 3).
+    Where FSDP does not gather (plain DP) the option changes nothing, as torchtitan ignores it without dp_shard.
+    Planted when written: every parameter in float8 (the embedding and head too) sends 2 x 31/32 x 2 x 525M more
+    bytes fewer and fails the first assert."""
+    lay = Layout(dp=32, zero="zero3", recompute="selective-op", micro_batch=2)
+    kw = dict(efficiency=None, compile=True, float8=True)
+    plain, gathered = (predict(LLAMA3["8b"], lay, H200, 64, 8192, **kw, float8_all_gather=g) for g in (False, True))
+    saved = plain.traffic["dp"]["bytes"] - gathered.traffic["dp"]["bytes"]
+    assert saved == pytest.approx(2 * 31 / 32 * 32 * BLOCK_LINEARS, rel=1e-12)
+    assert gathered.step_s < plain.step_s
+    shape = (16384, 4096, 14336)  # w1: 2 x 8,192 rows, k = d, n = hidden
+    fwd, bwd = (op.seconds for op in F8.float8_casts("w1", "tensorwise", *shape, H100, True))
+    fwd_g, bwd_g = (op.seconds for op in F8.float8_casts("w1", "tensorwise", *shape, H100, True, True))
+    weight = 4096 * 14336 / H100.hbm_bytes_per_s
+    assert fwd - fwd_g == pytest.approx(5 * weight, rel=1e-9) and bwd - bwd_g == pytest.approx(1 * weight, rel=1e-9)
+    ddp = Layout(dp=8, zero="dp", recompute="selective-op", micro_batch=1)
+    a, b = (predict(LLAMA3["8b"], ddp, H200, 8, 8192, **kw, float8_all_gather=g) for g in (False, True))
+    assert a.step_s == b.step_s and a.traffic["dp"]["bytes"] == b.traffic["dp"]["bytes"]
+
+
+@pytest.mark.parametrize("float8", (False, "rowwise"))
+def test_float8_all_gather_outside_tensorwise_float8_names_the_fix(float8):
+    """torchtitan asserts that float8 all-gather runs with the tensorwise recipe only; without float8 it means nothing."""
+    from labkit.scale.layout import LayoutError
+
+    lay = Layout(dp=32, zero="zero3", recompute="selective-op", micro_batch=2)
+    with pytest.raises(LayoutError, match="float8_all_gather=True needs float8=True .tensorwise."):
+        predict(LLAMA3["8b"], lay, H200, 64, 8192, efficiency=None, float8=float8, float8_all_gather=True)

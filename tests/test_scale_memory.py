@@ -264,3 +264,29 @@ def test_stage_memory_counts_one_block_backward():
     lay = Layout(pp=4, first_stage_embedding_only=True)
     assert lay.rank_layers(m.n_layers)[0] == 0
     assert stage_memory(m, lay, 0, 4, 8192)["backward"] == 0
+
+
+def test_a_compiled_loss_holds_4_bytes_per_logit_an_eager_one_12():
+    """The loss of one micro-batch on the last stage: eager, the fp32 log-softmax output, its gradient and its
+    input's gradient (12 bytes a logit); compiled (torchtitan's loss under --training.compile from bbb1b61), the
+    head's bf16 output kept for the backward and a bf16 gradient (4). 8B, 2 x 8,192 tokens, tp 2: 8 bytes x 16,384 x
+    128,256 / 2 apart, exactly; predict compiles the loss with the model unless told (compiled_loss), and the
+    torchtitan-2024-12 set, whose 9dec370 ran it eager, says so. Planted when written: the compiled loss at 12 bytes
+    left the Trainy rows' memory at +38% and +37% of their published 48.0 and 47.0 GiB (now +6%, +4%)."""
+    lay = Layout(dp=4, tp=2, zero="zero3", recompute="selective-op", micro_batch=2)
+    spec, cluster = LLAMA3["8b"], load_cluster("h200-sxm")
+    eager, compiled = (stage_memory(spec, lay, 0, 1, 8192, compiled_loss=c)["logits"] for c in (False, True))
+    assert eager - compiled == 8 * 16384 * 128256 / 2
+    kw = dict(efficiency=None, compile=True)
+    default, told = (predict(spec, lay, cluster, 8, 8192, **kw, **more) for more in ({}, {"compiled_loss": False}))
+    assert default.memory["logits"] == compiled and told.memory["logits"] == eager
+    assert predict(spec, lay, cluster, 8, 8192, efficiency=None).memory["logits"] == eager  # no compile: eager
+    sets = load_sets()
+    assert sets["torchtitan-2024-12"]["compiled_loss"] is False
+    row = sets["torchtitan-2024-12"]["rows"][1]  # FSDP + torch.compile, 8B, local batch 2: its loss ran eager
+    got = predict_row(row, sets["torchtitan-2024-12"], "kernels")["prediction"]
+    assert got.memory["logits"] == stage_memory(spec, Layout(dp=8, zero="zero3", recompute="selective-op",
+                                                             micro_batch=2), 0, 1, 8192)["logits"]
+    for row in sets["torchtitan-h200-2025-06"]["rows"]:
+        r = predict_row(row, sets["torchtitan-h200-2025-06"], "kernels")
+        assert abs(r["memory_error"]) <= 0.15, (row["id"], r["memory_error"])

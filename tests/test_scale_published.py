@@ -40,6 +40,8 @@ def quote_mismatches(row: dict) -> list[str]:
         want += [row["dp"] * row["tp"] * row["cp"] * row["pp"], row["tp"], row["cp"], row["pp"]]
     if row["id"].startswith("tt24") and "CP" in row["quote"]:
         want += [row["seq_len"], row["dp"], row["cp"]]
+    if row["id"].startswith("tt25-h200"):  # NUM_NODES, 8 H200s each
+        want += [row["dp"] // 8]
     return [f"{row['id']}: {v} not in {row['quote']!r}" for v in want
             if not any(abs(q - v) < 1e-9 for q in quoted)]
 
@@ -62,9 +64,9 @@ def test_a_mistyped_figure_is_caught():
 
 def test_sets_name_source_cluster_and_choices():
     assert set(SETS) == {"torchtitan-2024-12", "torchtitan-asynctp-2025-06", "megatron-2021-table1",
-                         "megatron-2021-table2", "megatron-2022-mfu", "llama3-table4"}
+                         "megatron-2021-table2", "megatron-2022-mfu", "llama3-table4", "torchtitan-h200-2025-06"}
     ids = [row["id"] for info in SETS.values() for row in info["rows"]]
-    assert len(ids) == len(set(ids)) == 18 + 12 + 10 + 12 + 4 + 3
+    assert len(ids) == len(set(ids)) == 18 + 12 + 10 + 12 + 4 + 3 + 2
     for name, info in SETS.items():
         assert info["source"] and info["choices"], name
         load_cluster(info["cluster"])
@@ -134,6 +136,22 @@ def test_megatron_2021_table_1_runs_as_its_authors_script_set_it():
         assert GPT_MEGATRON[row["model"]].n_layers == layers, row["id"]
 
 
+def test_trainys_h200_rows_run_as_the_files_command_and_toml_set_them():
+    """torchtitan's benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md: NUM_NODES 4 and 8 hosts of 8 H200s, FSDP
+    over all (the toml's data_parallel_shard_degree = -1), --training.local_batch_size=2 in one pass, the toml's
+    seq_len 8,192 and per-op selective recompute, --training.compile, float8 (tensorwise, torchao's default) with
+    --quantize.linear.float8.enable_fsdp_float8_all_gather; the loss compiled with the model (bbb1b61 is in e7c0cae),
+    so the set leaves compiled_loss to torch.compile."""
+    info = SETS["torchtitan-h200-2025-06"]
+    assert info["cluster"] == "h200-sxm" and info["framework"] == "torchtitan-2025" and "compiled_loss" not in info
+    for row, nodes in zip(info["rows"], (4, 8)):
+        lay = layout_of(row)
+        assert (lay.dp, lay.tp, lay.pp, lay.cp, lay.dp_replicate, lay.zero) == (8 * nodes, 1, 1, 1, 1, "zero3")
+        assert (lay.micro_batch, row["global_batch"], row["seq_len"], lay.recompute) == (2, 16 * nodes, 8192,
+                                                                                         "selective-op")
+        assert row["outside_model"] == ["torch.compile", "float8", "float8 all-gather"], row["id"]
+
+
 def test_published_figures_become_tokens_per_second_by_the_sources_flop_count():
     info = SETS["megatron-2021-table1"]
     row = info["rows"][-1]  # 1T: 163 TFLOP/s per GPU by eq. 3 with recomputation
@@ -160,8 +178,8 @@ def test_bench_prints_rows_then_json():
                          text=True, timeout=120, check=True).stdout.splitlines()
     last = json.loads(out[-1])
     for model in MODELS_OF_COST:  # both models, the flat one's table first
-        assert last[model]["overall"]["n"] == 59 and set(last[model]["sets"]) == set(SETS)
-        assert sum(s["n"] for s in last[model]["sets"].values()) == 59
+        assert last[model]["overall"]["n"] == 61 and set(last[model]["sets"]) == set(SETS)
+        assert sum(s["n"] for s in last[model]["sets"].values()) == 61
         assert last[model]["not_fitting"] == []
         row = predict_row(SETS["torchtitan-2024-12"]["rows"][0], SETS["torchtitan-2024-12"], model)
         section = "\n".join(out).split(f"=== the {model} model ===")[1]
@@ -170,7 +188,7 @@ def test_bench_prints_rows_then_json():
     # --memory: one line per row; the rows with a published figure, their error against predict_row's
     rows = [r for info in SETS.values() for r in (predict_row(row, info) for row in info["rows"])]
     published = [r for r in rows if r["memory_error"] is not None]
-    assert last["memory"]["published"] == len(published) == 18 and last["memory"]["not_fitting"] == []
+    assert last["memory"]["published"] == len(published) == 20 and last["memory"]["not_fitting"] == []
     assert last["memory"]["within_15"] == sum(abs(r["memory_error"]) <= 0.15 for r in published)
     table = "\n".join(out).split("memory per GPU, GiB")[1]
     assert all(f"{r['memory_error']:+6.0%}" in table for r in published)

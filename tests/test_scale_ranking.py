@@ -40,6 +40,23 @@ def test_pruned_ranking_equals_every_layout(model, row):
     assert pruned["layout"]["best"].layout == every["layout"]["best"].layout
 
 
+def test_pruned_ranking_reads_the_loss_memory_predict_counts():
+    """A compiled loss holds 4 bytes a logit, not 12 (labkit.scale.footprint), so layouts fit that an eager loss would
+    not; the pruned search reads the logits as predict does and still equals every layout. 8B on 8 H100s, local
+    batch 2 of 8,192 tokens, full recompute, compiled with its loss (torchtitan's June 2025 code): the same top,
+    rank and best configuration of the published layout. Planted when written: the prune's stage memory at the
+    eager 12 bytes skips layouts that fit and beat the published one, which ranks 1,048th against 1,071st."""
+    import copy
+
+    info = dict(ROWS["tt24-t1-2"][1], compiled_loss=None)
+    r = dict(copy.deepcopy(ROWS["tt24-t1-2"][0]), id="tt24-t1-2, full recompute, compiled loss", recompute="full")
+    pruned = rank_published(r, info, "kernels", cap=10**9, layout_cap=10**9)
+    every = rank_published(r, info, "kernels", prune=False, cap=10**9, layout_cap=10**9)
+    assert pruned["top"] is not None and pruned["top"].layout == every["top"].layout
+    assert pruned["rank"] == every["rank"] and pruned["layout"]["rank"] == every["layout"]["rank"]
+    assert pruned["predicted"] < every["predicted"]
+
+
 @pytest.mark.parametrize("efficiency", (0.40, None))
 def test_group_floor_is_shared_by_zero_stages_and_replicas(efficiency):
     """Stage 2's floor: step less exposed dp, its contention, the optimizer and FSDP's copies (ranking.ZERO_PARTS) is

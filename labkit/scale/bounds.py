@@ -52,7 +52,9 @@ def kernel_bound(model, lay: Layout, methods: list, seq: int, n_micro: int, opti
     which is the 1F1B makespan with equal stages and no message time. Messages, exposed cp / ep / dp and the
     optimizer only add to the step (labkit.scale.cost's rules), so they are left out."""
     impl = options.get("attention") or ("fa2" if "fa2" in gpu.attention else "unfused")
-    opts = Options(options["compile"], options["float8"], impl, lay.recompute)
+    # float8 all-gather's casts (cheaper) wherever the option is on: the bound holds for every ZeRO stage of `lay`
+    opts = Options(options["compile"], options["float8"], impl, lay.recompute, options.get("float8_all_gather", False),
+                   options.get("compiled_loss"))
     fwd, bwd, shape = [], [], None
     for method in methods:
         try:

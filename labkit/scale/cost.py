@@ -164,18 +164,23 @@ def step_time(compute_s: float, attention_s: float, traffic_s: dict, layout: Lay
 def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_gpus: int | None = None,
             efficiency: float | None = EFFICIENCY, value_bytes: int = 2, overlap: bool = True, *,
             compile: bool = False, float8: bool | str = False, async_tp: bool = False,
-            attention: str | None = None) -> Prediction:
+            attention: str | None = None, float8_all_gather: bool = False,
+            compiled_loss: bool | None = None) -> Prediction:
     """The cost model's figures for one layout (LayoutError if it cannot run, before any arithmetic).
     value_bytes, overlap: see axis_traffic and step_time (the defaults: bf16 GPUs that overlap).
     efficiency=None and a cluster with a GPU kind: the kernel model (module docstring), with
     compile (torch.compile's fusion), float8 (fp8 block GEMMs: True or "tensorwise", "rowwise", torchao's
-    recipes), async_tp (TP decomposed behind its GEMMs, labkit.scale.async_tp)
-    and attention ("fa2", "fa3", "unfused"; default fa2 where the GPU has its figures, else unfused)."""
+    recipes), async_tp (TP decomposed behind its GEMMs, labkit.scale.async_tp),
+    attention ("fa2", "fa3", "unfused"; default fa2 where the GPU has its figures, else unfused) and
+    float8_all_gather (torchao's: FSDP2 gathers the float8 linears' weights in float8, tensorwise only;
+    labkit.scale.float8.fsdp_gather_bytes; nothing where FSDP does not gather) and compiled_loss (whether
+    the loss function runs compiled, its kernels and its logits' memory: labkit.scale.footprint; None: as compile)."""
     n_gpus = layout.world_size if n_gpus is None else n_gpus
     n_micro = check_layout(model, layout, n_gpus, cluster.gpus_per_node, global_batch, seq_len)
     if efficiency is None and getattr(cluster, "gpu", ""):
         return _from_kernels(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, value_bytes,
-                             dict(compile=compile, float8=float8, async_tp=async_tp, attention=attention))
+                             dict(compile=compile, float8=float8, async_tp=async_tp, attention=attention,
+                                  float8_all_gather=float8_all_gather, compiled_loss=compiled_loss))
     efficiency = FLAT_EFFICIENCY if efficiency is None else efficiency
     tokens = global_batch * seq_len
     model_flops = model.flops_per_token(seq_len) * tokens / n_gpus
@@ -192,7 +197,8 @@ def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_g
     step, parts = step_time(flops / rate, attention, {a: v["seconds"] for a, v in traffic.items()}, layout,
                             n_micro, L, overlap, cp_hideable_s=traffic.get("cp", {}).get("hideable_seconds"),
                             cp_first_s=traffic.get("cp", {}).get("first_step_seconds", 0.0), experts_s=experts)
-    memory = peak_memory(model, layout, n_micro, seq_len, cp_local=layout.cp_local(cluster.gpus_per_node))
+    memory = peak_memory(model, layout, n_micro, seq_len, cp_local=layout.cp_local(cluster.gpus_per_node),
+                         compiled_loss=loss_compiled(dict(compile=compile, compiled_loss=compiled_loss)))
     extra = reserve(layout, getattr(cluster, "gpu", ""))  # fits: the tensors' peak + this within the GPU's memory
     return Prediction(
         layout=layout, step_s=step, tokens_per_s_per_gpu=tokens / step / n_gpus,
@@ -200,6 +206,12 @@ def predict(model, layout: Layout, cluster, global_batch: int, seq_len: int, n_g
         fits=memory["total"] + extra["total"] <= cluster.memory_bytes, n_micro=n_micro,
         parts_s=parts, reserve=extra,
         memory=memory, traffic=traffic, flops_per_gpu=flops)
+
+
+def loss_compiled(options: dict) -> bool:
+    """Whether the kernel model's options run the loss function compiled: compiled_loss, else as compile."""
+    given = options.get("compiled_loss")
+    return bool(options.get("compile", False) if given is None else given)
 
 
 def _from_kernels(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, value_bytes, options) -> Prediction:
@@ -213,7 +225,8 @@ def _from_kernels(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro
     if layout.pp > 1:  # the fullest rank's blocks, as the flat model counts them
         flops *= layout.layers_per_rank(model.n_layers) * layout.pp / model.n_layers
     got = kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, value_bytes, options)
-    memory = peak_memory(model, layout, n_micro, seq_len, cp_local=layout.cp_local(cluster.gpus_per_node))
+    memory = peak_memory(model, layout, n_micro, seq_len, cp_local=layout.cp_local(cluster.gpus_per_node),
+                         compiled_loss=loss_compiled(options))
     extra = reserve(layout, getattr(cluster, "gpu", ""))  # fits: the tensors' peak + this within the GPU's memory
     step = got["step_s"]
     return Prediction(layout=layout, step_s=step, tokens_per_s_per_gpu=tokens / step / n_gpus,

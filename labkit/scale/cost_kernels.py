@@ -12,7 +12,7 @@ from labkit.measure.overlap import two_batch_overlap
 from labkit.scale import async_tp as atp
 from labkit.scale import deepspeed_zero3 as ds
 from labkit.scale.gpu import load_gpu
-from labkit.scale.float8 import tp_gather_bytes
+from labkit.scale.float8 import fsdp_gather_bytes, tp_gather_bytes
 from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops, float8_recipe, seconds
 from labkit.scale.kernels import fsdp_copies, optimizer_step, roofline
 from labkit.scale.layout import LayoutError
@@ -141,15 +141,22 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
                   layout.cp_method, layout.expert_tp, layout.cp_local(cluster.gpus_per_node))
     try:  # a schedule that does not fit, an unknown recompute policy, fp8 on a GPU without it: before any arithmetic
         actions = _actions(layout.pp, layout.schedule, layout.virtual_stages, n_micro) if layout.pp > 1 else None
-        opts = Options(options.get("compile", False), options.get("float8", False), impl, layout.recompute)
+        recipe = float8_recipe(options.get("float8", False))
+        # torchao's float8 all-gather acts where FSDP2 gathers (torchtitan: only with dp_shard > 1), elsewhere nothing
+        fsdp = layout.zero == "zero3" and layout.zero3_unit == "block"
+        fp8_gather = bool(options.get("float8_all_gather", False))
+        held = params_per_gpu(model, layout)
+        fsdp_bytes = fsdp_gather_bytes(model, layout, held["dense"], value_bytes, recipe, fp8_gather)
+        opts = Options(options.get("compile", False), options.get("float8", False), impl, layout.recompute,
+                       fp8_gather and fsdp, options.get("compiled_loss"))
         blk = block_ops(model, shape, opts, gpu)
-        gather_bytes = tp_gather_bytes(float8_recipe(opts.float8), value_bytes)
+        gather_bytes = tp_gather_bytes(recipe, value_bytes)
     except ValueError as err:
         raise LayoutError(str(err)) from None
     emb, head = end_ops(model, shape, opts, gpu, "embedding"), end_ops(model, shape, opts, gpu, "head")
     L = layout.layers_per_rank(model.n_layers)
-    traffic = axis_traffic(model, layout, cluster, n_micro, seq_len, params_per_gpu(model, layout), value_bytes,
-                           gather_bytes)
+    traffic = axis_traffic(model, layout, cluster, n_micro, seq_len, held, value_bytes, gather_bytes,
+                           fsdp_gather_bytes=fsdp_bytes)
     async_tp = options.get("async_tp", False) and layout.tp > 1
     # one chunk: T / tp rows (at least one row per cp rank, so that a tiny layout's chunk is not empty)
     chunk_seq = max(shape.cp, shape.seq_len // layout.tp)
@@ -189,9 +196,10 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
     copies = 0.0
     if layout.zero == "zero3" and layout.zero3_unit == "block":  # FSDP2's copies around its gathers and scatters:
         # kernels on the compute stream, one per gather and scatter (dp_calls), on this rank's critical path
-        held = sum(params_per_gpu(model, layout).values())
         calls = dp_calls("zero3", layout.pp, n_micro)
-        copies = seconds([fsdp_copies(held, blocks, gpu, value_bytes, ZERO3_GRAD_BYTES, *calls)])
+        total = sum(held.values())  # the experts gather value_bytes (float8.fsdp_gather_bytes: the dense only)
+        moved = (fsdp_bytes * held["dense"] + value_bytes * held["experts"]) / total
+        copies = seconds([fsdp_copies(total, blocks, gpu, value_bytes, ZERO3_GRAD_BYTES, *calls, gather_bytes=moved)])
     t_dp = traffic.get("dp", {}).get("seconds", 0.0)
     # ZeRO-3 prefetches behind the step's compute (DeepSpeed's, use by use on its own clocks); ZeRO-2 without a
     # pipeline reduces each micro-batch's gradient in its backward (dp_calls); plain DP / ZeRO-1 (and ZeRO-2 in a

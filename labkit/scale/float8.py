@@ -48,6 +48,13 @@ FLOAT8_CASTS = {
     "rowwise": {"input": ((8, 2), (0, 0)), "weight": ((3, 1), (7, 2)), "grad_output": ((0, 0), (8, 2))},
 }
 FLOAT8_RECIPES = tuple(FLOAT8_CASTS)
+# the weight's casts when FSDP all-gathers it already in float8 (torchao's enable_fsdp_float8_all_gather, tensorwise
+# only: WeightWithDynamicFloat8CastTensor casts each shard before the all-gather, with the scales
+# precompute_float8_dynamic_scale_for_fsdp computes once a step): nothing on the whole weight forward (its
+# column-major view is the GEMM's second operand), the backward's input gradient takes it row-major, which
+# torch._scaled_mm refuses, so one copy into the other layout (read 1, write 1). Not counted: the cast of the
+# shard, 1 / dp of the weight (read 4, write 1, per gather), and the step's one amax pass over the shards
+GATHERED_WEIGHT_CASTS = ((0, 0), (2, 1))
 
 # torchao's float8 TP (torchao/float8/float8_tensor_parallel.py: Float8ColwiseParallel, Float8RowwiseParallel and
 # PrepareFloat8ModuleInput, "with all-gather in float8. This currently assumes tensorwise scaling"): a block's input
@@ -61,6 +68,30 @@ FLOAT8_RECIPES = tuple(FLOAT8_CASTS)
 FLOAT8_TP_GATHER_BYTES = {"tensorwise": 1}
 
 
+def check_all_gather(recipe: str | None) -> None:
+    """torchao's float8 all-gather under FSDP is tensorwise only (torchtitan June 2025's float8 converter asserts
+    'using float8_config.enable_fsdp_float8_all_gather together with float8_config.recipe_name is not supported')."""
+    if recipe != "tensorwise":
+        raise ValueError(f"float8_all_gather=True needs float8=True (tensorwise), not float8={recipe!r}: torchao "
+                         "all-gathers FSDP's weights in float8 only under tensorwise scaling; drop float8_all_gather "
+                         "or use the tensorwise recipe")
+
+
+def fsdp_gather_bytes(model, layout, dense: float, value_bytes: int, recipe: str | None,
+                      float8_all_gather: bool) -> float:
+    """Bytes per parameter of FSDP2's all-gathers of the `dense` parameters this GPU holds unsharded (its stage,
+    its tp shard: `cost_kernels.params_per_gpu`): value_bytes, or under torchao's float8 all-gather (tensorwise) 1
+    byte for the weights of every block linear float8 trains (wq, wk, wv, wo and a dense MLP's; not the norms, the
+    embedding, the head or a MoE's router), value_bytes for the rest, averaged over those parameters."""
+    if not float8_all_gather:
+        return float(value_bytes)
+    check_all_gather(recipe)
+    m = model
+    linears = m.attention_params + (0 if m.n_experts else m.expert_params)
+    fp8 = layout.layers_per_rank(m.n_layers) * linears / layout.tp
+    return (value_bytes * dense - (value_bytes - 1) * fp8) / dense
+
+
 def tp_gather_bytes(recipe: str | None, value_bytes: int) -> int:
     """Bytes per value of TP's all-gathers under a float8 recipe (None: bf16 training): torchao's float8 TP's."""
     return FLOAT8_TP_GATHER_BYTES.get(recipe, value_bytes) if recipe else value_bytes
@@ -70,12 +101,16 @@ def tp_gather_bytes(recipe: str | None, value_bytes: int) -> int:
 _LAYERNORM_BYTES, _SIGMOID_BYTES = 4 + 6, 4 + 6
 
 
-def counted_bytes(recipe: str, rows: int, k: int, n: int) -> tuple[float, float, int, int]:
-    """(forward bytes, backward bytes, forward kernels, backward kernels) of torchao's casts, as it counts them."""
+def counted_bytes(recipe: str, rows: int, k: int, n: int, weight_gathered: bool = False) -> tuple[float, float, int, int]:
+    """(forward bytes, backward bytes, forward kernels, backward kernels) of torchao's casts, as it counts them;
+    weight_gathered: FSDP gathers the weight in float8 (`GATHERED_WEIGHT_CASTS`, tensorwise only)."""
     if recipe not in FLOAT8_CASTS:
         raise ValueError(f"float8={recipe!r} is not a recipe the kernel model knows: choose one of {FLOAT8_RECIPES}")
     elements = {"input": rows * k, "weight": k * n, "grad_output": rows * n}
-    casts = FLOAT8_CASTS[recipe]
+    casts = dict(FLOAT8_CASTS[recipe])
+    if weight_gathered:
+        check_all_gather(recipe)
+        casts["weight"] = GATHERED_WEIGHT_CASTS
     nbytes = [sum(casts[role][d][0] * elements[role] for role in elements) for d in (0, 1)]
     kernels = [sum(casts[role][d][1] for role in elements) for d in (0, 1)]
     return nbytes[0], nbytes[1], kernels[0], kernels[1]
@@ -130,11 +165,12 @@ def cast_factor(rows: int, k: int, n: int, gpu: GPU) -> float:
     return total
 
 
-def float8_casts(name: str, recipe: str, rows: int, k: int, n: int, gpu: GPU, compile: bool) -> tuple[Op, Op]:
+def float8_casts(name: str, recipe: str, rows: int, k: int, n: int, gpu: GPU, compile: bool,
+                 weight_gathered: bool = False) -> tuple[Op, Op]:
     """(forward, backward) casts of a linear Y (rows x n) = X (rows x k) W (k x n) under float8 `recipe`:
     torchao's counted bytes, at the streaming rate, or for rowwise on a kind with torchao's table at the
-    rate that table measured (`cast_factor`)."""
-    fwd_bytes, bwd_bytes, fwd_kernels, bwd_kernels = counted_bytes(recipe, rows, k, n)
+    rate that table measured (`cast_factor`); weight_gathered: FSDP all-gathered W in float8 (`counted_bytes`)."""
+    fwd_bytes, bwd_bytes, fwd_kernels, bwd_kernels = counted_bytes(recipe, rows, k, n, weight_gathered)
     ops = [roofline(f"{name} cast", "elementwise", 0.0, b, kern, gpu, compile=compile)
            for b, kern in ((fwd_bytes, fwd_kernels), (bwd_bytes, bwd_kernels))]
     factor = cast_factor(rows, k, n, gpu) if recipe == "rowwise" else 1.0

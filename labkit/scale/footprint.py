@@ -27,7 +27,11 @@
                    it (`ring_backward_bytes`), less the block's MLP activations, freed by then.
     logits         on the last stage, the loss of one micro-batch: the fp32 log-softmax output
                    saved for backward, its gradient and the gradient of its input: 12 bytes per
-                   logit, / (tp x cp) (torchtitan computes the loss vocabulary-parallel); Llama-shaped
+                   logit, / (tp x cp) (torchtitan computes the loss vocabulary-parallel); a compiled loss
+                   (torchtitan compiles its loss function with --training.compile from e10cb94, 2024-10-22, off
+                   from e8977b0, 2024-12-18, 'compiling loss function causes CUDA errors', so in 9dec370's runs, on
+                   again from bbb1b61, 2025-04-02, components/loss.py) fuses the cast and the log-softmax: it keeps
+                   the head's bf16 output for its backward and writes a bf16 gradient, 4 bytes per logit; Llama-shaped
                    models also the head's saved input, b s d / cp in bf16 (torchtitan all-gathers it
                    under SP: ColwiseParallel(input_layouts=Shard(1))).
 The total adds every part at its own peak, though the loss's logits are freed before the blocks' backward begins:
@@ -47,6 +51,7 @@ from labkit.scale.cp_traffic import KV_ROTATIONS, cp_kv_heads
 
 BF16 = 2
 LOGIT_BYTES = 12
+COMPILED_LOGIT_BYTES = 4
 
 
 def korthikanti_layer_bytes(model, layout, micro_batch: int, seq_len: int) -> dict:
@@ -220,9 +225,10 @@ def _states(model, layout, first: bool, last: bool, layers: int) -> dict:
     return out
 
 
-def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int, cp_local: int = 1) -> dict:
+def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int, cp_local: int = 1,
+                 compiled_loss: bool = False) -> dict:
     """Peak bytes of a GPU of pipeline rank `stage` (its blocks: `layout.rank_layers`), by part, and
-    their "total"."""
+    their "total"; compiled_loss: the loss function runs compiled (the module docstring's logits)."""
     m, pp = model, layout.pp
     first, last = stage == 0, stage == pp - 1
     layers = layout.rank_layers(m.n_layers)[stage]
@@ -259,14 +265,16 @@ def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int, cp_local
     tokens = layout.micro_batch * seq_len
     # the loss, and the head's saved input: the final norm's output, whole (all-gathered under SP), bf16
     head_input = BF16 * tokens * m.d_model / layout.cp if m.attention != "materialized" else 0.0
-    out["logits"] = (LOGIT_BYTES * tokens * m.vocab_size / (layout.tp * layout.cp) + head_input) if last else 0.0
+    per_logit = COMPILED_LOGIT_BYTES if compiled_loss else LOGIT_BYTES
+    out["logits"] = (per_logit * tokens * m.vocab_size / (layout.tp * layout.cp) + head_input) if last else 0.0
     out["total"] = sum(out.values())
     return out
 
 
-def peak_memory(model, layout, n_micro: int, seq_len: int, cp_local: int = 1) -> dict:
+def peak_memory(model, layout, n_micro: int, seq_len: int, cp_local: int = 1, compiled_loss: bool = False) -> dict:
     """The stage with the largest total (PP ranks differ; torchtitan reports the max over GPUs).
-    cp_local: the cp ranks per node (Layout.cp_local), read by the hybrid CP method only."""
-    stages = [stage_memory(model, layout, i, n_micro, seq_len, cp_local) for i in range(layout.pp)]
+    cp_local: the cp ranks per node (Layout.cp_local), read by the hybrid CP method only; compiled_loss: see
+    stage_memory."""
+    stages = [stage_memory(model, layout, i, n_micro, seq_len, cp_local, compiled_loss) for i in range(layout.pp)]
     worst = max(range(layout.pp), key=lambda i: stages[i]["total"])
     return dict(stages[worst], stage=worst)

@@ -266,7 +266,7 @@ def optimizer_step(params: float, tensors: int, gpu: GPU, compile: bool = False)
 
 
 def fsdp_copies(params: float, units: int, gpu: GPU, value_bytes: int, grad_bytes: int, gathers: int,
-                scatters: int) -> Op:
+                scatters: int, gather_bytes: float | None = None) -> Op:
     """FSDP2's copies on the compute stream around its collectives, per step, for the `params` parameters this
     GPU holds unsharded, gathered in `units` groups (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
       each all-gather's copy-out, `foreach_all_gather_copy_out`: split_with_sizes_copy from the gathered
@@ -276,6 +276,9 @@ def fsdp_copies(params: float, units: int, gpu: GPU, value_bytes: int, grad_byte
         unsharded gradients into one buffer of the reduce dtype, on the current stream (the reduce-scatter
         stream waits for it): reads value_bytes P, writes grad_bytes P, `scatters` times.
     Memory-bound, one kernel per unit and call, launched by FSDP's hooks (eager). The all-gather's copy-in runs
-    on its own stream (all_gather_copy_in_stream) beside the compute, and is not counted here."""
-    nbytes = (gathers * 2 * value_bytes + scatters * (value_bytes + grad_bytes)) * params
+    on its own stream (all_gather_copy_in_stream) beside the compute, and is not counted here. gather_bytes: what
+    the all-gathers move per parameter where it is not value_bytes (float8.fsdp_gather_bytes), which the copy-out
+    reads and writes."""
+    moved = value_bytes if gather_bytes is None else gather_bytes
+    nbytes = (gathers * 2 * moved + scatters * (value_bytes + grad_bytes)) * params
     return roofline("fsdp copies", "elementwise", 0.0, nbytes, (gathers + scatters) * units, gpu)

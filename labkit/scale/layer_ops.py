@@ -55,11 +55,14 @@ class Shape:
 
 @dataclass(frozen=True)
 class Options:
-    """How the kernels run: torch.compile's fusion, float8 GEMMs, the attention kernel, the recompute policy."""
+    """How the kernels run: torch.compile's fusion, float8 GEMMs, the attention kernel, the recompute policy,
+    and whether FSDP all-gathers the float8 linears' weights already in float8 (their casts: float8.counted_bytes)."""
     compile: bool = False
     float8: bool | str = False  # True or "tensorwise", "rowwise": torchao's recipes (float8.FLOAT8_CASTS)
     attention: str = "fa2"
     recompute: str = "none"
+    float8_all_gather: bool = False
+    compiled_loss: bool | None = None  # the loss function compiled (None: as compile)
 
 
 def recomputed(policy: str) -> frozenset | None:
@@ -87,7 +90,7 @@ def _linear(name, rows, n, k, gpu, opts, fp8_ok=True):
     bwd = [K.gemm(f"{name} dgrad", rows, k, n, gpu, dtype, compile=c),
            K.gemm(f"{name} wgrad", k, n, rows, gpu, dtype, compile=c)]
     if recipe:
-        cast_f, cast_b = F8.float8_casts(name, recipe, rows, k, n, gpu, c)
+        cast_f, cast_b = F8.float8_casts(name, recipe, rows, k, n, gpu, c, opts.float8_all_gather)
         fwd.append(cast_f)
         bwd.append(cast_b)
     return fwd, bwd
@@ -191,8 +194,9 @@ def end_ops(model, shape: Shape, opts: Options, gpu, which: str) -> dict:
     norm_b = K.ew("rmsnorm", "backward", rows_sp * m.d_model, gpu, opts.compile, "final norm")
     head_f, head_b = _linear("head", T, m.vocab_size // s.tp, m.d_model, gpu, opts, fp8_ok=False)
     loss = T * m.vocab_size // s.tp
-    return {"forward": [norm_f, *head_f, K.ew("cross_entropy", "forward", loss, gpu, opts.compile, "loss")],
-            "backward": [K.ew("cross_entropy", "backward", loss, gpu, opts.compile, "loss"), *head_b, norm_b]}
+    fused = opts.compile if opts.compiled_loss is None else opts.compiled_loss
+    return {"forward": [norm_f, *head_f, K.ew("cross_entropy", "forward", loss, gpu, fused, "loss")],
+            "backward": [K.ew("cross_entropy", "backward", loss, gpu, fused, "loss"), *head_b, norm_b]}
 
 
 def seconds(ops) -> float:

@@ -70,7 +70,7 @@ from dataclasses import replace
 
 from labkit.scale.bounds import divisors, group_bounds
 from labkit.scale.cluster import load_cluster
-from labkit.scale.cost import EFFICIENCY, TIE, predict, rank_key, ranked
+from labkit.scale.cost import EFFICIENCY, TIE, loss_compiled, predict, rank_key, ranked
 from labkit.scale.footprint import peak_memory, stage_memory
 from labkit.scale.layout import Layout, LayoutError, check_layout
 from labkit.scale.space import LAB, Space, space_of
@@ -137,6 +137,7 @@ def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: l
     shrinks; limit(None) bounds every group's), and call visit(p) for each that fits within it; returns how many
     were predicted."""
     unit = (traits or space.traits(None))["zero3_unit"]
+    compiled = loss_compiled(options)  # the logits' memory, as predict counts it
 
     def staged(lay, z, **more):  # ZeRO stage z; the space's ZeRO-3 unit where z is ZeRO-3 (check_layout's rule)
         return replace(lay, zero=z, zero3_unit=unit if z == "zero3" else "block", **more)
@@ -162,11 +163,11 @@ def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: l
                 except LayoutError:
                     continue
                 n_micro, local = batch // base.dp // mb, group.cp_local(cluster.gpus_per_node)
-                held = stage_memory(model, group, 0, n_micro, seq, local)
+                held = stage_memory(model, group, 0, n_micro, seq, local, compiled)
                 if held["activations"] + held["logits"] > cluster.memory_bytes:
                     continue
                 # no replica holds less than full sharding (dp_replicate = 1): the least over the ZeRO stages of it
-                if min(peak_memory(model, staged(group, z), n_micro, seq, local)["total"]
+                if min(peak_memory(model, staged(group, z), n_micro, seq, local, compiled)["total"]
                        for z in zeros) > cluster.memory_bytes:
                     continue
             first = True
@@ -286,7 +287,7 @@ def rank_published(row: dict, set_info: dict, model: str = "flat", *, prune: boo
         raise ValueError(f"row {row['id']}: rank_published searches dense models only (ep = 1)")
     layout = layout_of(row)
     batch, seq, n = row["global_batch"], row["seq_len"], layout.world_size
-    options = model_options(row, model)
+    options = model_options(row, model, set_info)
     mine = predict(spec, layout, cluster, batch, seq, n, **options)
     if not mine.fits:
         return dict(id=row["id"], space=name, rank=None, top=None, published=mine, gap=None, meets=False, predicted=0,

@@ -128,7 +128,8 @@ def tp_pass_seconds(entry: dict, recompute: str, sequence_parallel: bool) -> tup
 
 
 def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_gpu: dict,
-                 value_bytes: int = BF16, tp_gather_bytes: int | None = None) -> dict:
+                 value_bytes: int = BF16, tp_gather_bytes: int | None = None, *,
+                 fsdp_gather_bytes: float | None = None) -> dict:
     """{axis: {"bytes": sent per GPU per step, "seconds": alpha-beta time, "count": collectives}}; "tp" also holds
     "calls": {kind: one call's seconds}.
 
@@ -136,7 +137,9 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
     (its stage, its tp shard), from the footprint. value_bytes: of the activations, parameters and
     gradients that travel (2: bf16, as on GPUs; 4: the lab's fp32 runs on the CPU). tp_gather_bytes: of the
     values TP's all-gathers move where that differs (torchao's float8 tensorwise TP gathers float8:
-    `labkit.scale.float8.tp_gather_bytes`); its reduce-scatters keep value_bytes.
+    `labkit.scale.float8.tp_gather_bytes`); its reduce-scatters keep value_bytes. fsdp_gather_bytes: per dense
+    parameter, what FSDP2's all-gathers move (flat or HSDP's shard group) where that differs (torchao's float8
+    all-gather: `labkit.scale.float8.fsdp_gather_bytes`); the experts' and DeepSpeed's gathers keep value_bytes.
     """
     BF16 = value_bytes  # noqa: N806 (the closed forms below read as the docstring's)
     m, L = model, layout.layers_per_rank(model.n_layers)
@@ -189,8 +192,9 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         v = layout.virtual_stages if layout.schedule == "interleaved" else 1
         add("pp", "send", act / (layout.tp if layout.sequence_parallel else 1), 2, 2 * n_micro * v)
     calls = dp_calls(layout.zero, layout.pp, n_micro)
+    gather = BF16 if fsdp_gather_bytes is None else fsdp_gather_bytes  # per dense parameter, FSDP2's all-gathers
     if layout.dp_replicate > 1:
-        _add_hsdp(out, layout, cluster, params_per_gpu, BF16, blocks=L, calls=calls)
+        _add_hsdp(out, layout, cluster, params_per_gpu, BF16, blocks=L, calls=calls, dense_gather_bytes=gather)
         return out
     n_dp = layout.dp * layout.cp
     for axis_params, ranks in ((params_per_gpu["dense"], n_dp), (params_per_gpu["experts"], layout.efsdp)):
@@ -204,7 +208,8 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
                 add("dp", "reduce_scatter", ds.GRAD_BYTES * numels[name], ranks, scatters)
         elif layout.zero == "zero3":  # FSDP gathers and scatters block by block: busbw at one block's size
             gathers, scatters = calls
-            add("dp", "all_gather", BF16 * axis_params, ranks, gathers, message=BF16 * axis_params / L)
+            per = gather if axis_params is params_per_gpu["dense"] else BF16
+            add("dp", "all_gather", per * axis_params, ranks, gathers, message=per * axis_params / L)
             grads = ZERO3_GRAD_BYTES * axis_params
             add("dp", "reduce_scatter", grads, ranks, scatters, message=grads / L)
         elif calls:  # ZeRO-2 by micro-batch, no pipeline
@@ -218,7 +223,7 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
 
 def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: str = "zero3",
                  shard_stride: int = 1, value_bytes: int = BF16, grad_bytes: int = ZERO3_GRAD_BYTES,
-                 blocks: int = 1, calls: tuple[int, int] | None = None) -> dict:
+                 blocks: int = 1, calls: tuple[int, int] | None = None, gather_bytes: float | None = None) -> dict:
     """HSDP's data-parallel traffic by link level: {"shard": {...}, "replica": {...}}, each
     {"bytes": sent per GPU per step, "seconds": alpha-beta time, "count": collectives, "level": link}.
 
@@ -240,6 +245,8 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
     The two levels of the ZeRO-1/2 form add up to a flat all-reduce's 2 (W-1)/W x value P.
     blocks: under ZeRO-3 FSDP gathers, scatters and all-reduces block by block, so each call's bus bandwidth is
     read at 1/blocks of the bytes (`Cluster.link`'s size); the bytes and the count are the step's.
+    gather_bytes: per parameter, what ZeRO-3's shard all-gathers move where it is not value_bytes (torchao's
+    float8 all-gather, `labkit.scale.float8.fsdp_gather_bytes`).
     """
     node = shard * shard_stride <= cluster.gpus_per_node
     levels = {"shard": "node" if node else "network",
@@ -257,14 +264,15 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
 
     reduced = grad_bytes if zero == "zero3" else value_bytes
     gathers, scatters = calls or (zero3_calls(1, 1) if zero == "zero3" else (1, 1))
-    add("shard", "all_gather", value_bytes * params, shard, gathers)
+    moved = value_bytes if gather_bytes is None or zero != "zero3" else gather_bytes
+    add("shard", "all_gather", moved * params, shard, gathers)
     add("shard", "reduce_scatter", reduced * params, shard, scatters)
     add("replica", "all_reduce", reduced * params / shard, replicate, scatters)  # FSDP2: after each reduce-scatter
     return out
 
 
 def _add_hsdp(out: dict, layout, cluster, params_per_gpu: dict, value_bytes: int, blocks: int = 1,
-              calls: tuple[int, int] | None = None) -> None:
+              calls: tuple[int, int] | None = None, dense_gather_bytes: float | None = None) -> None:
     """axis_traffic's "dp" entry under HSDP: `hsdp_traffic` of the dense parameters over S = dp_shard x cp and
     of the experts over S = `Layout.efsdp`, R = dp_replicate replicas; its bytes by level in "shard_bytes", "replica_bytes"."""
     span = layout.dp_shard * layout.pp * layout.cp * layout.tp if layout.dp_shard > 1 else layout.cp * layout.tp
@@ -275,7 +283,8 @@ def _add_hsdp(out: dict, layout, cluster, params_per_gpu: dict, value_bytes: int
         if params == 0:
             continue
         levels = hsdp_traffic(params, layout.dp_replicate, ranks, cluster, zero=layout.zero,
-                              shard_stride=span / ranks, value_bytes=value_bytes, blocks=blocks, calls=calls)
+                              shard_stride=span / ranks, value_bytes=value_bytes, blocks=blocks, calls=calls,
+                              gather_bytes=dense_gather_bytes if params is params_per_gpu["dense"] else None)
         for name, level in levels.items():
             entry["bytes"] += level["bytes"]
             entry["seconds"] += level["seconds"]

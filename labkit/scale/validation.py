@@ -73,15 +73,21 @@ def row_spec(row: dict):
     return dataclasses.replace(spec, **flags) if flags else spec
 
 
-def model_options(row: dict, model: str) -> dict:
-    """`predict`'s keywords for one row under the flat or the kernel model."""
+def model_options(row: dict, model: str, set_info: dict | None = None) -> dict:
+    """`predict`'s keywords for one row under the flat or the kernel model. Both read whether the loss ran compiled
+    (its logits' memory, labkit.scale.footprint): with "torch.compile", unless set_info's "compiled_loss" says
+    otherwise (torchtitan's 2024 code ran it eager beside a compiled model); the kernel model reads the rest."""
     if model not in MODELS_OF_COST:
         raise ValueError(f"unknown cost model {model!r}: use one of {MODELS_OF_COST}")
-    if model == "flat":
-        return {}
     out = row.get("outside_model", [])
+    compiled = "torch.compile" in out
+    loss = (set_info or {}).get("compiled_loss")
+    loss = compiled if loss is None else loss
+    if model == "flat":
+        return {"compiled_loss": loss}
     float8 = "rowwise" if "float8 rowwise" in out else "float8" in out  # True: torchao's default, tensorwise
-    return dict(efficiency=None, compile="torch.compile" in out, float8=float8, async_tp="async TP" in out)
+    return dict(efficiency=None, compile=compiled, float8=float8, async_tp="async TP" in out,
+                float8_all_gather="float8 all-gather" in out, compiled_loss=loss)
 
 
 def predict_row(row: dict, set_info: dict, model: str = "flat") -> dict:
@@ -89,7 +95,7 @@ def predict_row(row: dict, set_info: dict, model: str = "flat") -> dict:
     cluster = load_cluster(set_info["cluster"])
     spec = row_spec(row)
     p = predict(spec, layout_of(row), cluster, global_batch=row["global_batch"], seq_len=row["seq_len"],
-                **model_options(row, model))
+                **model_options(row, model, set_info))
     pub_tps = published_tps(row, spec, set_info, cluster.peak_bf16_flops)
     gib = row["published"].get("memory_gib")
     return dict(id=row["id"], source_row=row["source_row"], model=row["model"], layout=p.layout.short(),
