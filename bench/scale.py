@@ -143,6 +143,14 @@ before its effect was computed)
                 76B, 145B, 310B and 530B where they held plain 1F1B. Inputs read in a source, not chosen: 59,
                 10.4%, 24% (Table 1 -14..+12% -> +5..+16%, every row over-predicted, as Table 2's PTD rows; the
                 median of all rows 8.9% -> 10.4%, over the aim's 10%); flat 34
+                torchtitan 9dec370's loss eager beside its compiled blocks ('compiling loss function causes CUDA
+                errors', e8977b0; the set's compiled_loss): 59, 10.0% (9.99), 24% (its compiled 8B rows 0.7-0.9
+                points slower)
+                torchtitan's third benchmark file, Trainy's 8B FSDP on 32 and 64 H200s (June 2025), a run the
+                model was not built on, its inputs committed (389d132) before it was run; with torchao's float8
+                all-gather under FSDP2 (float8.fsdp_gather_bytes) and a compiled loss's 4 bytes a logit, both
+                read in code: +1.7% and +3.4% (memory +5.5%, +3.8%; with 12 bytes a logit +38%, +37%): 61,
+                9.9%, 24%; flat 34 of 61 (the two rows -43%: float8 is outside it)
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row
@@ -172,7 +180,7 @@ History of --ranks (configurations, then layouts, meeting the criterion; seconds
                 lab's space with all of the above (the model as at 673de9b, Table 1 as its authors ran it): 2 and 14
                 (3,483 s beside other work; Llama 3's 8K-GPU row 682 s, Megatron's 1T 567 s), flat 1 and 13 (204 s)
 
-History of --memory (rows within 15% of the 18 that publish it)
+History of --memory (rows within 15% of those that publish it: 18, then 20)
     until 2026-11-28  16
     2026-11-28  one block's backward counted (the gradient flowing in and the MLP's gradients at their peak,
                 labkit.scale.footprint.mlp_backward_elements, equal to what labkit.measure.activations.LiveBytes
@@ -182,6 +190,8 @@ History of --memory (rows within 15% of the 18 that publish it)
                 backward, the all-gathered K and V and its fp32 dK, dV copies, measured op by op around torch's own
                 function), less the block's MLP activations freed by then: 18 (405B at 256K -15.2% -> -14.6%; at
                 128K -6.6% -> -6.6%; torchtitan's 8B CP rows -1% -> -0..+3%)
+                Trainy's two H200 rows, a compiled loss holding 4 bytes a logit (footprint.COMPILED_LOGIT_BYTES):
+                20 of 20 (+5.5%, +3.8%)
 """
 import argparse
 import json

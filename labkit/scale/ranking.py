@@ -138,6 +138,7 @@ def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: l
     were predicted."""
     unit = (traits or space.traits(None))["zero3_unit"]
     compiled = loss_compiled(options)  # the logits' memory, as predict counts it
+    fp8_gather = bool(options.get("float8_all_gather"))
 
     def staged(lay, z, **more):  # ZeRO stage z; the space's ZeRO-3 unit where z is ZeRO-3 (check_layout's rule)
         return replace(lay, zero=z, zero3_unit=unit if z == "zero3" else "block", **more)
@@ -171,13 +172,17 @@ def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: l
                        for z in zeros) > cluster.memory_bytes:
                     continue
             first = True
-            for lay in (staged(group, z, dp_replicate=r) for z in zeros for r in replicas):
+            # under float8 all-gather FSDP's layouts cast less (float8.GATHERED_WEIGHT_CASTS): theirs is the group's
+            # floor, so they go first and only theirs is taken as one
+            order = sorted(zeros, key=lambda z: z != "zero3") if fp8_gather else zeros
+            for lay in (staged(group, z, dp_replicate=r) for z in order for r in replicas):
                 try:
                     p = predict(model, lay, cluster, batch, seq, n, **options)
                 except LayoutError:
                     continue
                 predicted += 1
-                if first and prune:  # the step less what ZeRO and dp_replicate change: a floor for the group
+                floor = not fp8_gather or (lay.zero == "zero3" and lay.zero3_unit == "block")
+                if first and prune and floor:  # the step less what ZeRO and dp_replicate change: a floor for the group
                     first = False
                     if p.step_s - sum(p.parts_s.get(k, 0.0) for k in ZERO_PARTS) > limit(base):
                         break
