@@ -151,6 +151,9 @@ before its effect was computed)
                 all-gather under FSDP2 (float8.fsdp_gather_bytes) and a compiled loss's 4 bytes a logit, both
                 read in code: +1.7% and +3.4% (memory +5.5%, +3.8%; with 12 bytes a logit +38%, +37%): 61,
                 9.9%, 24%; flat 34 of 61 (the two rows -43%: float8 is outside it)
+                Megatron-LM's vocabulary-parallel cross-entropy as its code runs it (mpu/cross_entropy.py: in place
+                on fp32 logits, 38 and 14 bytes a logit, 6 held; kernels.ELEMENTWISE): 61, 9.8%, 24% (Table 1's
+                1.7B-7.5B 0.2-0.9 points lower; the 59 earlier rows 10.0%)
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row

@@ -290,3 +290,24 @@ def test_a_compiled_loss_holds_4_bytes_per_logit_an_eager_one_12():
     for row in sets["torchtitan-h200-2025-06"]["rows"]:
         r = predict_row(row, sets["torchtitan-h200-2025-06"], "kernels")
         assert abs(r["memory_error"]) <= 0.15, (row["id"], r["memory_error"])
+
+
+def test_megatrons_loss_runs_in_place_on_fp32_logits():
+    """Megatron-LM's vocabulary-parallel cross-entropy (mpu/cross_entropy.py, on logits gpt_model.py casts to fp32):
+    the softmax and its gradient overwrite the fp32 logits in place, so the loss holds 6 bytes a logit at its peak
+    (4 fp32, 2 fp16 beside them), not torch's eager 12; its passes read and write 38 bytes a logit forward (cast,
+    max, sub_, exp, sum, div_) and 14 backward (mul_, the cast back). GPT 1.7B at tp 2, 4 x 2,048 tokens: the loss
+    ops and the logits against those counts, exactly. Planted when written: the Llama loss (14 and 14 bytes, 12 held)
+    for GPT models fails all three."""
+    from labkit.scale.gpu import load_gpu
+    from labkit.scale.layer_ops import Options, Shape, end_ops
+
+    gpu, spec = load_gpu("a100-sxm"), GPT_MEGATRON["1.7b"]
+    lay = Layout(dp=4, tp=2, zero="dp", recompute="full", micro_batch=4, sequence_parallel=False)
+    logits = 4 * 2048 * spec.vocab_size / 2
+    head = end_ops(spec, Shape(4, 2048, 2, sequence_parallel=False), Options(attention="unfused"), gpu, "head")
+    loss_f, loss_b = (next(op for op in head[d] if op.name == "loss") for d in ("forward", "backward"))
+    rate = gpu.hbm_bytes_per_s
+    assert loss_f.seconds == pytest.approx(38 * logits / rate, rel=1e-12)
+    assert loss_b.seconds == pytest.approx(14 * logits / rate, rel=1e-12)
+    assert stage_memory(spec, lay, 0, 1, 2048)["logits"] == 6 * logits

@@ -31,7 +31,9 @@
                    (torchtitan compiles its loss function with --training.compile from e10cb94, 2024-10-22, off
                    from e8977b0, 2024-12-18, 'compiling loss function causes CUDA errors', so in 9dec370's runs, on
                    again from bbb1b61, 2025-04-02, components/loss.py) fuses the cast and the log-softmax: it keeps
-                   the head's bf16 output for its backward and writes a bf16 gradient, 4 bytes per logit; Llama-shaped
+                   the head's bf16 output for its backward and writes a bf16 gradient, 4 bytes per logit; Megatron-
+                   LM's (GPT models with megatron_fusions) computes the softmax and its gradient in place in the fp32
+                   logits, 6 bytes with the fp16 logits or gradient beside them (`MEGATRON_LOGIT_BYTES`); Llama-shaped
                    models also the head's saved input, b s d / cp in bf16 (torchtitan all-gathers it
                    under SP: ColwiseParallel(input_layouts=Shard(1))).
 The total adds every part at its own peak, though the loss's logits are freed before the blocks' backward begins:
@@ -52,6 +54,8 @@ from labkit.scale.cp_traffic import KV_ROTATIONS, cp_kv_heads
 BF16 = 2
 LOGIT_BYTES = 12
 COMPILED_LOGIT_BYTES = 4
+MEGATRON_LOGIT_BYTES = 6  # its vocabulary-parallel loss: the fp32 logits turned into the softmax and its gradient in
+# place (4), beside the fp16 logits until the cast is done, and the fp16 gradient after (2): kernels.ELEMENTWISE
 
 
 def korthikanti_layer_bytes(model, layout, micro_batch: int, seq_len: int) -> dict:
@@ -265,7 +269,8 @@ def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int, cp_local
     tokens = layout.micro_batch * seq_len
     # the loss, and the head's saved input: the final norm's output, whole (all-gathered under SP), bf16
     head_input = BF16 * tokens * m.d_model / layout.cp if m.attention != "materialized" else 0.0
-    per_logit = COMPILED_LOGIT_BYTES if compiled_loss else LOGIT_BYTES
+    per_logit = (MEGATRON_LOGIT_BYTES if getattr(m, "megatron_fusions", False) else
+                 COMPILED_LOGIT_BYTES if compiled_loss else LOGIT_BYTES)
     out["logits"] = (per_logit * tokens * m.vocab_size / (layout.tp * layout.cp) + head_input) if last else 0.0
     out["total"] = sum(out.values())
     return out

@@ -247,6 +247,10 @@ ELEMENTWISE = {
     # residual, write the sum and the 1-byte mask (7); backward: the dropout's (read dy and the mask, write dx: 5)
     # and the residual stream's two gradients added (6), as "dropout" and "residual" each count them
     "dropout_add": {"forward": ((7, 1), (7, 1)), "backward": ((11, 2), (11, 2))},
+    # Megatron-LM's vocabulary-parallel cross-entropy (megatron/mpu/cross_entropy.py, 6985e58; gpt_model.py casts the
+    # logits to fp32 first unless --fp16-lm-cross-entropy) per logit: the cast 2+4, max 4, sub_ 4+4, exp 4+4, sum 4,
+    # div_ 4+4 (the softmax saved in place) = 38 in 6 kernels; backward the in-place mul_ 4+4 and the cast back 4+2
+    "cross_entropy_megatron": {"forward": ((38, 6), (38, 6)), "backward": ((14, 2), (14, 2))},
 }
 
 

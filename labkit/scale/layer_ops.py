@@ -195,8 +195,9 @@ def end_ops(model, shape: Shape, opts: Options, gpu, which: str) -> dict:
     head_f, head_b = _linear("head", T, m.vocab_size // s.tp, m.d_model, gpu, opts, fp8_ok=False)
     loss = T * m.vocab_size // s.tp
     fused = opts.compile if opts.compiled_loss is None else opts.compiled_loss
-    return {"forward": [norm_f, *head_f, K.ew("cross_entropy", "forward", loss, gpu, fused, "loss")],
-            "backward": [K.ew("cross_entropy", "backward", loss, gpu, fused, "loss"), *head_b, norm_b]}
+    ce = "cross_entropy_megatron" if getattr(m, "megatron_fusions", False) else "cross_entropy"
+    return {"forward": [norm_f, *head_f, K.ew(ce, "forward", loss, gpu, fused, "loss")],
+            "backward": [K.ew(ce, "backward", loss, gpu, fused, "loss"), *head_b, norm_b]}
 
 
 def seconds(ops) -> float:

@@ -35,7 +35,8 @@ torchtitan's name, means "selective-op" (`normalize_recompute`).
 `megatron_fusions=True`: the kernels Megatron-LM runs its GPT with, by its paper's own account (Narayanan et al.
 2021, sec. 4.2, 'Computation Optimizations': fused bias + GeLU and bias + dropout + add, and a fused scale,
 mask and softmax) and its code (Apex's FusedLayerNorm; learned absolute positions, added once to the
-embedding, so no rotary in the blocks): their time only (`labkit.scale.layer_ops`), not what they save.
+embedding, so no rotary in the blocks): their time only (`labkit.scale.layer_ops`), not what they save; and its
+vocabulary-parallel cross-entropy, in place on fp32 logits: its time and its logits' memory (`labkit.scale.footprint`).
 `kv_repeated=True`: the K/V heads repeated to n_heads before the attention call, as torchtitan's Llama did
 (torchtitan/models/llama/model.py: `repeat_kv` before `F.scaled_dot_product_attention`); its CP shards that
 call's inputs, so its ring moves and holds n_heads / tp K/V heads, not GQA's n_kv_heads / tp.
