@@ -182,6 +182,10 @@ History of --ranks (configurations, then layouts, meeting the criterion; seconds
                 layouts meet at their best without recompute, the 145B's interleaved layout no longer does); the
                 lab's space with all of the above (the model as at 673de9b, Table 1 as its authors ran it): 2 and 14
                 (3,483 s beside other work; Llama 3's 8K-GPU row 682 s, Megatron's 1T 567 s), flat 1 and 13 (204 s)
+                With Trainy's two H200 rows, the compiled loss, float8 all-gather and Megatron's loss: the
+                frameworks' 21 and 32 of 61 (368 s beside the lab's; both H200 rows meet as layouts, FSDP at its
+                best without recompute and with HSDP, +20%); the lab's space: the two H200 rows 26th (-17.5%) and
+                layout 1st each (5 s), with the other 59 rows' count of 673de9b..87f2c9a, 2 and 16 of 61
 
 History of --memory (rows within 15% of those that publish it: 18, then 20)
     until 2026-11-28  16
