@@ -148,9 +148,10 @@ before its effect was computed)
                 points slower)
                 torchtitan's third benchmark file, Trainy's 8B FSDP on 32 and 64 H200s (June 2025), a run the
                 model was not built on, its inputs committed (389d132) before it was run; with torchao's float8
-                all-gather under FSDP2 (float8.fsdp_gather_bytes) and a compiled loss's 4 bytes a logit, both
-                read in code: +1.7% and +3.4% (memory +5.5%, +3.8%; with 12 bytes a logit +38%, +37%): 61,
-                9.9%, 24%; flat 34 of 61 (the two rows -43%: float8 is outside it)
+                all-gather under FSDP2 (float8.fsdp_gather_bytes, read before the run): +1.7% and +3.4% (memory
+                +38%, +37%); the memory miss sent us to torchtitan's loss, compiled with the model in its code
+                (4 bytes a logit, not 12): memory +5.5%, +3.8%, tok/s unchanged: 61, 9.9%, 24%; flat 34 of 61
+                (the two rows -43%: float8 is outside it)
                 Megatron-LM's vocabulary-parallel cross-entropy as its code runs it (mpu/cross_entropy.py: in place
                 on fp32 logits, 38 and 14 bytes a logit, 6 held; kernels.ELEMENTWISE): 61, 9.8%, 24% (Table 1's
                 1.7B-7.5B 0.2-0.9 points lower; the 59 earlier rows 10.0%)
