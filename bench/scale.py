@@ -185,8 +185,9 @@ History of --ranks (configurations, then layouts, meeting the criterion; seconds
                 (3,483 s beside other work; Llama 3's 8K-GPU row 682 s, Megatron's 1T 567 s), flat 1 and 13 (204 s)
                 With Trainy's two H200 rows, the compiled loss, float8 all-gather and Megatron's loss: the
                 frameworks' 21 and 32 of 61 (368 s beside the lab's; both H200 rows meet as layouts, FSDP at its
-                best without recompute and with HSDP, +20%); the lab's space: the two H200 rows 26th (-17.5%) and
-                layout 1st each (5 s), with the other 59 rows' count of 673de9b..87f2c9a, 2 and 16 of 61
+                best without recompute and with HSDP, +20%); the lab's space: 2 and 16 of 61 (3,434 s beside a
+                fresh-clone CI run; Llama 3's 8K-GPU row 1,046 s), the two H200 rows 26th (-17.5%) and 1st as
+                layouts; the other 59 as before
 
 History of --memory (rows within 15% of those that publish it: 18, then 20)
     until 2026-11-28  16
