@@ -26,7 +26,7 @@ def params_per_gpu(model, layout) -> dict:
     """Parameters this GPU holds before ZeRO (its stage, its tp shard): dense and experts."""
     m = model
     layers = layout.layers_per_rank(m.n_layers)
-    head = max(m.embedding_params, m.head_params)  # the heavier end stage
+    head = max(m.embedding_params, m.stage_head_params(first=False))  # the heavier end stage
     dense = layers * m.layer_dense_params + (head if layout.pp > 1 else m.embedding_params + m.head_params)
     return {"dense": dense / layout.tp,
             "experts": layers * m.expert_params * m.n_experts / (layout.expert_tp * layout.ep)}
@@ -194,9 +194,11 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
         makespan = work
     backward = n_micro * sum(bwd[s] for s in busiest)
     copies = 0.0
-    if layout.zero == "zero3" and layout.zero3_unit == "block":  # FSDP2's copies around its gathers and scatters:
-        # kernels on the compute stream, one per gather and scatter (dp_calls), on this rank's critical path
-        calls = dp_calls("zero3", layout.pp, n_micro)
+    if layout.zero == "zero3" and layout.zero3_unit in ("block", "flat"):  # FSDP's copies around its collectives:
+        # kernels on the compute stream, one per gather and scatter (dp_calls), on this rank's critical path; FSDP1
+        # gathers its flat parameter in place (no copy-out) but casts each gradient before its reduce-scatter
+        gathers, scatters = dp_calls("zero3", layout.pp, n_micro)
+        calls = (0 if layout.zero3_unit == "flat" else gathers, scatters)
         total = sum(held.values())  # the experts gather value_bytes (float8.fsdp_gather_bytes: the dense only)
         moved = (fsdp_bytes * held["dense"] + value_bytes * held["experts"]) / total
         copies = seconds([fsdp_copies(total, blocks, gpu, value_bytes, ZERO3_GRAD_BYTES, *calls, gather_bytes=moved)])

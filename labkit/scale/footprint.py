@@ -104,7 +104,7 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
         norms          2 x (3 b s d + b s)
         attention      q b s d, k and v 2 b s d_kv, output b s d, log-sum-exp a b s
         wo input       b s d
-        SwiGLU         4 b s H  (x top_k for MoE: each token's activations in its k experts)
+        SwiGLU         4 b s H  (x top_k for MoE: each token's activations in its k experts); GeLU 2 b s H
     With `model.fused_kernels` a norm saves b s d + b s and SwiGLU 3 b s H (specs' docstring).
     TP splits the heads and H; with sequence parallelism also the norms. CP splits s; by
     `layout.cp_method`: "allgather" (Llama 3) also holds the other cp - 1 ranks' K and V,
@@ -123,7 +123,8 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
     h = m.hidden_dim * (m.top_k if m.n_experts else 1)
     sp = tp if layout.sequence_parallel else 1
     norms = 2 * ((1 if m.fused_kernels else 3) * b * s * d + b * s) / sp
-    mlp = (3 if m.fused_kernels else 4) * b * s * h / tp
+    # SwiGLU: w1's and w3's outputs, silu's, their product (fused: silu rebuilt inside); GeLU: w1's output, GeLU's
+    mlp = (2 if m.mlp == "gelu" else 3 if m.fused_kernels else 4) * b * s * h / tp
     # k and v as attention saves them: this tp rank's K/V heads (replicated for the all-to-alls under GQA)
     kv_held = 2 * b * s * (d // a) * cp_kv_heads(layout.cp_method, m.attention_kv_heads // tp, cp, cp_local)
     gathered = 2 * b * (cp - 1) * s * dkv / tp if cp > 1 and layout.cp_method == "allgather" else 0.0
@@ -212,7 +213,7 @@ def stage_params(model, layout, first: bool, last: bool, layers: int | None = No
     None: the busiest rank's), the embedding if first, the head if last, / tp; experts / (expert_tp x ep)."""
     m = model
     layers = layout.layers_per_rank(m.n_layers) if layers is None else layers
-    dense = layers * m.layer_dense_params + first * m.embedding_params + last * m.head_params
+    dense = layers * m.layer_dense_params + first * m.embedding_params + last * m.stage_head_params(first)
     experts = layers * m.expert_params * m.n_experts
     return -(-dense // layout.tp), -(-experts // (layout.expert_tp * layout.ep))
 
@@ -247,7 +248,7 @@ def stage_memory(model, layout, stage: int, n_micro: int, seq_len: int, cp_local
         gathered = deepspeed_gathered_bytes(model, layout)
     elif layout.zero == "zero3":
         block = m.layer_dense_params / layout.tp + m.expert_params * m.n_experts / (layout.expert_tp * layout.ep)
-        ends = max(last * m.head_params, first * m.embedding_params) / layout.tp
+        ends = max(last * m.stage_head_params(first), first * m.embedding_params) / layout.tp
         gathered = 10 * max(block, ends)
     out["gathered"] = gathered
     act = block_activation_bytes(model, layout, layout.micro_batch, seq_len, cp_local)

@@ -282,7 +282,9 @@ def fsdp_copies(params: float, units: int, gpu: GPU, value_bytes: int, grad_byte
     Memory-bound, one kernel per unit and call, launched by FSDP's hooks (eager). The all-gather's copy-in runs
     on its own stream (all_gather_copy_in_stream) beside the compute, and is not counted here. gather_bytes: what
     the all-gathers move per parameter where it is not value_bytes (float8.fsdp_gather_bytes), which the copy-out
-    reads and writes."""
+    reads and writes. FSDP1 (`Layout.zero3_unit="flat"`, torch/distributed/fsdp/_runtime_utils.py) is called with
+    gathers=0: its all-gather writes the flat parameter whose views the block reads, and only its gradient is cast
+    to the reduce dtype before each reduce-scatter (`_post_backward_hook`)."""
     moved = value_bytes if gather_bytes is None else gather_bytes
     nbytes = (gathers * 2 * moved + scatters * (value_bytes + grad_bytes)) * params
     return roofline("fsdp copies", "elementwise", 0.0, nbytes, (gathers + scatters) * units, gpu)

@@ -114,14 +114,15 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
 
     fused = getattr(m, "fused_kernels", False)  # a fused RMSNorm and SwiGLU: compiled-like bytes, one kernel
     megatron = getattr(m, "megatron_fusions", False)  # Megatron-LM's GPT kernels (specs' docstring)
-    norm = "rmsnorm_fused" if fused or megatron else "rmsnorm"  # Apex's FusedLayerNorm: the same bytes
+    # Apex's FusedLayerNorm and torch's LayerNorm (one kernel a pass): the bytes of a fused RMSNorm
+    norm = "rmsnorm_fused" if fused or megatron or m.norm == "layernorm" else "rmsnorm"
     # Megatron's bias + dropout + residual add, one kernel: the sublayer outputs' dropouts live in the residuals
     residual = "dropout_add" if megatron and getattr(m, "dropout", False) else "residual"
     ew("norm1", norm, rows_sp * d)
     add("wq", _linear("wq", T, d // s.tp, d, gpu, opts))
     add("wk", _linear("wk", T, m.kv_dim // s.tp, d, gpu, opts))
     add("wv", _linear("wv", T, m.kv_dim // s.tp, d, gpu, opts))
-    if not megatron:  # GPT's positions are learned and added once, to the embedding
+    if not megatron and m.positions == "rotary":  # learned positions (GPT's, MPT's) are added once, to the embedding
         ew("rotary", "rotary", T * (d + m.kv_dim) // s.tp)
     heads = s.micro_batch * m.n_heads // s.tp
     if s.cp > 1 and s.cp_method == "ulysses":
@@ -190,8 +191,9 @@ def end_ops(model, shape: Shape, opts: Options, gpu, which: str) -> dict:
                              6.0 * rows_sp * m.d_model + 4.0 * m.vocab_size * m.d_model / s.tp, 3, gpu,
                              compile=opts.compile)
         return {"forward": [gather], "backward": [scatter]}
-    norm_f = K.ew("rmsnorm", "forward", rows_sp * m.d_model, gpu, opts.compile, "final norm")
-    norm_b = K.ew("rmsnorm", "backward", rows_sp * m.d_model, gpu, opts.compile, "final norm")
+    final = "rmsnorm_fused" if m.norm == "layernorm" else "rmsnorm"  # as the blocks' norms (block_ops)
+    norm_f = K.ew(final, "forward", rows_sp * m.d_model, gpu, opts.compile, "final norm")
+    norm_b = K.ew(final, "backward", rows_sp * m.d_model, gpu, opts.compile, "final norm")
     head_f, head_b = _linear("head", T, m.vocab_size // s.tp, m.d_model, gpu, opts, fp8_ok=False)
     loss = T * m.vocab_size // s.tp
     fused = opts.compile if opts.compiled_loss is None else opts.compiled_loss

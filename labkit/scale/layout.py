@@ -42,9 +42,13 @@ sequence for heads: the query heads per tp rank must divide by cp), "hybrid" (Ul
 cp ranks inside a node, `cp_local`, a ring across nodes: the heads per tp rank must divide by it).
 `ep_overlap`: EP's two-micro-batch overlap (solutions/moe_overlap.py, notebook 12): each
 micro-batch runs as two halves whose all-to-alls hide behind the other half's experts.
-`zero3_unit`: what ZeRO-3 gathers at once: "block" (FSDP2, torchtitan: a transformer block) or
+`zero3_unit`: what ZeRO-3 gathers at once: "block" (FSDP2, torchtitan: a transformer block),
 "module" (DeepSpeed's ZeRO-3 of 2021: each weight-holding submodule, labkit.scale.footprint; its step as its code
-runs it, labkit.scale.deepspeed_zero3; no pipeline, replicas or experts).
+runs it, labkit.scale.deepspeed_zero3; no pipeline, replicas or experts) or "flat" (FSDP1, FullyShardedDataParallel
+wrapping each block: its flat parameter is gathered in place, so no copy-out after the all-gather, but its
+gradient is still cast to the reduce dtype before each reduce-scatter, labkit.scale.kernels.fsdp_copies; no pipeline
+or experts; with zero="zero2" it names FSDP1's SHARD_GRAD_OP, priced as the model's ZeRO-2, and is carried to the
+ZeRO-3 layouts of a framework's space, labkit.scale.space).
 `grad_reduce`: when plain DP and ZeRO-1/2 reduce the gradients: "overlap" (buckets during the backward that
 completes them: torch DDP, FSDP2, Megatron-Core's DDP since 2023) or "after" (one all-reduce after the step's
 last backward, nothing hidden: Megatron-LM's `--DDP-impl local`, its default until 2023, whose train_step
@@ -66,7 +70,7 @@ from labkit.scale.cp_traffic import CP_METHODS, KV_ROTATIONS  # noqa: F401 (re-e
 
 ZERO_STAGES = ("dp", "zero1", "zero2", "zero3")
 SCHEDULES = ("1f1b", "interleaved", "zb")
-ZERO3_UNITS = ("block", "module")
+ZERO3_UNITS = ("block", "module", "flat")
 GRAD_REDUCES = ("overlap", "after")
 
 
@@ -203,6 +207,8 @@ class Layout:
             extra += " ep-overlap"
         if self.zero3_unit == "module":
             extra += " per-module"
+        elif self.zero3_unit == "flat":
+            extra += " fsdp1"
         if self.tp > 1 and not self.sequence_parallel:
             extra += " no-sp"
         if self.grad_reduce == "after":
@@ -232,9 +238,14 @@ def check_layout(model, layout: Layout, n_gpus: int, gpus_per_node: int, global_
             raise LayoutError(f"{axis}={value!r}: must be an int >= 1")
     if layout.zero not in ZERO_STAGES:
         raise LayoutError(f"zero={layout.zero!r}: choose one of {ZERO_STAGES}")
-    if layout.zero3_unit not in ZERO3_UNITS or (layout.zero3_unit == "module" and layout.zero != "zero3"):
+    if layout.zero3_unit not in ZERO3_UNITS or (layout.zero3_unit == "module" and layout.zero != "zero3") or \
+            (layout.zero3_unit == "flat" and layout.zero not in ("zero2", "zero3")):
         raise LayoutError(f"zero3_unit={layout.zero3_unit!r} with zero={layout.zero!r}: it says what ZeRO-3 gathers at once, "
-                          f"one of {ZERO3_UNITS}; 'module' needs zero='zero3'")
+                          f"one of {ZERO3_UNITS}; 'module' needs zero='zero3', 'flat' (FSDP1) zero='zero2' "
+                          "(SHARD_GRAD_OP) or 'zero3' (FULL_SHARD)")
+    if layout.zero3_unit == "flat" and (layout.pp > 1 or layout.ep > 1):
+        raise LayoutError(f"zero3_unit='flat' (FSDP1) with pp={layout.pp}, ep={layout.ep}: the model runs FSDP1 without "
+                          "a pipeline or experts; use pp = ep = 1, or zero3_unit='block' (FSDP2)")
     if layout.zero3_unit == "module" and (layout.pp > 1 or layout.dp_replicate > 1 or layout.ep > 1):
         raise LayoutError(f"zero3_unit='module' (DeepSpeed's ZeRO-3 of 2021, labkit.scale.deepspeed_zero3) with pp="
                           f"{layout.pp}, dp_replicate={layout.dp_replicate}, ep={layout.ep}: it ran without a pipeline, "

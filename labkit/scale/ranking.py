@@ -140,8 +140,10 @@ def _scan(model, cluster, batch: int, seq: int, n: int, options: dict, groups: l
     compiled = loss_compiled(options)  # the logits' memory, as predict counts it
     fp8_gather = bool(options.get("float8_all_gather"))
 
-    def staged(lay, z, **more):  # ZeRO stage z; the space's ZeRO-3 unit where z is ZeRO-3 (check_layout's rule)
-        return replace(lay, zero=z, zero3_unit=unit if z == "zero3" else "block", **more)
+    def staged(lay, z, **more):  # ZeRO stage z; the space's ZeRO-3 unit where z takes it (check_layout's rule:
+        # FSDP1's "flat" names its SHARD_GRAD_OP too)
+        keep = z == "zero3" or (unit == "flat" and z == "zero2")
+        return replace(lay, zero=z, zero3_unit=unit if keep else "block", **more)
 
     predicted = 0
     for bound, _, base, bounds in groups:

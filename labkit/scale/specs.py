@@ -43,6 +43,10 @@ call's inputs, so its ring moves and holds n_heads / tp K/V heads, not GQA's n_k
 `sp_saves_shard=True`: sequence parallelism as Megatron-LM runs it (Korthikanti et al. 2022, sec. 4.2.2: each
 column-parallel linear saves its input's shard and all-gathers it again in backward); False: torchtitan's
 plan, whose linears save the whole all-gathered input (labkit.scale.footprint).
+MPT-shaped models (MosaicML's llm-foundry, `MPT`): GPT's block (GeLU MLP of width 4 d, full multi-head attention)
+run by FlashAttention, with `norm="layernorm"` (torch's LayerNorm: one kernel a pass, the bytes of a fused RMSNorm),
+`positions="learned"` (added once to the embedding: no rotary in the blocks) and `tied_embedding=True` (the head
+multiplies by the embedding's matrix: its FLOPs stay, its parameters are held, gathered and stepped once).
 """
 from __future__ import annotations
 
@@ -51,6 +55,8 @@ from dataclasses import dataclass
 RECOMPUTE = ("none", "selective-op", "selective-attn", "full")
 MLPS = ("swiglu", "gelu")
 ATTENTION = ("flash", "materialized")
+NORMS = ("rmsnorm", "layernorm")
+POSITIONS = ("rotary", "learned")
 
 
 def normalize_recompute(recompute: str) -> str:
@@ -82,6 +88,9 @@ class ModelSpec:
     sp_saves_shard: bool = False
     megatron_fusions: bool = False
     kv_repeated: bool = False
+    norm: str = "rmsnorm"
+    positions: str = "rotary"
+    tied_embedding: bool = False
 
     def __post_init__(self):
         for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size"):
@@ -94,6 +103,9 @@ class ModelSpec:
         if self.mlp not in MLPS or self.attention not in ATTENTION or not isinstance(self.dropout, bool):
             raise ValueError(f"{self.name}: mlp={self.mlp!r} must be one of {MLPS}, attention={self.attention!r} one of "
                              f"{ATTENTION}, dropout={self.dropout!r} True or False")
+        if self.norm not in NORMS or self.positions not in POSITIONS or not isinstance(self.tied_embedding, bool):
+            raise ValueError(f"{self.name}: norm={self.norm!r} must be one of {NORMS}, positions={self.positions!r} one "
+                             f"of {POSITIONS}, tied_embedding={self.tied_embedding!r} True or False")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"{self.name}: top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
 
@@ -134,8 +146,14 @@ class ModelSpec:
 
     @property
     def head_params(self) -> int:
-        """The output head and the final norm."""
-        return self.vocab_size * self.d_model + self.d_model
+        """The output head and the final norm; the final norm alone where the head is the embedding's matrix
+        (`tied_embedding`: a pipeline's last stage then holds that matrix too, `stage_head_params`)."""
+        return (0 if self.tied_embedding else self.vocab_size * self.d_model) + self.d_model
+
+    def stage_head_params(self, first: bool) -> int:
+        """What the last stage holds for the head: `head_params`, plus the tied matrix unless that stage is also the
+        first (the embedding's stage), as Megatron-LM keeps a copy of a shared embedding on its last stage."""
+        return self.head_params + (self.vocab_size * self.d_model if self.tied_embedding and not first else 0)
 
     @property
     def n_params(self) -> int:
@@ -147,7 +165,7 @@ class ModelSpec:
         per_layer = self.layer_params
         if self.n_experts:
             per_layer -= self.expert_params * (self.n_experts - self.top_k)
-        return self.n_layers * per_layer + self.head_params
+        return self.n_layers * per_layer + self.vocab_size * self.d_model + self.d_model  # the head multiplies, tied or not
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of forward + backward for one token: 6 N + 12 L d s."""
@@ -219,7 +237,26 @@ GPT_MEGATRON = {name: gpt_spec(f"gpt-{name}", h, layers, heads) for name, (h, la
     "39b": (8192, 48, 64), "76b": (10240, 60, 80), "145b": (12288, 80, 96), "310b": (16384, 96, 128),
     "530b": (20480, 105, 128), "1t": (25600, 128, 160), "22b": (6144, 48, 64), "175b": (12288, 96, 96),
 }.items()}
-MODELS = {**LLAMA3, **GPT_MEGATRON}
+
+
+def mpt_spec(name: str, d_model: int, n_layers: int, n_heads: int) -> ModelSpec:
+    """An MPT model as llm-foundry's pretraining yamls build it (scripts/train/yamls/pretrain/mpt-*.yaml at
+    5e85bd62d, 2024-01-06): MHA, expansion_ratio 4 (GeLU), vocabulary 50,368, and MPTConfig's defaults there: no
+    dropout (resid_pdrop = emb_pdrop = 0), learned positions (learned_pos_emb), the embedding tied to the head
+    (tie_word_embeddings), biases on (no_bias false: in the GEMMs' epilogues; their d-sized parameters, like the
+    learned positions' 2,048 x d, are not counted); FlashAttention."""
+    return ModelSpec(name, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads,
+                     hidden_dim=4 * d_model, vocab_size=50368, mlp="gelu", norm="layernorm", positions="learned",
+                     tied_embedding=True)
+
+
+# llm-foundry's MPT shapes (d_model, n_layers, n_heads), the yamls above: 1b and 3b with 16 and 20 heads ('so that
+# d_head == 128 to satisfy FlashAttention', their comments)
+MPT = {f"mpt-{name}": mpt_spec(f"mpt-{name}", d, layers, heads) for name, (d, layers, heads) in {
+    "1b": (2048, 24, 16), "3b": (2560, 32, 20), "7b": (4096, 32, 32), "13b": (5120, 40, 40),
+    "30b": (7168, 48, 56), "70b": (8192, 80, 64),
+}.items()}
+MODELS = {**LLAMA3, **GPT_MEGATRON, **MPT}
 
 
 def spec_from_config(config, name: str = "labkit") -> ModelSpec:
