@@ -155,6 +155,19 @@ before its effect was computed)
                 Megatron-LM's vocabulary-parallel cross-entropy as its code runs it (mpu/cross_entropy.py: in place
                 on fp32 logits, 38 and 14 bytes a logit, 6 held; kernels.ELEMENTWISE): 61, 9.8%, 24% (Table 1's
                 1.7B-7.5B 0.2-0.9 points lower; the 59 earlier rows 10.0%)
+                llm-foundry's large-scale H100 table (January 2024, 5e85bd62d: MPT 1B-70B, FSDP1 on 128-512 GPUs),
+                18 rows the model was not built on, their inputs committed (884036e) before it was run on them
+                (specs.MPT; Layout.zero3_unit "flat", FSDP1's gathers without copy-out): 14 of 18 within 25%,
+                median 6% (7B-70B -1..+8%; 1B and 3B, FSDP1's SHARD_GRAD_OP, +21..+43%); all 79: 75, 9%, 43%
+                a ring collective across nodes on one NIC per GPU of its group in each node (NCCL's channels, one per
+                NIC; 'up to ~396GB/s with the RING protocol', nccl-tests #319; Cluster.link's per_node), never above
+                the node's own; all-to-alls and sends on one NIC: 64 of 79, 14%, 104%. The one-NIC rate had hidden a
+                compute side that runs ahead on every multi-node FSDP row: torchtitan's 8B on 128 GPUs +1..+4% ->
+                +13..+14% (its 8-GPU rows, with no network, +8..+10% before and after), Trainy's H200 rows +2/+3% ->
+                +15/+17%, MPT's 7B +28..+38%, DeepSpeed's ZeRO-3 rows (their step built on the one-NIC rate)
+                +59..+104%; rows without a data-parallel ring across nodes (TP 8 inside nodes) unchanged. Evidence
+                for the rails outside the set: MosaicML's older table runs its 13B (FSDP, micro-batch 2) on 64 GPUs
+                as fast as on 8, which one NIC per GPU cannot carry (2.2 s of traffic in a 0.85 s step)
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row
@@ -188,6 +201,12 @@ History of --ranks (configurations, then layouts, meeting the criterion; seconds
                 best without recompute and with HSDP, +20%); the lab's space: 2 and 16 of 61 (3,434 s beside a
                 fresh-clone CI run; Llama 3's 8K-GPU row 1,046 s), the two H200 rows 26th (-17.5%) and 1st as
                 layouts; the other 59 as before
+                With llm-foundry's 18 MPT rows and the network priced by its NICs (Cluster.link's per_node): the
+                frameworks' 36 and 49 of 79 (258 s): torchtitan's 8B FSDP on 128 GPUs now first as published
+                (no longer beaten by HSDP), both H200 rows and all 18 MPT rows first as layouts, 7 MPT rows as
+                configurations; Llama 3's 8K-GPU CP 1 row drops out (-8.4% as a layout). Picks: 8B dp64 zero2 none
+                mb1, 8,759 tok/s/GPU; 70B dp8 pp4 cp8 zero2 none mb1 interleavedx2 cp-ulysses, 1,090; 405B dp2 pp32
+                cp8 tp2 zero2 none mb1 cp-allgather, 193 (170 s)
 
 History of --memory (rows within 15% of those that publish it: 18, then 20)
     until 2026-11-28  16
@@ -201,6 +220,7 @@ History of --memory (rows within 15% of those that publish it: 18, then 20)
                 128K -6.6% -> -6.6%; torchtitan's 8B CP rows -1% -> -0..+3%)
                 Trainy's two H200 rows, a compiled loss holding 4 bytes a logit (footprint.COMPILED_LOGIT_BYTES):
                 20 of 20 (+5.5%, +3.8%)
+    2026-11-28  llm-foundry's MPT rows publish no memory: 20 of 20, unchanged (memory does not read the network)
 """
 import argparse
 import json

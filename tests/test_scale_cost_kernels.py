@@ -56,6 +56,23 @@ def test_single_stage_step_is_micro_batches_times_forward_and_backward_plus_dp_a
     assert p.step_s == pytest.approx(sum(p.parts_s.values()), rel=1e-12)
 
 
+def test_fsdp1_copies_only_its_gradients():
+    """FSDP1 (zero3_unit="flat": FullyShardedDataParallel per block, llm-foundry's) gathers into the flat parameter
+    the block reads, so it runs no copy-out after its all-gathers; it still casts each bf16 gradient to fp32 before
+    its reduce-scatter (_runtime_utils._post_backward_hook): 2 + 4 bytes a parameter per scatter. Same traffic,
+    memory and compute as FSDP2's blocks. Planted (checked when written): FSDP2's copy-outs on the flat unit fail."""
+    from labkit.scale.cost_kernels import params_per_gpu
+    lay = Layout(dp=8, zero="zero3", zero3_unit="flat", recompute="selective", micro_batch=1)
+    p = predict(SPEC, lay, H100, 16, 4096, efficiency=None)
+    block = predict(SPEC, Layout(dp=8, zero="zero3", recompute="selective", micro_batch=1), H100, 16, 4096,
+                    efficiency=None)
+    held = sum(params_per_gpu(SPEC, lay).values())
+    assert p.parts_s["fsdp_copies"] == pytest.approx(fsdp_copies_s(held, 0, 2), rel=1e-12)
+    assert block.parts_s["fsdp_copies"] == pytest.approx(fsdp_copies_s(held, 4, 2), rel=1e-12)
+    assert p.parts_s["compute"] == block.parts_s["compute"] and p.traffic["dp"] == block.traffic["dp"]
+    assert p.peak_bytes == block.peak_bytes
+
+
 def test_fsdp_inside_a_pipeline_gathers_and_scatters_once_a_step_whatever_the_micro_batches():
     """With a pipeline, torchtitan keeps each stage gathered (reshard_after_forward=False) and torch's pipelining
     syncs gradients on the last backward only: one all-gather and one reduce-scatter a step for 2 or 8
@@ -254,3 +271,29 @@ def test_a_launch_bound_step_is_its_kernel_count_times_the_cost_of_one(name, bat
         assert p.step_s == pytest.approx(count["host_s"], rel=1e-12)
     else:
         assert count["host_s"] < p.step_s < count["host_s"] + count["gpu_s"]
+
+
+def test_mpt_blocks_run_layernorm_learned_positions_and_a_tied_head():
+    """specs.MPT (llm-foundry's): a block has no rotary op (positions are learned, added once to the embedding), its
+    norms are torch's one-kernel LayerNorm (the fused-norm bytes), its GeLU MLP saves w1's and GeLU's outputs (2 b s
+    H, not SwiGLU's 4; its LayerNorm its input and statistics); its head is the embedding's matrix: held once on a single stage, and as a copy on a
+    pipeline's last stage (Megatron-LM's way), while its FLOPs stay. Planted (checked when written): the Llama
+    block's rotary and eager RMSNorm appear if positions/norm are ignored."""
+    from labkit.scale.footprint import block_activation_bytes, stage_params
+    from labkit.scale.specs import MODELS
+    m = MODELS["mpt-7b"]
+    shape, opts = Shape(2, 2048), Options(recompute="none")
+    names = {op.name for op in block_ops(m, shape, opts, GPU)["forward"]}
+    llama_names = {op.name for op in block_ops(SPEC, shape, opts, GPU)["forward"]}
+    assert "rotary" in llama_names and "rotary" not in names and "gelu" in names
+    norm = next(op for op in block_ops(m, shape, opts, GPU)["forward"] if op.name == "norm1")
+    assert norm.kernels == 1
+    b, s, d, h = 2, 2048, m.d_model, m.hidden_dim
+    mlp = block_activation_bytes(m, Layout(recompute="none"), b, s)["mlp"]
+    assert mlp == pytest.approx(2 * (b * s * d + b * s + 2 * b * s * h), rel=1e-12)  # LayerNorm: input, statistics
+    V = m.vocab_size * d
+    one = stage_params(m, Layout(), first=True, last=True)[0]
+    assert one == m.n_layers * m.layer_dense_params + V + d
+    last = stage_params(m, Layout(pp=2), first=False, last=True, layers=16)[0]
+    assert last == 16 * m.layer_dense_params + V + d
+    assert m.active_params == m.n_layers * m.layer_params + V + d

@@ -17,7 +17,9 @@ Three optional fields connect it to the kernel model (labkit.scale.kernels, labk
     node_busbw_gbytes_per_s    GB/s  measured large-message bus bandwidth of an all-reduce inside one
                                node (nccl-tests); without it the NVLink datasheet rate is used
     network_busbw_gbytes_per_s GB/s  measured large-message bus bandwidth per NIC across nodes; without
-                               it the NIC's line rate, network_gbits_per_s / 8; never above that rate
+                               it the NIC's line rate, network_gbits_per_s / 8; never above that rate. A
+                               ring collective of a group with k ranks in each node moves k NICs' worth,
+                               up to the node's own busbw (`Cluster.link`'s per_node)
 and one optional field that gives a collective kind its own measured bus bandwidth at a level:
     busbw_by_kind              {"node"|"network": {kind: GB/s, or [[bytes, GB/s], ...]}}: one figure, or
                                nccl-tests' busbw against its "size" column (the whole tensor, S) at
@@ -58,6 +60,7 @@ FIELDS = {
 
 
 BUSBW_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+RING_KINDS = ("all_reduce", "all_gather", "reduce_scatter")  # NCCL spreads their channels over the node's NICs
 BUSBW_RANGE = (5, 5000)  # GB/s: as node_busbw_gbytes_per_s
 
 
@@ -86,14 +89,23 @@ class Cluster:
     def memory_bytes(self) -> float:
         return self.memory_gib * 2**30
 
-    def link(self, level: str, kind: str | None = None, nbytes: float = 0.0, ranks: int = 0) -> tuple[float, float]:
+    def link(self, level: str, kind: str | None = None, nbytes: float = 0.0, ranks: int = 0,
+             per_node: int = 1) -> tuple[float, float]:
         """(alpha seconds, beta bytes/s) of one GPU's link at `level`: "node" (NVLink) or "network".
         With a collective `kind` (and its whole tensor's `nbytes`, nccl-tests' size S, over `ranks` ranks), beta is
         that kind's measured bus bandwidth where `busbw_by_kind` gives one (`busbw_at`), else the level's; alpha is 0
         where the size read lies within a curve's measured sizes (the measurement already holds the latency).
         A node's curve is measured over the whole node (gpus_per_node ranks). In a ring, busbw depends on the
         per-step chunk c = S / n alone (busbw = c / (alpha + c / B)), so a group of `ranks` reads the curve where
-        the node's ring moves the same chunk, at S x gpus_per_node / ranks; a send moves its whole message, as is."""
+        the node's ring moves the same chunk, at S x gpus_per_node / ranks; a send moves its whole message, as is.
+        per_node: the group's ranks in one node (`Layout.ranks_per_node`). Each GPU has its own NIC (this file's
+        contract), and NCCL runs a ring collective (all-gather, reduce-scatter, all-reduce) over as many channels
+        as it has rails, each crossing between nodes through another GPU's NIC: the network bus bandwidth of a group
+        with k ranks in a node is k NICs' (NVIDIA's NCCL team: 'We usually consider 24GB/s is the peak performance
+        per 200G NIC ... so in your case 96GB/s is the target', four NICs, nccl-tests #119; 'add more NICs and you
+        should get more bandwidth, up to 160GB/s which is the NVLink intra-node bandwidth', nccl #412), never above
+        the same collective inside the node (read as above). An all-to-all or a send moves each rank's own data out
+        through its own NIC: one NIC's, whatever k."""
         if level == "node":  # the measured bus bandwidth where the file gives one, else the datasheet link
             alpha, beta = self.nvlink_latency_us * 1e-6, (self.node_busbw_gbytes_per_s or self.nvlink_gbytes_per_s) * 1e9
         elif level == "network":
@@ -107,13 +119,21 @@ class Cluster:
                 # a curve measured against size is the whole time at the sizes it spans: nccl-tests' busbw is the
                 # wire bytes over the measured time, latency included, so no latency step is added there
                 spanned = len(curve) > 1 and curve[0][0] <= size <= curve[-1][0]
-                return (0.0 if spanned else alpha), busbw_at(curve, size)
+                alpha, beta = (0.0 if spanned else alpha), busbw_at(curve, size)
+                break
+        rails = min(per_node, self.gpus_per_node)
+        if level == "network" and rails > 1 and kind in RING_KINDS:
+            beta = min(rails * beta, self.link("node", kind, nbytes, ranks)[1])
         return alpha, beta
 
     def fastest_busbw(self, level: str) -> float:
-        """The largest bus bandwidth any kind gets at `level`: a bound no collective beats (labkit.scale.bounds)."""
-        return max([self.link(level)[1]] + [b for lvl, _, curve in self.busbw_by_kind if lvl == level
-                                            for _, b in curve])
+        """The largest bus bandwidth any kind gets at `level`: a bound no collective beats (labkit.scale.bounds);
+        across nodes a ring collective of a whole node's ranks may reach the node's own (`link`'s per_node)."""
+        fastest = max([self.link(level)[1]] + [b for lvl, _, curve in self.busbw_by_kind if lvl == level
+                                               for _, b in curve])
+        if level != "network":
+            return fastest
+        return max(fastest, min(self.gpus_per_node * fastest, self.fastest_busbw("node")))  # every rail, capped
 
 
 def busbw_at(curve: tuple, nbytes: float) -> float:

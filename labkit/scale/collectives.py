@@ -14,7 +14,10 @@ reduce-scatter have their own), else the level's large-message figure (`node_bus
 else the link's datasheet rate: an upper bound. A node's curve, measured over the whole node, is read for
 n ranks at S x gpus_per_node / n, where the node's ring moves the same chunk S / n per step (in a ring,
 busbw depends on that chunk alone). alpha: the level's per-step latency, 0 where the size read lies
-within a measured curve (its busbw is wire / measured time: the latency is in it). Steps, by
+within a measured curve (its busbw is wire / measured time: the latency is in it). Across nodes a ring
+collective of a group with k ranks in each node crosses on k NICs, up to the node's own busbw (`Cluster.link`'s
+per_node: NVIDIA's '48GB/s from each CX7 NIC ... aggregated to achieve up to ~396GB/s with the RING protocol',
+nccl-tests #319); an all-to-all or a send, one NIC's. Steps, by
 NCCL's algorithm: ring all-gather / reduce-scatter / all-to-all n-1; all-reduce inside a node a ring,
 2(n-1); all-reduce across nodes NCCL's tree (double binary tree, Sanders et al. 2009, NCCL >= 2.4),
 2 log2(n) latency steps at the same bus bandwidth; send/recv 1. Without a curve, message size enters
@@ -46,10 +49,11 @@ def steps(kind: str, n: int, level: str) -> int:
     return n - 1
 
 
-def collective_time(kind: str, nbytes: float, n: int, level: str, cluster) -> tuple[float, float]:
-    """(wire bytes per rank, seconds) of one collective of `nbytes` (nccl-tests' S) over n ranks at `level`."""
+def collective_time(kind: str, nbytes: float, n: int, level: str, cluster, per_node: int = 1) -> tuple[float, float]:
+    """(wire bytes per rank, seconds) of one collective of `nbytes` (nccl-tests' S) over n ranks at `level`;
+    per_node: the group's ranks in each node, whose NICs a ring collective across nodes spreads over (Cluster.link)."""
     if n <= 1 or nbytes <= 0:
         return 0.0, 0.0
     wire = BUS_FACTOR[kind](n) * nbytes
-    alpha, beta = cluster.link(level, kind, nbytes, n)
+    alpha, beta = cluster.link(level, kind, nbytes, n, per_node)
     return wire, steps(kind, n, level) * alpha + wire / beta

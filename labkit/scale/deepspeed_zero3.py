@@ -28,8 +28,8 @@ weight (`fetch_counts`, which labkit.scale.traffic counts), not FSDP2's two gath
 
 `zero3_step` runs the trace use by use on three clocks: the host (it waits at each synchronize; between two it
 runs ahead of the GPU, launching kernels and collectives), the GPU (the compute stream: each use's kernels,
-`segments`) and the network (every collective, gathers and reduce-scatters, one after another on the GPU's NIC; a
-reduce-scatter no earlier than the backward kernels that make its gradient). A collective overlaps the GPU's work
+`segments`) and the network (every collective, gathers and reduce-scatters, one after another on the data-parallel
+group's link; a reduce-scatter no earlier than the backward kernels that make its gradient). A collective overlaps the GPU's work
 only between two synchronizes, and where it does the kernels beside it run slower (the cost model's contention rule,
 GPU.overlap_slowdown, applied where the two clocks meet).
 """

@@ -105,7 +105,8 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
         attention      q b s d, k and v 2 b s d_kv, output b s d, log-sum-exp a b s
         wo input       b s d
         SwiGLU         4 b s H  (x top_k for MoE: each token's activations in its k experts); GeLU 2 b s H
-    With `model.fused_kernels` a norm saves b s d + b s and SwiGLU 3 b s H (specs' docstring).
+    With `model.fused_kernels` a norm saves b s d + b s and SwiGLU 3 b s H (specs' docstring); torch's LayerNorm
+    (`model.norm="layernorm"`) saves b s d + b s too.
     TP splits the heads and H; with sequence parallelism also the norms. CP splits s; by
     `layout.cp_method`: "allgather" (Llama 3) also holds the other cp - 1 ranks' K and V,
     2 b (cp - 1) s d_kv / tp, as attention's saved input; "ulysses" holds the whole sequence
@@ -122,7 +123,8 @@ def block_activation_bytes(model, layout, micro_batch: int, seq_len: int, cp_loc
     b, s, d, dkv, a = micro_batch, seq_len // cp, m.d_model, m.kv_dim, m.n_heads
     h = m.hidden_dim * (m.top_k if m.n_experts else 1)
     sp = tp if layout.sequence_parallel else 1
-    norms = 2 * ((1 if m.fused_kernels else 3) * b * s * d + b * s) / sp
+    # a fused RMSNorm and torch's LayerNorm (one kernel) save the input and the per-row statistics; eager RMSNorm 3
+    norms = 2 * ((1 if m.fused_kernels or m.norm == "layernorm" else 3) * b * s * d + b * s) / sp
     # SwiGLU: w1's and w3's outputs, silu's, their product (fused: silu rebuilt inside); GeLU: w1's output, GeLU's
     mlp = (2 if m.mlp == "gelu" else 3 if m.fused_kernels else 4) * b * s * h / tp
     # k and v as attention saves them: this tp rank's K/V heads (replicated for the all-to-alls under GQA)

@@ -185,6 +185,28 @@ class Layout:
         tiles = gpus_per_node % span == 0 or self.world_size <= gpus_per_node  # (whole nodes: else one straddles)
         return "node" if span <= gpus_per_node and tiles else "network"
 
+    def group_parts(self, axis: str) -> list[tuple[int, int]]:
+        """The ranks of one group along `axis` as (count, stride) runs, innermost first: "dpcp" is the
+        data-parallel group FSDP and DDP reduce over (dp x cp: cp's ranks tp apart, then dp's pp cp tp apart);
+        "ep" follows `level`'s borrowing; any other axis is one run of its size at its stride."""
+        inner = self.pp * self.cp * self.tp  # dp's stride
+        if axis == "dpcp":
+            return [(self.cp, self.tp), (self.dp, inner)]
+        if axis == "ep" and self.ep_over_tp:  # (dp_shard, cp, tp) flattened: contiguous, then dp's ranks
+            block = self.cp * self.tp
+            return [(self.ep, 1)] if self.ep <= block else [(block, 1), (self.ep // block, inner)]
+        if axis == "ep":  # cp's ranks first (stride tp), then dp's
+            return [(self.ep, self.tp)] if self.ep <= self.cp else [(self.cp, self.tp), (self.ep // self.cp, inner)]
+        return [(getattr(self, axis), self.stride(axis))]
+
+    def ranks_per_node(self, axis: str, gpus_per_node: int) -> int:
+        """How many ranks of one group along `axis` (`group_parts`) share a node: the NICs a ring collective of
+        that group spreads over when it spans nodes (labkit.scale.cluster.Cluster.link's per_node)."""
+        offsets = [0]
+        for count, stride in self.group_parts(axis):
+            offsets = [o + i * stride for i in range(count) for o in offsets]
+        return max(1, sum(o < gpus_per_node for o in offsets))
+
     def layers_per_rank(self, n_layers: int) -> int:
         """Blocks on the busiest pipeline rank (`rank_layers`' largest: torchtitan splits 126 layers
         into 8 stages unevenly; the fullest rank sets the pace)."""

@@ -6,9 +6,11 @@ that in 2(n-1) steps; an all-to-all (n-1)/n x B in n-1 exchanges; a send is B in
 Time of one collective: steps x alpha + bytes sent / beta, where (alpha, beta) is the link of
 the group's level (`Layout.level`, `Cluster.link`): inside a node the measured nccl-tests bus
 bandwidth where the cluster file gives one (`node_busbw_gbytes_per_s`; the collective kind's own,
-at the call's size, where `busbw_by_kind` gives one), else NVLink's datasheet rate; across nodes the
-GPU's NIC. (labkit.scale.collectives states the same time per collective, with NCCL's tree for
-all-reduces across nodes.)
+at the call's size, where `busbw_by_kind` gives one), else NVLink's datasheet rate; across nodes one NIC
+per rank of the group in each node for its all-gathers, reduce-scatters and all-reduces (NCCL's channels cross
+between nodes on every GPU's NIC: `Layout.ranks_per_node`, `Cluster.link`'s per_node), never above the same
+collective inside the node, and the rank's own NIC for its all-to-alls and sends. (labkit.scale.collectives
+states the same time per collective, with NCCL's tree for all-reduces across nodes.)
 
 Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch = mb x s / cp
 (b s d-sized activations in bf16: A = 2 mb s d):
@@ -104,7 +106,9 @@ def call_seconds(layout, cluster, axis: str, kind: str, nbytes: float, n: int, m
     gathers), ring_time's alpha-beta."""
     # the data-parallel group is dp x cp: it stays in a node only if its dp part does
     where = "cp" if axis == "dp" and layout.dp == 1 else axis
-    alpha, beta = cluster.link(layout.level(where, cluster.gpus_per_node), kind, message or nbytes, n)
+    gpn = cluster.gpus_per_node
+    per_node = min(n, layout.ranks_per_node("dpcp" if axis == "dp" else axis, gpn))  # the NICs a ring spreads over
+    alpha, beta = cluster.link(layout.level(where, gpn), kind, message or nbytes, n, per_node)
     return ring_time(kind, nbytes, n, alpha, beta)
 
 
@@ -176,7 +180,9 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
         layer = cp_layer_traffic(layout.cp_method, layout.cp, q, kv, local, layout.kv_rotation)
         for direction, parts in layer.items():
             for where, sent, steps, calls, hideable, kind, message, ranks in parts:
-                alpha, beta = cluster.link(levels[where], kind, message, ranks)
+                # the cp group's own ranks in a node where it spans nodes; the hybrid's cross-node ring has one
+                per_node = min(ranks, layout.ranks_per_node("cp", cluster.gpus_per_node)) if where == "cp" else 1
+                alpha, beta = cluster.link(levels[where], kind, message, ranks, per_node)
                 times = L * n_micro * passes[direction]
                 secs = (steps * alpha + sent / beta) * times
                 entry["bytes"] += sent * times
@@ -254,9 +260,13 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
     out = {name: {"bytes": 0.0, "seconds": 0.0, "count": 0, "level": level} for name, level in levels.items()}
 
     per_call = blocks if zero == "zero3" else 1
+    gpn = cluster.gpus_per_node  # each group's ranks in a node: the NICs its rings spread over (Cluster.link)
+    per_node = {"shard": min(shard, max(1, int(gpn // shard_stride))),
+                "replica": min(replicate, max(1, int(gpn // (shard * shard_stride))))}
 
     def add(name, kind, nbytes, n, count):
-        sent, secs = ring_time(kind, nbytes, n, *cluster.link(levels[name], kind, nbytes / per_call, n))
+        link = cluster.link(levels[name], kind, nbytes / per_call, n, per_node[name])
+        sent, secs = ring_time(kind, nbytes, n, *link)
         if sent:
             out[name]["bytes"] += sent * count
             out[name]["seconds"] += secs * count
