@@ -168,6 +168,9 @@ before its effect was computed)
                 +59..+104%; rows without a data-parallel ring across nodes (TP 8 inside nodes) unchanged. Evidence
                 for the rails outside the set: MosaicML's older table runs its 13B (FSDP, micro-batch 2) on 64 GPUs
                 as fast as on 8, which one NIC per GPU cannot carry (2.2 s of traffic in a 0.85 s step)
+                FSDP1's SHARD_GRAD_OP as its code runs (zero2 with zero3_unit "flat": fp32 reduce-scatters and the
+                casts before them; a stated undercount until then) and torch's LayerNorm saving its input and
+                statistics: the MPT 1B and 3B rows 0.5-1 point lower (+28..+48%); all 79: 64, 14%, 104%
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row

@@ -60,7 +60,8 @@ def test_fsdp1_copies_only_its_gradients():
     """FSDP1 (zero3_unit="flat": FullyShardedDataParallel per block, llm-foundry's) gathers into the flat parameter
     the block reads, so it runs no copy-out after its all-gathers; it still casts each bf16 gradient to fp32 before
     its reduce-scatter (_runtime_utils._post_backward_hook): 2 + 4 bytes a parameter per scatter. Same traffic,
-    memory and compute as FSDP2's blocks. Planted (checked when written): FSDP2's copy-outs on the flat unit fail."""
+    memory and compute as FSDP2's blocks; its SHARD_GRAD_OP (zero2) as well. Planted (checked when written): FSDP2's
+    copy-outs on the flat unit fail."""
     from labkit.scale.cost_kernels import params_per_gpu
     lay = Layout(dp=8, zero="zero3", zero3_unit="flat", recompute="selective", micro_batch=1)
     p = predict(SPEC, lay, H100, 16, 4096, efficiency=None)
@@ -71,6 +72,17 @@ def test_fsdp1_copies_only_its_gradients():
     assert block.parts_s["fsdp_copies"] == pytest.approx(fsdp_copies_s(held, 4, 2), rel=1e-12)
     assert p.parts_s["compute"] == block.parts_s["compute"] and p.traffic["dp"] == block.traffic["dp"]
     assert p.peak_bytes == block.peak_bytes
+    # SHARD_GRAD_OP (zero2, "flat"): the same casts per reduce-scatter, and fp32 gradients on the wire, where the
+    # model's ZeRO-2 reduces bf16 (planted, checked when written: bf16 bytes or no copies fail here)
+    z2 = predict(SPEC, Layout(dp=8, zero="zero2", zero3_unit="flat", recompute="selective", micro_batch=1), H100, 16,
+                 4096, efficiency=None)
+    plain = predict(SPEC, Layout(dp=8, zero="zero2", recompute="selective", micro_batch=1), H100, 16, 4096,
+                    efficiency=None)
+    assert z2.parts_s["fsdp_copies"] == pytest.approx(fsdp_copies_s(held, 0, 2), rel=1e-12)
+    assert plain.parts_s["fsdp_copies"] == 0.0
+    P = held  # every parameter, reduce-scattered twice (two micro-batches) and gathered once, over 8 ranks
+    assert z2.traffic["dp"]["bytes"] == pytest.approx(7 / 8 * (2 * 4 * P + 2 * P), rel=1e-12)
+    assert plain.traffic["dp"]["bytes"] == pytest.approx(7 / 8 * (2 * 2 * P + 2 * P), rel=1e-12)
 
 
 def test_fsdp_inside_a_pipeline_gathers_and_scatters_once_a_step_whatever_the_micro_batches():

@@ -194,10 +194,11 @@ def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, 
         makespan = work
     backward = n_micro * sum(bwd[s] for s in busiest)
     copies = 0.0
-    if layout.zero == "zero3" and layout.zero3_unit in ("block", "flat"):  # FSDP's copies around its collectives:
-        # kernels on the compute stream, one per gather and scatter (dp_calls), on this rank's critical path; FSDP1
-        # gathers its flat parameter in place (no copy-out) but casts each gradient before its reduce-scatter
-        gathers, scatters = dp_calls("zero3", layout.pp, n_micro)
+    fsdp1_zero2 = layout.zero == "zero2" and layout.zero3_unit == "flat" and layout.pp == 1  # SHARD_GRAD_OP
+    if (layout.zero == "zero3" and layout.zero3_unit in ("block", "flat")) or fsdp1_zero2:  # FSDP's copies around its
+        # collectives: kernels on the compute stream, one per gather and scatter (dp_calls), on this rank's critical
+        # path; FSDP1 gathers its flat parameter in place (no copy-out) but casts each gradient before its reduce-scatter
+        gathers, scatters = dp_calls(layout.zero, layout.pp, n_micro)
         calls = (0 if layout.zero3_unit == "flat" else gathers, scatters)
         total = sum(held.values())  # the experts gather value_bytes (float8.fsdp_gather_bytes: the dense only)
         moved = (fsdp_bytes * held["dense"] + value_bytes * held["experts"]) / total

@@ -47,8 +47,8 @@ micro-batch runs as two halves whose all-to-alls hide behind the other half's ex
 runs it, labkit.scale.deepspeed_zero3; no pipeline, replicas or experts) or "flat" (FSDP1, FullyShardedDataParallel
 wrapping each block: its flat parameter is gathered in place, so no copy-out after the all-gather, but its
 gradient is still cast to the reduce dtype before each reduce-scatter, labkit.scale.kernels.fsdp_copies; no pipeline
-or experts; with zero="zero2" it names FSDP1's SHARD_GRAD_OP, priced as the model's ZeRO-2, and is carried to the
-ZeRO-3 layouts of a framework's space, labkit.scale.space).
+or experts; with zero="zero2" it names FSDP1's SHARD_GRAD_OP: the model's ZeRO-2 with FSDP1's fp32 reduce-scatters
+and their casts, and is carried to the ZeRO-3 layouts of a framework's space, labkit.scale.space).
 `grad_reduce`: when plain DP and ZeRO-1/2 reduce the gradients: "overlap" (buckets during the backward that
 completes them: torch DDP, FSDP2, Megatron-Core's DDP since 2023) or "after" (one all-reduce after the step's
 last backward, nothing hidden: Megatron-LM's `--DDP-impl local`, its default until 2023, whose train_step

@@ -218,9 +218,10 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
             add("dp", "all_gather", per * axis_params, ranks, gathers, message=per * axis_params / L)
             grads = ZERO3_GRAD_BYTES * axis_params
             add("dp", "reduce_scatter", grads, ranks, scatters, message=grads / L)
-        elif calls:  # ZeRO-2 by micro-batch, no pipeline
+        elif calls:  # ZeRO-2 by micro-batch, no pipeline; FSDP1's SHARD_GRAD_OP ("flat") reduces fp32 gradients
             gathers, scatters = calls
-            add("dp", "reduce_scatter", BF16 * axis_params, ranks, scatters)
+            reduced = ZERO3_GRAD_BYTES if layout.zero3_unit == "flat" else BF16
+            add("dp", "reduce_scatter", reduced * axis_params, ranks, scatters)
             add("dp", "all_gather", BF16 * axis_params, ranks, gathers)
         else:
             add("dp", "all_reduce", BF16 * axis_params, ranks, 1)
@@ -229,7 +230,8 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
 
 def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: str = "zero3",
                  shard_stride: int = 1, value_bytes: int = BF16, grad_bytes: int = ZERO3_GRAD_BYTES,
-                 blocks: int = 1, calls: tuple[int, int] | None = None, gather_bytes: float | None = None) -> dict:
+                 blocks: int = 1, calls: tuple[int, int] | None = None, gather_bytes: float | None = None,
+                 fp32_reduce: bool = False) -> dict:
     """HSDP's data-parallel traffic by link level: {"shard": {...}, "replica": {...}}, each
     {"bytes": sent per GPU per step, "seconds": alpha-beta time, "count": collectives, "level": link}.
 
@@ -272,7 +274,7 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
             out[name]["seconds"] += secs * count
             out[name]["count"] += count
 
-    reduced = grad_bytes if zero == "zero3" else value_bytes
+    reduced = grad_bytes if zero == "zero3" or fp32_reduce else value_bytes  # FSDP1's ZeRO-2 reduces in fp32 too
     gathers, scatters = calls or (zero3_calls(1, 1) if zero == "zero3" else (1, 1))
     moved = value_bytes if gather_bytes is None or zero != "zero3" else gather_bytes
     add("shard", "all_gather", moved * params, shard, gathers)
@@ -293,6 +295,7 @@ def _add_hsdp(out: dict, layout, cluster, params_per_gpu: dict, value_bytes: int
         if params == 0:
             continue
         levels = hsdp_traffic(params, layout.dp_replicate, ranks, cluster, zero=layout.zero,
+                              fp32_reduce=layout.zero3_unit == "flat",
                               shard_stride=span / ranks, value_bytes=value_bytes, blocks=blocks, calls=calls,
                               gather_bytes=dense_gather_bytes if params is params_per_gpu["dense"] else None)
         for name, level in levels.items():
