@@ -204,10 +204,10 @@ History of --ranks (configurations, then layouts, meeting the criterion; seconds
                 best without recompute and with HSDP, +20%); the lab's space: 2 and 16 of 61 (3,434 s beside a
                 fresh-clone CI run; Llama 3's 8K-GPU row 1,046 s), the two H200 rows 26th (-17.5%) and 1st as
                 layouts; the other 59 as before
-                With llm-foundry's 18 MPT rows and the network priced by its NICs (Cluster.link's per_node): the
-                frameworks' 36 and 49 of 79 (258 s): torchtitan's 8B FSDP on 128 GPUs now first as published
-                (no longer beaten by HSDP), both H200 rows and all 18 MPT rows first as layouts, 7 MPT rows as
-                configurations; Llama 3's 8K-GPU CP 1 row drops out (-8.4% as a layout). Picks: 8B dp64 zero2 none
+                With llm-foundry's 18 MPT rows, the network priced by its NICs (Cluster.link's per_node) and FSDP1's
+                SHARD_GRAD_OP: the frameworks' 37 and 49 of 79 (299 s): torchtitan's 8B FSDP on 128 GPUs now first
+                as published (no longer beaten by HSDP), both H200 rows and all 18 MPT rows first as layouts, 13 MPT
+                rows as configurations; Llama 3's 8K-GPU CP 1 row drops out (-8.4% as a layout). Picks: 8B dp64 zero2 none
                 mb1, 8,759 tok/s/GPU; 70B dp8 pp4 cp8 zero2 none mb1 interleavedx2 cp-ulysses, 1,090; 405B dp2 pp32
                 cp8 tp2 zero2 none mb1 cp-allgather, 193 (170 s)
 
