@@ -207,7 +207,11 @@ History of --ranks (configurations, then layouts, meeting the criterion; seconds
                 With llm-foundry's 18 MPT rows, the network priced by its NICs (Cluster.link's per_node) and FSDP1's
                 SHARD_GRAD_OP: the frameworks' 37 and 49 of 79 (299 s): torchtitan's 8B FSDP on 128 GPUs now first
                 as published (no longer beaten by HSDP), both H200 rows and all 18 MPT rows first as layouts, 13 MPT
-                rows as configurations; Llama 3's 8K-GPU CP 1 row drops out (-8.4% as a layout). Picks: 8B dp64 zero2 none
+                rows as configurations; Llama 3's 8K-GPU CP 1 row drops out (-8.4% as a layout). The lab's space
+                with the rails (the model before FSDP1's SHARD_GRAD_OP reduced fp32, which moves only the MPT 1B
+                and 3B rows' own predictions): 11 and 28 of 79 (4,728 s beside CI and test-stress runs; Llama 3's
+                16K-GPU row 1,786 s): torchtitan's 8B on 128 GPUs, both H200 rows and 14 MPT rows first or within 5%
+                as layouts (the lab's ZeRO-1/2 without recompute the configuration ahead of their FSDP) Picks: 8B dp64 zero2 none
                 mb1, 8,759 tok/s/GPU; 70B dp8 pp4 cp8 zero2 none mb1 interleavedx2 cp-ulysses, 1,090; 405B dp2 pp32
                 cp8 tp2 zero2 none mb1 cp-allgather, 193 (170 s)
 
