@@ -25,6 +25,10 @@ units, and a "sources" object giving, for each, the measurement it comes from (U
     fp8_rowwise_tflops TFLOP/s optional: a measured fp8 GEMM with rowwise scales (torchao's "rowwise" float8
                                recipe runs CUTLASS's rowwise-scaled kernel, not cuBLAS's tensorwise one), at
     fp8_rowwise_shape [m,n,k]  this shape; absent: rowwise GEMMs run at the tensorwise (bf16-derived) rate
+    gemm_kernel_us    us       optional (default 0): a GEMM kernel's fixed GPU time, whatever its shape
+    gemm_tile_k       k-steps  optional (default 0): what one output tile spends outside its k-loop (its
+                               prologue and epilogue), in k-steps of a bf16 tile; both from a measured
+                               table of GEMMs over shapes (labkit.scale.kernels.gemm)
     fp8_rowwise_linear {"m", "k", "n": [ints], "speedup": [[x] per (m, k), over n]}: optional, torchao's
                       measured speedup of a rowwise float8 linear over bf16 (LayerNorm -> Linear -> Sigmoid,
                       forward and backward, compiled) on a grid of forward shapes: what times the rowwise
@@ -59,6 +63,8 @@ OVERLAP_SLOWDOWN = (float, "a fraction of the compute's time (e.g. 0.189 for 18.
 FP8_ROWWISE = (float, "TFLOP/s (e.g. 1125.51 for an H100 at 500 W)", 10, 40000)
 LINEAR_SPEEDUP = (0.05, 5.0)  # a speedup over bf16 (e.g. 0.42 or 1.48), not a percentage
 MSMF = (float, "TFLOP/s (e.g. 708.5 for an H200 SXM)", 5, 20000)
+GEMM_KERNEL = (float, "microseconds of GPU time per GEMM kernel (e.g. 6.25)", 0.05, 100)
+GEMM_TILE_K = (float, "k-steps of a tile's k-loop (e.g. 136)", 1, 8192)
 ATTENTION_KINDS = ("forward", "forward_causal", "backward")
 
 
@@ -88,6 +94,8 @@ class GPU:
     msmf_tflops: float = 0.0          # 0: not measured (GEMMs reference the MAMF)
     msmf_shape: tuple | None = None
     fp8_rowwise_linear: tuple | None = None  # (m grid, k grid, n grid, {(m, k, n): speedup}); None: not measured
+    gemm_kernel_us: float = 0.0       # a GEMM kernel's fixed GPU time; 0: not measured
+    gemm_tile_k: float = 0.0          # an output tile's prologue and epilogue, in k-steps; 0: not measured
 
     def host_us(self, compile: bool) -> float:
         """CPU microseconds per kernel: eager PyTorch's per-op cost, or compiled code's launch."""
@@ -192,6 +200,9 @@ def check_gpu(values: dict, where: str = "the GPU kind") -> dict:
             raise GPUError(f"{where}: msmf_shape={mshape!r} must be [m, n, k] (positive ints), the shape "
                            "msmf_tflops was measured at")
         out["msmf_shape"] = tuple(mshape)
+    for name, spec in (("gemm_kernel_us", GEMM_KERNEL), ("gemm_tile_k", GEMM_TILE_K)):
+        if name in values:
+            out[name] = checked_number(values, name, spec, where)
     if "sources" not in values:
         raise GPUError(f"{where} has no 'sources': every figure needs the measurement it comes from")
     return out

@@ -15,9 +15,14 @@ GEMM (m x k) @ (k x n), `gemm`: efficiency from the shape. Each tile of the outp
 largest cuBLAS uses: NVIDIA's Matrix Multiplication Background guide, sections 2.3 and 3) goes to one
 SM; the tiles run in waves of `sm_count`; a wave takes a whole tile's FLOPs at one SM's rate:
     t_compute = ceil(tiles / SMs) x 2 tm tn k / (per-SM rate),   tiles = ceil(m / tm) ceil(n / tn)
-(tile and wave quantization), the better of the tiles. The per-SM rate is the measured best GEMM
-(`mamf_tflops`) over the waves of its own shape: `gemm_efficiency` = MAMF / (peak x its quantization),
-so the model reproduces the MAMF figure at the MAMF shape. Where the kind gives the sustained figure
+(tile and wave quantization), the better of the tiles. A tile also spends time outside its k-loop (its
+prologue fills the pipeline, its epilogue writes the output: `gemm_tile_k` k-steps), and a kernel a fixed
+time whatever its shape (`gemm_kernel_us`), so in full:
+    t = gemm_kernel_us + ceil(tiles / SMs) x 2 tm tn (k + gemm_tile_k) / (per-SM rate)
+Both come from OpenXLA's measured table of 122 Hopper GEMMs (k = 256..4,096), which the model then gives
+back within 5% (without them: median 29% off, up to 2.7x too fast at short k). The per-SM rate is solved
+from the measured best GEMM (`mamf_tflops`) at its own shape (`gemm_efficiency`), so the model
+reproduces the MAMF figure at the MAMF shape. Where the kind gives the sustained figure
 (`msmf_tflops`: the best GEMM once the GPU draws its full TDP and its clock has settled, 15-20% under the
 MAMF's short boost-clock burst) that is the reference instead: a training step keeps the GPU saturated. And no shape beats it: the MAMF is the best of
 its source's sweep over shapes (a maximum, by its name), so a shape with less quantization loss than the
@@ -101,20 +106,49 @@ def reference_gemm(gpu: GPU, dtype: str = "bf16") -> tuple[float, float, tuple |
     return gpu.mamf_tflops, gpu.peak_bf16_tflops, gpu.mamf_shape
 
 
+def tile_overhead_s(gpu: GPU) -> float:
+    """Seconds one output tile spends outside its k-loop (`gemm_tile_k`: its prologue and epilogue, in bf16
+    k-steps of the largest tile; the same time in fp8, whose epilogue writes the same bf16 output)."""
+    if not gpu.gemm_tile_k:
+        return 0.0
+    tm, tn = gpu.gemm_tiles[0]
+    return 2.0 * tm * tn * gpu.gemm_tile_k / _per_sm(gpu, "bf16")
+
+
+def _best_tile(m: int, n: int, gpu: GPU) -> tuple:
+    return min(gpu.gemm_tiles, key=lambda t: (waves(m, n, t, gpu.sm_count)[1] * t[0] * t[1], t))
+
+
 def gemm_efficiency(gpu: GPU, dtype: str = "bf16") -> float:
-    """Fraction of the peak one SM reaches inside a full wave: the reference GEMM (`reference_gemm`: MSMF or MAMF,
-    or a measured rowwise fp8 GEMM) / (its peak x its shape's quantization; no shape given: none)."""
+    """Fraction of the peak one SM reaches inside its k-loop, in a full wave, solved from the reference GEMM
+    (`reference_gemm`: MSMF or MAMF, or a measured rowwise fp8 GEMM): its time is the kernel's fixed cost
+    (`gemm_kernel_us`) plus its waves, each a tile's k-loop and its prologue and epilogue (`gemm_tile_k`, in the
+    bf16 reference's k-steps: solved with it; a rowwise fp8 reference pays that time per tile too). Without
+    either figure: the reference / (its peak x its shape's quantization; no shape given: none)."""
     tflops, peak, shape = reference_gemm(gpu, dtype)
-    q = quantization(shape[0], shape[1], gpu) if shape else 1.0
-    return tflops / (peak * q)
+    if not shape:
+        return tflops / peak
+    m, n, k = shape
+    tm, tn = _best_tile(m, n, gpu)
+    w = waves(m, n, (tm, tn), gpu.sm_count)[1]
+    loop_s = 2.0 * m * n * k / (tflops * 1e12) - gpu.gemm_kernel_us * 1e-6
+    own = dtype == "fp8_rowwise" and gpu.fp8_rowwise_tflops  # a reference of its own, not the bf16 one
+    steps = k if own else k + gpu.gemm_tile_k
+    if own:
+        loop_s -= w * tile_overhead_s(gpu)
+    return w * 2.0 * tm * tn * steps * gpu.sm_count / (peak * 1e12 * loop_s)
+
+
+@lru_cache(maxsize=64)
+def _per_sm(gpu: GPU, dtype: str) -> float:
+    return gpu.peak_flops(dtype) * gemm_efficiency(gpu, dtype) / gpu.sm_count
 
 
 def best_rate(gpu: GPU, dtype: str = "bf16") -> float:
-    """FLOP/s no GEMM of this dtype beats: the reference GEMM's rate (the best of its source's sweep), i.e. the
-    per-SM rate x the reference shape's quantization, at this dtype's peak."""
-    _, _, shape = reference_gemm(gpu, dtype)
-    q = quantization(shape[0], shape[1], gpu) if shape else 1.0
-    return gpu.peak_flops(dtype) * gemm_efficiency(gpu, dtype) * q
+    """FLOP/s no GEMM of this dtype beats: the reference GEMM's measured rate (the best of its source's sweep),
+    at this dtype's peak (fp8 tensorwise: the bf16 reference's x the fp8 / bf16 peaks)."""
+    tflops, peak, _ = reference_gemm(gpu, dtype)
+    return tflops * gpu.peak_flops(dtype) / peak
 
 
 @lru_cache(maxsize=200_000)
@@ -126,13 +160,15 @@ def gemm(name: str, m: int, n: int, k: int, gpu: GPU, dtype: str = "bf16", batch
     flops = 2.0 * m * n * k * batch
     in_bytes = 1 if dtype in ("fp8", "fp8_rowwise") else 2
     nbytes = batch * (in_bytes * (m * k + k * n) + 2 * m * n)
-    per_sm = gpu.peak_flops(dtype) * gemm_efficiency(gpu, dtype) / gpu.sm_count
+    per_sm = _per_sm(gpu, dtype)
     cap = best_rate(gpu, dtype)
+    tile_s, kernel_s = tile_overhead_s(gpu), gpu.gemm_kernel_us * 1e-6
     best, extra = math.inf, 0.0
     for t in gpu.gemm_tiles:
         tiles = waves(m, n, t, gpu.sm_count)[0] * batch
         for split in {1, max(1, min(gpu.sm_count // tiles, k // 256))}:
-            compute = math.ceil(tiles * split / gpu.sm_count) * 2.0 * t[0] * t[1] * math.ceil(k / split) / per_sm
+            compute = kernel_s + math.ceil(tiles * split / gpu.sm_count) * (
+                2.0 * t[0] * t[1] * math.ceil(k / split) / per_sm + tile_s)
             compute = max(compute, flops / cap)  # never faster than the measured best (`best_rate`)
             partials = 8.0 * m * n * batch * split if split > 1 else 0.0
             total = max(compute, (nbytes + partials) / gpu.hbm_bytes_per_s)
