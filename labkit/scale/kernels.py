@@ -19,7 +19,7 @@ SM; the tiles run in waves of `sm_count`; a wave takes a whole tile's FLOPs at o
 prologue fills the pipeline, its epilogue writes the output: `gemm_tile_k` k-steps), and a kernel a fixed
 time whatever its shape (`gemm_kernel_us`), so in full:
     t = gemm_kernel_us + ceil(tiles / SMs) x 2 tm tn (k + gemm_tile_k) / (per-SM rate)
-Both come from OpenXLA's measured table of 122 Hopper GEMMs (k = 256..4,096), which the model then gives
+Both come from OpenXLA's measured table of 155 Hopper GEMMs (k = 256..4,096), which the model then gives
 back within 5% (without them: median 29% off, up to 2.7x too fast at short k). The per-SM rate is solved
 from the measured best GEMM (`mamf_tflops`) at its own shape (`gemm_efficiency`), so the model
 reproduces the MAMF figure at the MAMF shape. Where the kind gives the sustained figure
