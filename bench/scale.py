@@ -171,6 +171,10 @@ before its effect was computed)
                 FSDP1's SHARD_GRAD_OP as its code runs (zero2 with zero3_unit "flat": fp32 reduce-scatters and the
                 casts before them; a stated undercount until then) and torch's LayerNorm saving its input and
                 statistics: the MPT 1B and 3B rows 0.5-1 point lower (+28..+48%); all 79: 64, 14%, 104%
+                a GEMM's time outside its k-loop (a tile's prologue and epilogue, 136 k-steps, and a kernel's fixed
+                6.25 us: GPU.gemm_tile_k and gemm_kernel_us, fitted to OpenXLA's measured table of 155 Hopper GEMMs,
+                which the model then gives back within 4.3%; waves alone missed it by 29% at the median): MPT's 1B
+                and 3B 2.5-3.5 points lower, float8 rows 1-2: 65 of 79, 13.3%, 104%
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row

@@ -60,6 +60,8 @@ def cited(paths=None) -> list[dict]:
                 value = {impl: {kind: len(table) for kind, table in kinds.items()} for impl, kinds in value.items()}
             if field == "fp8_rowwise_linear":  # a measured grid: its size, not its 216 values
                 value = "x".join(str(len(value[axis])) for axis in ("m", "k", "n")) + " grid"
+            if field == "gemm_shapes_measured":  # a measured table: its size, not its rows
+                value = f"{len(value)} GEMMs"
             rows.append(dict(file=f"{Path(path).parent.name}/{Path(path).name}", field=field, value=value,
                              source=source_of(values, field)))
     return rows
