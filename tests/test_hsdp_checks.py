@@ -261,7 +261,11 @@ def test_cost_model_hsdp_zero3_levels_and_bytes():
     assert got["shard"]["level"] == "node" and got["replica"]["level"] == "network"
     assert got["shard"]["bytes"] == pytest.approx((S - 1) / S * (2 + 2 + 4) * P, rel=1e-12)
     assert got["replica"]["bytes"] == pytest.approx(2 * (R - 1) / R * 4 * P / S, rel=1e-12)
-    assert got["replica"]["seconds"] == pytest.approx(ring_time("all_reduce", 4 * P / S, R, *h100.link("network"))[1])
+    # R ranks, one per node: NCCL's base latency, then every step a crossing (Cluster.ring_step_latency)
+    alpha = (8.4 + 2 * (R - 1) * h100.network_latency_us) * 1e-6 / (2 * (R - 1))
+    assert h100.ring_step_latency("all_reduce", R, 1) == pytest.approx(alpha)
+    assert got["replica"]["seconds"] == pytest.approx(
+        ring_time("all_reduce", 4 * P / S, R, alpha, h100.link("network")[1])[1])
     # a shard group wider than a node (or spread by tp inside it) pays the network
     assert hsdp_traffic(P, R, S, h100, shard_stride=2)["shard"]["level"] == "network"
     # one replica: nothing crosses the replica group; the whole dp group then fits in a node

@@ -211,10 +211,14 @@ def test_hsdp_dp_traffic_by_level_equals_closed_form():
     # all-reduce at the NIC's
     L = spec.n_layers
     (a_n, b_ag), (_, b_rs) = H100.link("node", "all_gather", 2 * P / L), H100.link("node", "reduce_scatter", 4 * P / L)
-    a_x, b_x = H100.link("network", "all_reduce", 4 * P / S / L)
+    _, b_x = H100.link("network", "all_reduce", 4 * P / S / L)
     assert 330.94e9 < b_ag < b_rs < 349.36e9
-    seconds = ((2 * 7 * a_n + 2 * (S - 1) / S * 2 * P / b_ag) + (7 * a_n + (S - 1) / S * 4 * P / b_rs)
-               + (2 * (R - 1) * a_x + 2 * (R - 1) / R * 4 * P / S / b_x))
+    # every block's call pays its own latency (L calls of each); across nodes a step's latency by NCCL's model
+    # (Cluster.ring_step_latency): the replicas' all-reduce crosses a node at each of its 2 (R - 1) steps
+    a_x = H100.ring_step_latency("all_reduce", R, 1)
+    assert a_x == pytest.approx((8.4 + 2 * (R - 1) * 14) * 1e-6 / (2 * (R - 1)))
+    seconds = ((2 * L * 7 * a_n + 2 * (S - 1) / S * 2 * P / b_ag) + (L * 7 * a_n + (S - 1) / S * 4 * P / b_rs)
+               + (L * 2 * (R - 1) * a_x + 2 * (R - 1) / R * 4 * P / S / b_x))
     assert dp["seconds"] == pytest.approx(seconds, rel=1e-12)
     # flat FSDP's rings hold all 8 GPUs of each node: they cross between nodes on all 8 NICs (NCCL's channels,
     # Cluster.link's per_node), capped by the node's own curve: per NIC no more bytes than the replicas' all-reduce,
@@ -223,8 +227,10 @@ def test_hsdp_dp_traffic_by_level_equals_closed_form():
     (_, f_ag), (_, f_rs) = (H100.link("network", k, b / L, 64, per_node=8) for k, b in
                             (("all_gather", 2 * P), ("reduce_scatter", 4 * P)))
     assert f_ag == H100.link("node", "all_gather", 2 * P / L, 64)[1] < 8 * 46e9  # the node's curve caps the rails
-    a_f = H100.link("network")[0]
-    flat_seconds = 2 * (63 * a_f + 63 / 64 * 2 * P / f_ag) + (63 * a_f + 63 / 64 * 4 * P / f_rs)
+    # the flat ring's 63 steps: 7 node crossings at the network's 14 us, 56 over NVLink at 3 us, and NCCL's base
+    a_f = H100.ring_step_latency("all_gather", 64, 8)
+    assert a_f == pytest.approx((8.4 + 56 * 3 + 7 * 14) * 1e-6 / 63)
+    flat_seconds = 2 * (L * 63 * a_f + 63 / 64 * 2 * P / f_ag) + (L * 63 * a_f + 63 / 64 * 4 * P / f_rs)
     assert flat["seconds"] == pytest.approx(flat_seconds, rel=1e-12)
     assert flat["seconds"] < dp["seconds"]
 
@@ -326,11 +332,12 @@ def test_ep_folded_over_tp_only_where_it_must_be_and_hsdp_inside_a_replica():
 def test_hsdp_pays_where_the_flat_ring_is_latency_bound():
     """On nodes with a NIC per GPU a flat FSDP ring crosses on all 8 NICs, so HSDP saves no bandwidth (above); it
     pays where the ring's latency does not hide: Llama 3 8B on 2,048 H100s (256 nodes), one sequence of 1,024 tokens
-    per GPU, full recompute: each flat call takes 2,047 latency steps, and 8 replicas of 256 shards run 23% faster
-    than R = 1; at 256 GPUs and 2,048 tokens both hide behind the compute (within 3%). Too many replicas pay the
-    replicas' all-reduce on one NIC each (R = 256 is slowest of R >= 8). The search's grading cases
-    (tests/grading/test_scale_search.py) rank HSDP too. Planted (checked when written): without the latency steps
-    (network_latency_us near 0) the 2,048-GPU speeds lie within 1% of R = 1 for R <= 64."""
+    per GPU, full recompute: each of a step's 96 flat calls (a gather or reduce-scatter a block) takes 2,047 steps,
+    255 of them node crossings, about 9 ms by NCCL's latency model, and 16 or 32 replicas of 128 or 64 shards run
+    3.8x as fast as R = 1; at 256 GPUs and 2,048 tokens both hide behind the compute (within 3%). Too many replicas
+    pay the replicas' all-reduce on one NIC each (R = 256 is slowest of R >= 8). The search's grading cases
+    (tests/grading/test_scale_search.py) rank HSDP too. Planted (checked when written): without the latency (NVLink's
+    and the network's per step near 0) R = 1 comes within 8% of the best, R = 8."""
     spec = LLAMA3["8b"]
 
     def speed(n, seq, r):
@@ -338,7 +345,7 @@ def test_hsdp_pays_where_the_flat_ring_is_latency_bound():
                        ).tokens_per_s_per_gpu
 
     many = {r: speed(2048, 1024, r) for r in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    assert max(many, key=many.get) == 8, many
-    assert many[8] > 1.2 * many[1] and many[256] < min(many[r] for r in (8, 16, 32, 64, 128))
+    assert max(many, key=many.get) in (16, 32), many
+    assert many[32] > 3 * many[1] and many[256] < min(many[r] for r in (8, 16, 32, 64, 128))
     few = [speed(256, 2048, r) for r in (1, 2, 4, 8)]
     assert max(few) < 1.03 * min(few)

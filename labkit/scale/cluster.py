@@ -61,6 +61,9 @@ FIELDS = {
 
 BUSBW_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 RING_KINDS = ("all_reduce", "all_gather", "reduce_scatter")  # NCCL spreads their channels over the node's NICs
+# NCCL's base latency of one ring collective (Ring/Simple, baseLat in src/graph/tuning.cc: 8.4 us in its 2020 and its
+# Hopper-era tuner alike), which its tuner adds to the steps' latencies
+RING_BASE_US = 8.4
 BUSBW_RANGE = (5, 5000)  # GB/s: as node_busbw_gbytes_per_s
 
 
@@ -125,6 +128,20 @@ class Cluster:
         if level == "network" and rails > 1 and kind in RING_KINDS:
             beta = min(rails * beta, self.link("node", kind, nbytes, ranks)[1])
         return alpha, beta
+
+    def ring_step_latency(self, kind: str, ranks: int, per_node: int) -> float:
+        """Seconds per step, on average, of a ring collective over `ranks` ranks spread `per_node` to a node, by NCCL's
+        own latency model (src/graph/tuning.cc, ncclTopoTuneModel, ring): a base latency per collective
+        (`RING_BASE_US`, Ring/Simple), then each of its steps at its hop's latency: the nodes' crossings
+        (all-gather, reduce-scatter: nodes - 1 of the n - 1 steps; all-reduce: 2 x nodes of 2 (n - 1)) at the
+        network's (`network_latency_us`), the rest over NVLink (`nvlink_latency_us`). The cost model's ring
+        collectives across nodes take it as their alpha (labkit.scale.traffic.ring_link), and ring_time multiplies
+        it back by the steps."""
+        steps = 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
+        nodes = max(1, math.ceil(ranks / max(1, per_node)))
+        crossings = min(steps, 2 * nodes if kind == "all_reduce" else nodes - 1)
+        total = RING_BASE_US + (steps - crossings) * self.nvlink_latency_us + crossings * self.network_latency_us
+        return total * 1e-6 / steps
 
     def fastest_busbw(self, level: str) -> float:
         """The largest bus bandwidth any kind gets at `level`: a bound no collective beats (labkit.scale.bounds);

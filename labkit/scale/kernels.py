@@ -254,6 +254,30 @@ def ring_merges(direction: str, out_elements: float, kv_elements: float, cp: int
     return roofline(f"ring attention merges {direction}", "elementwise", 0.0, nbytes, kernels, gpu, compile=compile)
 
 
+def unpadded_attention(direction: str, q_elements: float, kv_elements: float, gpu: GPU) -> Op:
+    """What llm-foundry's flash path (attn_impl 'flash': llmfoundry/models/layers/attention.py, flash_attn_fn, at
+    5e85bd62d) runs around its kernel, eager, over this rank's q (`q_elements`: T x d / tp) and its K and V (each
+    `kv_elements`): flash_attn's bert_padding.unpad_input on each of q, k and v, then pad_input on the output.
+      forward: each unpad_input runs mask.sum, torch.nonzero, .max().item(), cumsum, F.pad and a gather of the
+        tensor into a new one (read 2, write 2 bytes an element; 7 kernels); pad_input a zeros and an index_put
+        (write 2; read 2, write 2). torch.nonzero and .item() each wait for the GPU (two host syncs an unpad_input),
+        so from q's nonzero until the attention kernel is launched the GPU runs only what the CPU is issuing: the 18
+        kernels launched after that first sync (4 of q's, 7 of k's, 7 of v's) take the host's time on the GPU's
+        clock too (eager_op_us each), where elsewhere the CPU's lead hides it
+      backward: pad_input's an index of the output's gradient (read 2, write 2); each unpad_input's a zeros and
+        a scatter_ into it (write 2; read 2, write 2)
+    Memory-bound. The triton path (attn_impl 'triton') indexes nothing: it is not charged this."""
+    if direction == "forward":
+        nbytes = 4 * (q_elements + 2 * kv_elements) + 6 * q_elements
+        kernels, waited = 3 * 7 + 2, 18
+    else:
+        nbytes = 4 * q_elements + 6 * (q_elements + 2 * kv_elements)
+        kernels, waited = 1 + 3 * 2, 0
+    op = roofline(f"unpad and pad {direction}", "elementwise", 0.0, nbytes, kernels, gpu)
+    waited_s = waited * gpu.eager_op_us * 1e-6
+    return Op(op.name, op.kind, 0.0, nbytes, kernels, op.seconds + waited_s, op.bound, op.host_s)
+
+
 def elementwise(name: str, elements: float, eager: tuple, compiled: tuple, gpu: GPU, compile: bool) -> Op:
     """A memory-bound op over `elements` values: (bytes per element, kernels) eager or compiled."""
     per_element, kernels = compiled if compile else eager

@@ -130,6 +130,10 @@ def block_ops(model, shape: Shape, opts: Options, gpu) -> dict:
     else:
         q_len = s.seq_len // s.cp  # this rank's positions against every key (the ring's, the gather's, the hybrid's)
     impl = "unfused" if getattr(m, "attention", "flash") == "materialized" else opts.attention
+    if getattr(m, "unpadded_attention", False):  # llm-foundry's flash path: unpad q, k, v, pad the output
+        q_el, kv_el = heads * q_len * hd, s.micro_batch * (m.attention_kv_heads // s.tp) * q_len * hd
+        add("unpad", ([K.unpadded_attention("forward", q_el, kv_el, gpu)],
+                      [K.unpadded_attention("backward", q_el, kv_el, gpu)]))
     add("attention", ([K.attention("forward", heads, q_len, s.seq_len, hd, True, gpu, impl, opts.compile)],
                       [K.attention("backward", heads, q_len, s.seq_len, hd, True, gpu, impl, opts.compile)]))
     # the ring's merges of partial outputs and its send buffers (kernels.ring_merges): the ring's cp ranks, or the

@@ -47,6 +47,9 @@ MPT-shaped models (MosaicML's llm-foundry, `MPT`): GPT's block (GeLU MLP of widt
 run by FlashAttention, with `norm="layernorm"` (torch's LayerNorm: one kernel a pass, the bytes of a fused RMSNorm),
 `positions="learned"` (added once to the embedding: no rotary in the blocks) and `tied_embedding=True` (the head
 multiplies by the embedding's matrix: its FLOPs stay, its parameters are held, gathered and stepped once).
+`unpadded_attention=True`: llm-foundry's flash path (attn_impl 'flash'), which unpads q, k and v through
+flash_attn's bert_padding before the kernel, with two host syncs each, and pads the output back
+(`labkit.scale.kernels.unpadded_attention`): their time only.
 """
 from __future__ import annotations
 
@@ -91,6 +94,7 @@ class ModelSpec:
     norm: str = "rmsnorm"
     positions: str = "rotary"
     tied_embedding: bool = False
+    unpadded_attention: bool = False
 
     def __post_init__(self):
         for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size"):

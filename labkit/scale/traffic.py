@@ -56,6 +56,7 @@ Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch =
 from __future__ import annotations
 
 from labkit.scale import deepspeed_zero3 as ds
+from labkit.scale.cluster import RING_KINDS
 from labkit.scale.cp_traffic import (CP_METHODS, KV_ROTATIONS, cp_attention_bytes, cp_exposed,  # noqa: F401
                                      cp_kv_heads, cp_layer_traffic)  # (CP's own module; re-exported here)
 from labkit.scale.zero_calls import ZERO3_GRAD_BYTES, dp_calls, zero3_calls
@@ -99,6 +100,17 @@ def tp_collectives(recompute: str, sequence_parallel: bool = True) -> dict:
     return {"forward": 2, "backward": 2, "recomputed": reduces, "all_reduce": 4 + reduces}
 
 
+def ring_link(cluster, level: str, kind: str, nbytes: float, n: int, per_node: int = 1) -> tuple[float, float]:
+    """(alpha, beta) of one collective of the cost model (`Cluster.link`), where a ring collective across nodes that
+    no measured curve covers takes NCCL's latency model for its steps (`Cluster.ring_step_latency`: a base per
+    collective, NVLink's latency for the steps inside a node, the network's for each crossing), not the network's
+    latency for every step."""
+    alpha, beta = cluster.link(level, kind, nbytes, n, per_node)
+    if level == "network" and kind in RING_KINDS and alpha > 0 and n > 1:
+        alpha = cluster.ring_step_latency(kind, n, min(per_node, cluster.gpus_per_node))
+    return alpha, beta
+
+
 def call_seconds(layout, cluster, axis: str, kind: str, nbytes: float, n: int, message: float | None = None
                  ) -> tuple[float, float]:
     """(bytes sent, seconds) of one `kind` collective of a full tensor of nbytes over n ranks of `axis`'s group: the
@@ -108,8 +120,10 @@ def call_seconds(layout, cluster, axis: str, kind: str, nbytes: float, n: int, m
     where = "cp" if axis == "dp" and layout.dp == 1 else axis
     gpn = cluster.gpus_per_node
     per_node = min(n, layout.ranks_per_node("dpcp" if axis == "dp" else axis, gpn))  # the NICs a ring spreads over
-    alpha, beta = cluster.link(layout.level(where, gpn), kind, message or nbytes, n, per_node)
-    return ring_time(kind, nbytes, n, alpha, beta)
+    alpha, beta = ring_link(cluster, layout.level(where, gpn), kind, message or nbytes, n, per_node)
+    calls = nbytes / message if message else 1.0  # a count that folds several collectives pays each one's latency
+    sent, secs = ring_time(kind, nbytes / calls, n, alpha, beta)
+    return sent * calls, secs * calls
 
 
 def tp_call_seconds(entry: dict, sequence_parallel: bool) -> tuple[float, float]:
@@ -182,7 +196,7 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
             for where, sent, steps, calls, hideable, kind, message, ranks in parts:
                 # the cp group's own ranks in a node where it spans nodes; the hybrid's cross-node ring has one
                 per_node = min(ranks, layout.ranks_per_node("cp", cluster.gpus_per_node)) if where == "cp" else 1
-                alpha, beta = cluster.link(levels[where], kind, message, ranks, per_node)
+                alpha, beta = ring_link(cluster, levels[where], kind, message, ranks, per_node)
                 times = L * n_micro * passes[direction]
                 secs = (steps * alpha + sent / beta) * times
                 entry["bytes"] += sent * times
@@ -219,10 +233,10 @@ def axis_traffic(model, layout, cluster, n_micro: int, seq_len: int, params_per_
             grads = ZERO3_GRAD_BYTES * axis_params
             add("dp", "reduce_scatter", grads, ranks, scatters, message=grads / L)
         elif calls:  # ZeRO-2 by micro-batch, no pipeline; FSDP1's SHARD_GRAD_OP ("flat") reduces fp32 gradients
-            gathers, scatters = calls
+            gathers, scatters = calls  # FSDP's ZeRO-2 (reshard_after_forward off) gathers and reduces block by block
             reduced = ZERO3_GRAD_BYTES if layout.zero3_unit == "flat" else BF16
-            add("dp", "reduce_scatter", reduced * axis_params, ranks, scatters)
-            add("dp", "all_gather", BF16 * axis_params, ranks, gathers)
+            add("dp", "reduce_scatter", reduced * axis_params, ranks, scatters, message=reduced * axis_params / L)
+            add("dp", "all_gather", BF16 * axis_params, ranks, gathers, message=BF16 * axis_params / L)
         else:
             add("dp", "all_reduce", BF16 * axis_params, ranks, 1)
     return out
@@ -267,8 +281,9 @@ def hsdp_traffic(params: float, replicate: int, shard: int, cluster, *, zero: st
                 "replica": min(replicate, max(1, int(gpn // (shard * shard_stride))))}
 
     def add(name, kind, nbytes, n, count):
-        link = cluster.link(levels[name], kind, nbytes / per_call, n, per_node[name])
-        sent, secs = ring_time(kind, nbytes, n, *link)
+        link = ring_link(cluster, levels[name], kind, nbytes / per_call, n, per_node[name])
+        sent, secs = ring_time(kind, nbytes / per_call, n, *link)  # block by block: each call pays its latency
+        sent, secs = sent * per_call, secs * per_call
         if sent:
             out[name]["bytes"] += sent * count
             out[name]["seconds"] += secs * count

@@ -67,9 +67,11 @@ MODELS_OF_COST = ("flat", "kernels")
 
 
 def row_spec(row: dict):
-    """The row's ModelSpec: its model, with the implementation flags the row sets (fused_kernels, sp_saves_shard, kv_repeated)."""
+    """The row's ModelSpec: its model, with the implementation flags the row sets (fused_kernels, sp_saves_shard,
+    kv_repeated, unpadded_attention)."""
     spec = MODELS[row["model"]]
-    flags = {flag: True for flag in ("fused_kernels", "sp_saves_shard", "kv_repeated") if row.get(flag)}
+    flags = {flag: True for flag in ("fused_kernels", "sp_saves_shard", "kv_repeated", "unpadded_attention")
+             if row.get(flag)}
     return dataclasses.replace(spec, **flags) if flags else spec
 
 
