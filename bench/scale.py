@@ -175,6 +175,16 @@ before its effect was computed)
                 6.25 us: GPU.gemm_tile_k and gemm_kernel_us, fitted to OpenXLA's measured table of 155 Hopper GEMMs,
                 which the model then gives back within 4.3%; waves alone missed it by 29% at the median): MPT's 1B
                 and 3B 2.5-3.5 points lower, float8 rows 1-2: 65 of 79, 13.3%, 104%
+                llm-foundry's flash path as its code runs (flash_attn_fn at 5e85bd62d: q, k and v unpadded through
+                flash_attn's bert_padding, each after torch.nonzero and .max().item(), two host syncs, and the output
+                padded back; kernels.unpadded_attention, read after the rows were predicted, nothing set to them): MPT
+                1B -10 points, 3B -8, 7B -6, 70B -3 (the triton rows untouched): 69 of 79, 13.1%, 104%
+                a ring across nodes at NCCL's own latency model (src/graph/tuning.cc: 8.4 us a collective, NVLink's
+                3 us a step inside a node, the network's 14 us (9.6 in NCCL's 2020 tuner, for the A100 rows) at each
+                of the nodes' crossings, where an assumed 10 us had been charged for every step), paid once per call
+                where FSDP calls block by block (it had been paid once for a step's folded calls): MPT's small models
+                now slow with the GPUs, as published (1B -3.4% from 128 to 512 GPUs; published -9.7%); DeepSpeed's
+                ZeRO-3 rows, about 1,500 calls a step, +62..+146%: 71 of 79, 12.5%, 146%
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row

@@ -303,3 +303,31 @@ def test_busbw_by_kind_bad_input_is_named(figure, message):
     values = json.loads((CLUSTER_DIR / "h100-sxm.json").read_text())
     with pytest.raises(ClusterError, match=message):
         load_cluster(dict(values, busbw_by_kind=figure))
+
+
+def test_a_ring_across_nodes_pays_nccls_latency_model_once_per_call():
+    """NCCL's own tuner (src/graph/tuning.cc, Ring/Simple): a base of 8.4 us per collective, then each step at its
+    hop's latency, the node crossings at the network's (nodes - 1 of an all-gather's n - 1 steps; 2 x nodes of an
+    all-reduce's 2 (n - 1)), the rest over NVLink (Cluster.ring_step_latency, its mean per step). 512 ranks, 8 to
+    a node: 8.4 + 448 x 3 + 63 x 14 = 2,234 us, where the network's latency on every step would be 7,154 us. The
+    cost model (traffic.ring_link) uses it for ring kinds across nodes and no curve, and a count that folds FSDP's
+    block-by-block calls pays it once a call: 32 blocks, 32 latencies. Planted (checked when written): the old rule,
+    one latency for the folded call, is 31 x 2.2 ms short."""
+    from labkit.scale.layout import Layout
+    from labkit.scale.traffic import call_seconds, ring_link, ring_time
+
+    a = H100.ring_step_latency("all_gather", 512, 8)
+    assert a * 511 == pytest.approx((8.4 + 448 * 3 + 63 * 14) * 1e-6)
+    assert H100.ring_step_latency("reduce_scatter", 512, 8) == a
+    ar = H100.ring_step_latency("all_reduce", 512, 8)
+    assert ar * 2 * 511 == pytest.approx((8.4 + (1022 - 128) * 3 + 128 * 14) * 1e-6)
+    one_per_node = H100.ring_step_latency("all_gather", 16, 1)  # every step a crossing
+    assert one_per_node * 15 == pytest.approx((8.4 + 15 * 14) * 1e-6)
+    assert ring_link(H100, "network", "all_gather", 1e8, 512, 8)[0] == a
+    assert ring_link(H100, "network", "send", 1e8, 2, 8)[0] == H100.network_latency_us * 1e-6  # not a ring
+    assert ring_link(H100, "node", "all_to_all", 1e8, 8, 8) == H100.link("node", "all_to_all", 1e8, 8, 8)
+    lay, block = Layout(dp=512, zero="zero3"), 2e8
+    sent, secs = call_seconds(lay, H100, "dp", "all_gather", 32 * block, 512, message=block)
+    one_sent, one = ring_time("all_gather", block, 512, *ring_link(H100, "network", "all_gather", block, 512, 8))
+    assert sent == pytest.approx(32 * one_sent) and secs == pytest.approx(32 * one)
+    assert secs - call_seconds(lay, H100, "dp", "all_gather", 32 * block, 512)[1] > 31 * 2.2e-3
