@@ -228,6 +228,12 @@ History of --ranks (configurations, then layouts, meeting the criterion; seconds
                 as layouts (the lab's ZeRO-1/2 without recompute the configuration ahead of their FSDP) Picks: 8B dp64 zero2 none
                 mb1, 8,759 tok/s/GPU; 70B dp8 pp4 cp8 zero2 none mb1 interleavedx2 cp-ulysses, 1,090; 405B dp2 pp32
                 cp8 tp2 zero2 none mb1 cp-allgather, 193 (170 s)
+                With the GEMM's time outside its k-loop, llm-foundry's unpadding and NCCL's ring latency paid per
+                call: the frameworks' 37 and 49 of 79, as before (284 s); the lab's space 7 and 28 of 79 (1,954 s
+                beside other work): fewer MPT configurations within 5% of the top, which is now HSDP for the 1B to
+                7B (its shard group's shorter rings, now that each block's call pays NCCL's latency; the published
+                layouts still first as layouts), the layouts unchanged in count. Picks: 8B dp64 zero2 none mb1, 8,623 tok/s/GPU; 70B dp16 pp2 cp4 tp2
+                zero2 none mb1 cp-ulysses, 1,051; 405B dp2 pp32 cp8 tp2 zero2 none mb1 cp-allgather, 187
 
 History of --memory (rows within 15% of those that publish it: 18, then 20)
     until 2026-11-28  16
