@@ -251,7 +251,8 @@ def test_cost_model_hsdp_zero12_form_is_the_one_the_lab_measures():
 
 def test_cost_model_hsdp_zero3_levels_and_bytes():
     from labkit.scale.cluster import load_cluster
-    from labkit.scale.traffic import hsdp_traffic, ring_time
+    from labkit.scale.collectives import ring_time
+    from labkit.scale.traffic import hsdp_traffic
 
     h100 = load_cluster("h100-sxm")  # 8 GPUs per node
     P, R, S = 8e9, 16, 8

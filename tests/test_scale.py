@@ -21,7 +21,7 @@ from labkit.scale.cost import predict
 from labkit.scale.footprint import block_activation_bytes, peak_memory
 from labkit.scale.layout import Layout, LayoutError, check_layout
 from labkit.scale.specs import LLAMA3, spec_from_config
-from labkit.scale.traffic import ring_time
+from labkit.scale.collectives import ring_time
 
 H100 = load_cluster("h100-sxm")
 GOOD = json.loads((__import__("labkit.scale.cluster", fromlist=["x"]).CLUSTER_DIR / "h100-sxm.json").read_text())

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from labkit.comm.ops import OPS
-from labkit.scale.cluster import CLUSTER_DIR, ClusterError, load_cluster
-from labkit.scale.collectives import BUS_FACTOR, collective_time, steps
+from labkit.scale.cluster import CLUSTER_DIR, RING_BASE_US, ClusterError, load_cluster
+from labkit.scale.collectives import BUS_FACTOR, collective_time, ring_link, ring_time, steps
 
 H100 = load_cluster("h100-sxm")
 
@@ -34,11 +34,14 @@ def test_network_busbw_reproduces_nccls_per_nic_figure(name, gbps):
     """Across nodes a GPU's collectives move what its NIC does in nccl-tests: 24 GB/s per 200 Gb/s HDR NIC, 46 GB/s
     (the low end of 46-48) per 400 Gb/s NIC, NCCL's maintainers' figures in the cluster files, not the line rate
     (25, 50). An 8 GiB all-gather over 16 nodes: busbw = wire / (time - 15 alpha) is the figure. Planted (checked
-    when written): the line rate, network_gbits_per_s / 8, fails here."""
+    when written): the line rate, network_gbits_per_s / 8, fails here. alpha: NCCL's base per collective and the
+    network's latency at each of the 15 crossings (Cluster.ring_step_latency)."""
     cluster = load_cluster(name)
     assert cluster.link("network")[1] == gbps * 1e9 < cluster.network_gbits_per_s / 8 * 1e9
     wire, t = collective_time("all_gather", 8 * 2**30, 16, "network", cluster)
-    assert wire / (t - 15 * cluster.link("network")[0]) == pytest.approx(gbps * 1e9, rel=1e-12)
+    alpha = ring_link(cluster, "network", "all_gather", 8 * 2**30, 16)[0]  # NCCL's ring latency, one rank a node
+    assert alpha * 15 == pytest.approx(RING_BASE_US * 1e-6 + 15 * cluster.link("network")[0])
+    assert wire / (t - 15 * alpha) == pytest.approx(gbps * 1e9, rel=1e-12)
 
 
 def test_eight_rails_reproduce_nvidias_aggregate_across_h100_nodes():
@@ -101,14 +104,26 @@ def test_bus_factors_are_the_closed_forms_of_the_comm_layer():
     assert OPS["all_reduce"].bus_factor(8) == BUS_FACTOR["all_reduce"](8)
 
 
-def test_steps_ring_inside_a_node_tree_across_nodes():
-    """Ring all-reduce 2(n-1) steps; across nodes NCCL's tree 2 ceil(log2 n); all-gather n-1; send 1; one rank 0."""
-    assert steps("all_reduce", 8, "node") == 14
-    assert steps("all_reduce", 64, "network") == 12
-    assert steps("all_gather", 8, "network") == 7 and steps("send", 2, "node") == 1 and steps("all_reduce", 1, "node") == 0
-    alpha, beta = H100.link("network")
+def test_steps_are_nccls_rings_and_a_ring_across_nodes_takes_its_latency_model():
+    """Every kind is NCCL's ring: all-reduce 2(n-1) steps, all-gather n-1, send 1, one rank 0, at either level.
+    Across nodes a ring's alpha is NCCL's own latency model (Cluster.ring_step_latency), so collective_time is the
+    cost model's price of a call (traffic.call_seconds): one model of a collective in the lab. Planted (checked when
+    written): NCCL's tree, 2 ceil(log2 64) = 12 steps at the network's latency, is 1.5 ms short of the ring here."""
+    from labkit.scale.layout import Layout
+    from labkit.scale.traffic import call_seconds
+
+    assert steps("all_reduce", 8) == 14 and steps("all_reduce", 64) == 126
+    assert steps("all_gather", 8) == 7 and steps("send", 2) == 1 and steps("all_reduce", 1) == 0
+    with pytest.raises(ValueError, match="kind='all_reduse'"):
+        steps("all_reduse", 8)
+    beta = H100.link("network")[1]
     _, t = collective_time("all_reduce", 1e6, 64, "network", H100)
-    assert t == pytest.approx(12 * alpha + 2 * 63 / 64 * 1e6 / beta)
+    latency = (8.4 + 126 * 14) * 1e-6  # one rank a node: each of the 126 steps crosses (min(126, 2 x 64 nodes))
+    assert t == pytest.approx(latency + 2 * 63 / 64 * 1e6 / beta)
+    assert t - (12 * H100.link("network")[0] + 2 * 63 / 64 * 1e6 / beta) > 1.5e-3
+    lay = Layout(dp=64, zero="dp")  # 8 nodes of 8 ranks: the cost model's price of the same call
+    eight = collective_time("all_reduce", 1e6, 64, "network", H100, per_node=8)[1]
+    assert call_seconds(lay, H100, "dp", "all_reduce", 1e6, 64)[1] == pytest.approx(eight) and eight < t
 
 
 def test_small_messages_are_latency_bound_large_are_bandwidth_bound():
@@ -310,11 +325,11 @@ def test_a_ring_across_nodes_pays_nccls_latency_model_once_per_call():
     hop's latency, the node crossings at the network's (nodes - 1 of an all-gather's n - 1 steps; 2 x nodes of an
     all-reduce's 2 (n - 1)), the rest over NVLink (Cluster.ring_step_latency, its mean per step). 512 ranks, 8 to
     a node: 8.4 + 448 x 3 + 63 x 14 = 2,234 us, where the network's latency on every step would be 7,154 us. The
-    cost model (traffic.ring_link) uses it for ring kinds across nodes and no curve, and a count that folds FSDP's
+    cost model (collectives.ring_link, in every call) uses it for ring kinds across nodes and no curve, and a count that folds FSDP's
     block-by-block calls pays it once a call: 32 blocks, 32 latencies. Planted (checked when written): the old rule,
     one latency for the folded call, is 31 x 2.2 ms short."""
     from labkit.scale.layout import Layout
-    from labkit.scale.traffic import call_seconds, ring_link, ring_time
+    from labkit.scale.traffic import call_seconds
 
     a = H100.ring_step_latency("all_gather", 512, 8)
     assert a * 511 == pytest.approx((8.4 + 448 * 3 + 63 * 14) * 1e-6)

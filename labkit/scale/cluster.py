@@ -135,7 +135,7 @@ class Cluster:
         (`RING_BASE_US`, Ring/Simple), then each of its steps at its hop's latency: the nodes' crossings
         (all-gather, reduce-scatter: nodes - 1 of the n - 1 steps; all-reduce: 2 x nodes of 2 (n - 1)) at the
         network's (`network_latency_us`), the rest over NVLink (`nvlink_latency_us`). The cost model's ring
-        collectives across nodes take it as their alpha (labkit.scale.traffic.ring_link), and ring_time multiplies
+        collectives across nodes take it as their alpha (labkit.scale.collectives.ring_link), and ring_time multiplies
         it back by the steps."""
         steps = 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
         nodes = max(1, math.ceil(ranks / max(1, per_node)))

@@ -9,8 +9,8 @@ bandwidth where the cluster file gives one (`node_busbw_gbytes_per_s`; the colle
 at the call's size, where `busbw_by_kind` gives one), else NVLink's datasheet rate; across nodes one NIC
 per rank of the group in each node for its all-gathers, reduce-scatters and all-reduces (NCCL's channels cross
 between nodes on every GPU's NIC: `Layout.ranks_per_node`, `Cluster.link`'s per_node), never above the same
-collective inside the node, and the rank's own NIC for its all-to-alls and sends. (labkit.scale.collectives
-states the same time per collective, with NCCL's tree for all-reduces across nodes.)
+collective inside the node, and the rank's own NIC for its all-to-alls and sends. Each call's time is
+labkit.scale.collectives' (`ring_link`, `ring_time`), the lab's one model of a collective.
 
 Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch = mb x s / cp
 (b s d-sized activations in bf16: A = 2 mb s d):
@@ -56,24 +56,12 @@ Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch =
 from __future__ import annotations
 
 from labkit.scale import deepspeed_zero3 as ds
-from labkit.scale.cluster import RING_KINDS
+from labkit.scale.collectives import ring_link, ring_time  # noqa: F401 (the one model of a call)
 from labkit.scale.cp_traffic import (CP_METHODS, KV_ROTATIONS, cp_attention_bytes, cp_exposed,  # noqa: F401
                                      cp_kv_heads, cp_layer_traffic)  # (CP's own module; re-exported here)
 from labkit.scale.zero_calls import ZERO3_GRAD_BYTES, dp_calls, zero3_calls
 
 BF16 = 2
-
-
-def ring_time(kind: str, nbytes: float, n: int, alpha: float, beta: float) -> tuple[float, float]:
-    """(bytes sent per rank, seconds) of one ring collective of a full tensor of `nbytes` over n ranks."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0, 0.0
-    factor, steps = {"all_gather": (1, 1), "reduce_scatter": (1, 1), "all_to_all": (1, 1),
-                     "all_reduce": (2, 2), "send": (None, None)}[kind]
-    if kind == "send":
-        return nbytes, alpha + nbytes / beta
-    sent = factor * (n - 1) / n * nbytes
-    return sent, steps * (n - 1) * alpha + sent / beta
 
 
 # The forward's TP collectives a block's backward runs again, per recompute policy: (all-gathers,
@@ -98,17 +86,6 @@ def tp_collectives(recompute: str, sequence_parallel: bool = True) -> dict:
         return {"forward": 4, "backward": 4, "recomputed": gathers + scatters,
                 "all_gather": 4 + gathers, "reduce_scatter": 4 + scatters}
     return {"forward": 2, "backward": 2, "recomputed": reduces, "all_reduce": 4 + reduces}
-
-
-def ring_link(cluster, level: str, kind: str, nbytes: float, n: int, per_node: int = 1) -> tuple[float, float]:
-    """(alpha, beta) of one collective of the cost model (`Cluster.link`), where a ring collective across nodes that
-    no measured curve covers takes NCCL's latency model for its steps (`Cluster.ring_step_latency`: a base per
-    collective, NVLink's latency for the steps inside a node, the network's for each crossing), not the network's
-    latency for every step."""
-    alpha, beta = cluster.link(level, kind, nbytes, n, per_node)
-    if level == "network" and kind in RING_KINDS and alpha > 0 and n > 1:
-        alpha = cluster.ring_step_latency(kind, n, min(per_node, cluster.gpus_per_node))
-    return alpha, beta
 
 
 def call_seconds(layout, cluster, axis: str, kind: str, nbytes: float, n: int, message: float | None = None
