@@ -185,6 +185,17 @@ before its effect was computed)
                 where FSDP calls block by block (it had been paid once for a step's folded calls): MPT's small models
                 now slow with the GPUs, as published (1B -3.4% from 128 to 512 GPUs; published -9.7%); DeepSpeed's
                 ZeRO-3 rows, about 1,500 calls a step, +62..+146%: 71 of 79, 12.5%, 146%
+    2026-11-29  one model of a collective's time (labkit.scale.collectives prices every call of the traffic; its
+                tree all-reduce, which only its own tests used, gone): 71 of 79, 12.5%, 146%, unchanged
+                a step at its slowest GPU's pace (pace.slowest_gpu, GPU.busy_node: the sustained GEMM of all 8
+                GPUs of an H200 node at once, ml-engineering 082816f9, mean 0.9939 of one GPU alone, a 4.5% range
+                over 40 figures; the slowest of the node's 8 as normal draws, 0.9792; taken for the three Hopper
+                kinds as their MSMF is, not the A100, which has no such figure; within the node only, the tail
+                beyond it not measured). Its size was read from the source after a look at how far a uniform
+                slowdown would move the median (3% would have met it), so it is reported with that said: 72 of
+                79, 11.1%, 146% (Hopper rows 1.2-2.4 points lower, the A100's unchanged; MPT 7B on 512 GPUs
+                +25.4% -> +23.3%). As normal draws out to a run's every GPU, not one node's, it would give 73 and
+                10.4%: not adopted, as that tail is beyond what was measured
 
 History of --ranks (configurations, then layouts, meeting the criterion; seconds on 2 CPU cores)
     2026-11-27  the lab's space, kernel model: 2 and 12 of 59 (750 s beside other work; Llama 3's 8K-GPU row

@@ -11,6 +11,7 @@ from labkit.scale.cluster import CLUSTER_DIR, load_cluster
 from labkit.scale.cost import predict
 from labkit.scale.cost_kernels import _block_comm, contention
 from labkit.scale.gpu import load_gpu
+from labkit.scale.pace import paced
 from labkit.scale.layer_ops import Options, Shape, block_ops, end_ops, seconds
 from labkit.scale.layout import Layout, LayoutError
 from labkit.scale.specs import LLAMA3
@@ -18,6 +19,7 @@ from labkit.scale.specs import LLAMA3
 H100 = load_cluster("h100-sxm")
 H100_PATH = CLUSTER_DIR / "h100-sxm.json"
 GPU = load_gpu("h100-sxm")
+NODE = paced(GPU, 8)  # what a step over 8 GPUs or more times its kernels on: its slowest GPU's pace (pace.paced)
 SPEC = LLAMA3["8b"]
 
 
@@ -38,8 +40,8 @@ def test_single_stage_step_is_micro_batches_times_forward_and_backward_plus_dp_a
     lay = Layout(dp=8, zero="zero3", recompute="selective", micro_batch=1)
     p = predict(SPEC, lay, H100, 16, 4096, efficiency=None)
     shape, opts = Shape(1, 4096), Options(recompute="selective")
-    blk = block_ops(SPEC, shape, opts, GPU)
-    ends = sum(seconds(end_ops(SPEC, shape, opts, GPU, which)[d]) for which in ("embedding", "head")
+    blk = block_ops(SPEC, shape, opts, NODE)
+    ends = sum(seconds(end_ops(SPEC, shape, opts, NODE, which)[d]) for which in ("embedding", "head")
                for d in ("forward", "backward"))
     work = p.n_micro * (SPEC.n_layers * (seconds(blk["forward"]) + seconds(blk["backward"])) + ends)
     copies = fsdp_copies_s(sum(params_per_gpu(SPEC, lay).values()), 4, 2)
@@ -110,8 +112,8 @@ def test_fsdp_hides_behind_all_compute_dp_buckets_behind_the_last_micro_batchs_b
     (2 reduce-scatters, 1 all-gather), behind all of them; Megatron-LM's local DDP (grad_reduce="after") all of t,
     nothing hidden (t: the dp traffic's seconds). A slow network (1 Gb/s) makes every window too short to hide it."""
     shape, opts = Shape(1, 4096), Options(recompute="none")
-    blk = block_ops(SPEC, shape, opts, GPU)
-    ends_b = sum(seconds(end_ops(SPEC, shape, opts, GPU, w)["backward"]) for w in ("embedding", "head"))
+    blk = block_ops(SPEC, shape, opts, NODE)
+    ends_b = sum(seconds(end_ops(SPEC, shape, opts, NODE, w)["backward"]) for w in ("embedding", "head"))
     values = json.loads(H100_PATH.read_text())
     del values["network_busbw_gbytes_per_s"]  # the 400 Gb/s NIC's measured figure: a 1 Gb/s NIC is priced at its line rate
     slow = load_cluster(dict(values, network_gbits_per_s=1))

@@ -11,6 +11,7 @@ import statistics
 import pytest
 
 from labkit.scale import kernels as K
+from labkit.scale import pace as P
 from labkit.scale.gpu import GPU_DIR, GPUError, load_gpu
 from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, seconds
 from labkit.scale.pipeline import one_f_one_b, pipeline_time, stage_layers
@@ -437,3 +438,48 @@ def test_the_hybrids_ring_across_nodes_pays_the_same_merges_for_its_steps(cp_loc
     o = spec.n_heads // tp * rows * hd
     kv = math.lcm(spec.n_kv_heads // tp, cp_local) * rows * hd
     assert merges[0].bytes == pytest.approx((ring - 1) * (8 * kv + 32.5 * o) + 6 * o, rel=1e-12)
+
+
+def test_a_step_runs_at_its_slowest_gpus_pace_from_the_busy_node_measurement():
+    """busy_node, measured (h200.json's source): MSMF 702.9 TFLOP/s on one GPU alone, 698.6 the mean of 40 figures
+    (8 GPUs x 5 rounds) with the whole node busy, their range 4.5%. The ratio is the measured one; as normal draws,
+    sigma = 0.045 / E[range of 40] (E[max of n]: Tippett's table, 0.56419 for 2, 1.42360 for 8, 2.16078 for 40), so
+    the slowest of a node's 8 runs 1.4236 sigma under the busy mean: 0.9939 x (1 - 1.4236 x 0.045 / 4.32156) =
+    0.9792 of one GPU alone. One GPU is itself (the lab's own models on one H200 keep their pace); a step over
+    more than a node takes the node's 8 (the tail beyond it is not measured). The tensor cores slow by it (the
+    GEMM's cap and per-SM rate, attention), HBM does not. Planted (checked when written): the kind without
+    busy_node times 8 GPUs as one; the MAMF-free closed form of cost_kernels' tests fails by 1.6%."""
+    assert P.expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), abs=1e-9)
+    assert P.expected_max_normal(8) == pytest.approx(1.42360, abs=1e-5)
+    assert P.expected_max_normal(40) == pytest.approx(2.16078, abs=1e-5)
+    for name in ("h200", "h100-sxm", "h100-sxm-500w"):
+        gpu = load_gpu(name)
+        ratio, spread, draws = gpu.busy_node
+        assert ratio == round(698.6 / 702.9, 4) and spread == 0.045 and draws == 40
+        assert P.slowest_gpu(gpu, 1) == 1.0 and P.paced(gpu, 1) is gpu
+        assert P.slowest_gpu(gpu, 8) == pytest.approx(0.9939 * (1 - 1.42360 * 0.045 / (2 * 2.16078)), abs=1e-6)
+        assert P.slowest_gpu(gpu, 2) == pytest.approx(0.9939 * (1 - 0.56419 * 0.045 / (2 * 2.16078)), abs=1e-6)
+        node = P.paced(gpu, 8)
+        assert node is P.paced(gpu, 8) and node.clock_factor == P.slowest_gpu(gpu, 8)
+        assert K.best_rate(node) == pytest.approx(K.best_rate(gpu) * node.clock_factor, rel=1e-12)
+        assert K._per_sm(node, "bf16") == pytest.approx(K._per_sm(gpu, "bf16") * node.clock_factor, rel=1e-12)
+        for seq in (1024, 8192):
+            assert K.attention_rate(node, "fa2", "backward", seq) == pytest.approx(
+                K.attention_rate(gpu, "fa2", "backward", seq) * node.clock_factor, rel=1e-12)
+        assert node.hbm_bytes_per_s == gpu.hbm_bytes_per_s
+        big = K.gemm("w", 8192, 8192, 8192, gpu).seconds
+        assert K.gemm("w", 8192, 8192, 8192, node).seconds > big / node.clock_factor - gpu.gemm_kernel_us * 1e-6
+    a100 = load_gpu("a100-sxm")  # no measurement of an A100 board: each GPU as alone
+    assert a100.busy_node is None and P.paced(a100, 8) is a100
+
+
+@pytest.mark.parametrize("busy, message", [
+    ({"ratio": 99.39, "range": 0.045, "draws": 40}, r"busy_node: ratio=99.39 is outside 0.5..1.*a fraction"),
+    ({"ratio": 0.9939, "range": 4.5, "draws": 40}, r"busy_node: range=4.5 is outside 0..0.5.*0.045 for 4.5%"),
+    ({"ratio": 0.9939, "range": 0.045}, r"busy_node has no field 'draws'"),
+    ([0.9939, 0.045, 40], r"busy_node=\[0.9939, 0.045, 40\] must be an object"),
+])
+def test_a_wrong_busy_node_is_named_with_its_unit(busy, message):
+    values = json.loads((GPU_DIR / "h200.json").read_text())
+    with pytest.raises(GPUError, match=message):
+        load_gpu(dict(values, busy_node=busy))

@@ -19,7 +19,7 @@ Modules, one job each:
     traffic    bytes per axis per step, closed forms, and their alpha-beta time
     zero_calls how many gathers and reduce-scatters each ZeRO stage runs per step (per micro-batch or once)
     cost       step time = compute + exposed traffic + bubble -> tokens/s/GPU, MFU; efficiency=None:
-               built up from kernels (gpu, kernels, layer_ops, collectives, pipeline, cost_kernels:
+               built up from kernels (gpu, kernels, pace, layer_ops, collectives, pipeline, cost_kernels:
                every op by a roofline with cited figures, one overlap rule per mechanism, pipelines
                through labkit.parallel.schedules' simulator)
     published  torchtitan's published Llama 3.1 H100 runs, and our predictions of them

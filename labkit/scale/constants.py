@@ -62,6 +62,8 @@ def cited(paths=None) -> list[dict]:
                 value = "x".join(str(len(value[axis])) for axis in ("m", "k", "n")) + " grid"
             if field == "gemm_shapes_measured":  # a measured table: its size, not its rows
                 value = f"{len(value)} GEMMs"
+            if field == "busy_node":  # the busy node's mean over alone; its range over the figures measured
+                value = f"x{value['ratio']}, {value['range']:.1%} of {value['draws']}"
             rows.append(dict(file=f"{Path(path).parent.name}/{Path(path).name}", field=field, value=value,
                              source=source_of(values, field)))
     return rows

@@ -15,6 +15,7 @@ from labkit.scale.gpu import load_gpu
 from labkit.scale.float8 import fsdp_gather_bytes, tp_gather_bytes
 from labkit.scale.layer_ops import Options, Shape, block_ops, by_bound, end_ops, float8_recipe, seconds
 from labkit.scale.kernels import fsdp_copies, optimizer_step, roofline
+from labkit.scale.pace import paced
 from labkit.scale.layout import LayoutError
 from labkit.scale.pipeline import n_stages, pipeline_time, schedule_actions, stage_layers, stage_roles
 from labkit.scale.cp_traffic import cp_exposed
@@ -135,7 +136,7 @@ def _deepspeed_dp(model, layout, cluster, n_micro, blk, emb, head, comm, makespa
 
 
 def kernel_step(model, layout, cluster, global_batch, seq_len, n_gpus, n_micro, value_bytes, options) -> dict:
-    gpu = load_gpu(cluster.gpu)
+    gpu = paced(load_gpu(cluster.gpu), min(n_gpus, cluster.gpus_per_node))  # the step waits for its slowest GPU
     impl = options.get("attention") or ("fa2" if "fa2" in gpu.attention else "unfused")
     shape = Shape(layout.micro_batch, seq_len, layout.tp, layout.cp, layout.ep, layout.sequence_parallel,
                   layout.cp_method, layout.expert_tp, layout.cp_local(cluster.gpus_per_node))

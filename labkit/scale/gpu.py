@@ -35,6 +35,10 @@ units, and a "sources" object giving, for each, the measurement it comes from (U
                       casts (`labkit.scale.float8`); absent: the casts' counted bytes at the streaming rate
     attention         {impl: {"forward"|"forward_causal"|"backward": {seq_len: TFLOP/s}}}: published
                       FlashAttention throughput against sequence length at head dim 128
+    busy_node         {"ratio", "range", "draws"}: optional, the sustained GEMM measured on every GPU of one
+                      node at once: the mean over one GPU's alone (ratio, e.g. 0.9939) and the range of the
+                      figures over their mean (range, e.g. 0.045) in that many draws: a synchronous step runs
+                      at its slowest GPU's pace (labkit.scale.pace.slowest_gpu); absent: each GPU as alone
 
 Every figure is checked against a plausible range, so a unit off by 1,000 (TB/s given in GB/s,
 TFLOP/s in FLOP/s, ms for us) is named with the unit expected. The figures validate, they are never
@@ -65,6 +69,9 @@ LINEAR_SPEEDUP = (0.05, 5.0)  # a speedup over bf16 (e.g. 0.42 or 1.48), not a p
 MSMF = (float, "TFLOP/s (e.g. 708.5 for an H200 SXM)", 5, 20000)
 GEMM_KERNEL = (float, "microseconds of GPU time per GEMM kernel (e.g. 6.25)", 0.05, 100)
 GEMM_TILE_K = (float, "k-steps of a tile's k-loop (e.g. 136)", 1, 8192)
+BUSY_NODE = {"ratio": (float, "a fraction of the alone figure (e.g. 0.9939)", 0.5, 1.0),
+             "range": (float, "a fraction of the mean (e.g. 0.045 for 4.5%)", 0.0, 0.5),
+             "draws": (int, "figures measured (e.g. 40: 8 GPUs x 5 rounds)", 2, 100000)}
 ATTENTION_KINDS = ("forward", "forward_causal", "backward")
 
 
@@ -96,6 +103,8 @@ class GPU:
     fp8_rowwise_linear: tuple | None = None  # (m grid, k grid, n grid, {(m, k, n): speedup}); None: not measured
     gemm_kernel_us: float = 0.0       # a GEMM kernel's fixed GPU time; 0: not measured
     gemm_tile_k: float = 0.0          # an output tile's prologue and epilogue, in k-steps; 0: not measured
+    busy_node: tuple | None = None    # (ratio, range, draws) of the MSMF with the whole node busy; None: not measured
+    clock_factor: float = 1.0         # the tensor cores' rate x this: set by the cost model (pace.paced), not a file
 
     def host_us(self, compile: bool) -> float:
         """CPU microseconds per kernel: eager PyTorch's per-op cost, or compiled code's launch."""
@@ -203,6 +212,11 @@ def check_gpu(values: dict, where: str = "the GPU kind") -> dict:
     for name, spec in (("gemm_kernel_us", GEMM_KERNEL), ("gemm_tile_k", GEMM_TILE_K)):
         if name in values:
             out[name] = checked_number(values, name, spec, where)
+    if "busy_node" in values:
+        busy = values["busy_node"]
+        if not isinstance(busy, dict):
+            raise GPUError(f"{where}: busy_node={busy!r} must be an object with {sorted(BUSY_NODE)}")
+        out["busy_node"] = tuple(checked_number(busy, k, spec, f"{where}: busy_node") for k, spec in BUSY_NODE.items())
     if "sources" not in values:
         raise GPUError(f"{where} has no 'sources': every figure needs the measurement it comes from")
     return out

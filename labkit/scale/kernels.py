@@ -141,14 +141,14 @@ def gemm_efficiency(gpu: GPU, dtype: str = "bf16") -> float:
 
 @lru_cache(maxsize=64)
 def _per_sm(gpu: GPU, dtype: str) -> float:
-    return gpu.peak_flops(dtype) * gemm_efficiency(gpu, dtype) / gpu.sm_count
+    return gpu.peak_flops(dtype) * gemm_efficiency(gpu, dtype) / gpu.sm_count * gpu.clock_factor
 
 
 def best_rate(gpu: GPU, dtype: str = "bf16") -> float:
     """FLOP/s no GEMM of this dtype beats: the reference GEMM's measured rate (the best of its source's sweep),
     at this dtype's peak (fp8 tensorwise: the bf16 reference's x the fp8 / bf16 peaks)."""
     tflops, peak, _ = reference_gemm(gpu, dtype)
-    return tflops * gpu.peak_flops(dtype) / peak
+    return tflops * gpu.peak_flops(dtype) / peak * gpu.clock_factor
 
 
 @lru_cache(maxsize=200_000)
@@ -185,7 +185,7 @@ def attention_rate(gpu: GPU, impl: str, kind: str, seq: int) -> float:
         raise ValueError(f"{gpu.name} has no {impl!r} attention figures (it has {sorted(gpu.attention) or 'none'}): "
                          "use attention='unfused', or add the table to its JSON file")
     points = gpu.attention[impl][kind]
-    scale = gpu.attention_scale * 1e12
+    scale = gpu.attention_scale * gpu.clock_factor * 1e12
     if seq <= points[0][0]:
         return points[0][1] * scale
     for (s0, v0), (s1, v1) in zip(points, points[1:]):
