@@ -248,7 +248,8 @@ History of --ranks (configurations, then layouts, meeting the criterion; seconds
     2026-11-29  with one model of a collective and a step paced by its slowest GPU: the frameworks' 37 and 49 of 79,
                 as before (276 s). Picks: the same three layouts, each about 2% slower: 8B dp64 zero2 none mb1,
                 8,476 tok/s/GPU; 70B dp16 pp2 cp4 tp2 zero2 none mb1 cp-ulysses, 1,033; 405B dp2 pp32 cp8 tp2 zero2
-                none mb1 cp-allgather, 183 (184 s)
+                none mb1 cp-allgather, 183 (184 s). The lab's space: 7 and 28 of 79, as before (4,756 s beside a
+                fresh-clone CI run and make test-stress)
 
 History of --memory (rows within 15% of those that publish it: 18, then 20)
     until 2026-11-28  16
