@@ -325,8 +325,8 @@ def test_a_ring_across_nodes_pays_nccls_latency_model_once_per_call():
     hop's latency, the node crossings at the network's (nodes - 1 of an all-gather's n - 1 steps; 2 x nodes of an
     all-reduce's 2 (n - 1)), the rest over NVLink (Cluster.ring_step_latency, its mean per step). 512 ranks, 8 to
     a node: 8.4 + 448 x 3 + 63 x 14 = 2,234 us, where the network's latency on every step would be 7,154 us. The
-    cost model (collectives.ring_link, in every call) uses it for ring kinds across nodes and no curve, and a count that folds FSDP's
-    block-by-block calls pays it once a call: 32 blocks, 32 latencies. Planted (checked when written): the old rule,
+    cost model (collectives.ring_link, in every call) uses it for ring kinds across nodes and no curve, and a count
+    that folds FSDP's block-by-block calls pays it once a call: 32 blocks, 32 latencies. Planted (checked when written): the old rule,
     one latency for the folded call, is 31 x 2.2 ms short."""
     from labkit.scale.layout import Layout
     from labkit.scale.traffic import call_seconds

@@ -56,7 +56,7 @@ Per step (all micro-batches), for one GPU, with T = its tokens per micro-batch =
 from __future__ import annotations
 
 from labkit.scale import deepspeed_zero3 as ds
-from labkit.scale.collectives import ring_link, ring_time  # noqa: F401 (the one model of a call)
+from labkit.scale.collectives import ring_link, ring_time
 from labkit.scale.cp_traffic import (CP_METHODS, KV_ROTATIONS, cp_attention_bytes, cp_exposed,  # noqa: F401
                                      cp_kv_heads, cp_layer_traffic)  # (CP's own module; re-exported here)
 from labkit.scale.zero_calls import ZERO3_GRAD_BYTES, dp_calls, zero3_calls
